@@ -1,0 +1,161 @@
+"""A data loader whose per-rank batch sizes can differ and change between steps.
+
+Wraps ``torch.utils.data.DataLoader`` (collation, workers, pinning stay PyTorch's) with a batch
+sampler built from the shared epoch plan (`dynamix_hvd.plan`): every rank runs the same number of
+steps, rank i reads b_i samples per step, and the epoch covers every sample exactly once.
+
+Ordering hazard: a DataLoader with workers prefetches batches. When sizes change mid-epoch, batches
+prefetched under the old sizes must not be used, so the loader drops its DataLoader iterator and
+starts a new one at the first sample not yet handed out. The cursor only advances over batches
+actually handed to the training loop, which is what makes a change lossless.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .metrics import StepTracker
+from .plan import LastStep, PlannedStep, epoch_permutation, plan_steps, validate_batch_sizes
+
+
+class AdaptiveLoader:
+    """Iterate one rank's batches of an epoch under per-rank batch sizes `batch_sizes`.
+
+    Args:
+        dataset: map-style dataset (``__len__`` and ``__getitem__``), the same on every rank.
+        batch_sizes: local batch size of every rank, in rank order.
+        rank: this process's rank (``hvd.rank()``).
+        seed: shuffling seed, the same on every rank.
+        shuffle: reshuffle every epoch (deterministically from seed and epoch).
+        last_step: end-of-epoch policy, see `dynamix_hvd.plan` ("partial" keeps every sample).
+        loader_kwargs: passed to ``DataLoader`` (num_workers, collate_fn, pin_memory, ...).
+    """
+
+    def __init__(self, dataset: Dataset, batch_sizes: Sequence[int], rank: int, *, seed: int = 0,
+                 shuffle: bool = True, last_step: LastStep = "partial",
+                 device: torch.device | None = None, **loader_kwargs: Any) -> None:
+        sizes = validate_batch_sizes(batch_sizes)
+        if not 0 <= rank < len(sizes):
+            raise ValueError(f"rank {rank} outside a world of {len(sizes)} ranks (batch_sizes={list(sizes)})")
+        for bad in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
+            if bad in loader_kwargs:
+                raise ValueError(f"AdaptiveLoader plans batches itself; do not pass {bad}="
+                                 f"{loader_kwargs[bad]!r}")
+        self.dataset = dataset
+        self.num_samples = len(dataset)  # type: ignore[arg-type]
+        if self.num_samples < len(sizes):
+            raise ValueError(f"dataset has {self.num_samples} samples for {len(sizes)} ranks; "
+                             "every rank needs at least one sample per epoch")
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.last_step: LastStep = last_step
+        self.loader_kwargs = loader_kwargs
+        self.tracker = StepTracker(rank=rank, device=device)
+        self.epoch = 0
+        self._sizes = sizes
+        self._cursor = 0          # permutation position of the first sample not yet handed out
+        self._step = 0            # steps handed out in this epoch
+        self._generation = 0      # bumped by set_batch_sizes, so a running iterator replans
+        self._current: PlannedStep | None = None
+        plan_steps(self.num_samples, 0, sizes, last_step)  # validate the policy and sizes up front
+
+    # --- configuration ----------------------------------------------------------------------------
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def world_size(self) -> int:
+        return len(self._sizes)
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int]) -> None:
+        """Use new per-rank sizes from the next step on (now if between epochs). Same world size."""
+        sizes = validate_batch_sizes(batch_sizes, self.world_size)
+        if sizes != self._sizes:
+            self._sizes = sizes
+            self._generation += 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch `epoch` from its beginning (reshuffled from seed and epoch)."""
+        self.epoch = int(epoch)
+        self._cursor = 0
+        self._step = 0
+
+    # --- what the optimizer needs -------------------------------------------------------------------
+    @property
+    def current_step(self) -> PlannedStep:
+        """The step whose batch was handed out last: every rank's sample count in it."""
+        if self._current is None:
+            raise RuntimeError("no batch has been handed out yet; iterate the loader before stepping")
+        return self._current
+
+    @property
+    def global_batch_size(self) -> int:
+        """Nominal global batch B = sum of the per-rank sizes (what LR rules should see)."""
+        return sum(self._sizes)
+
+    # --- iteration -----------------------------------------------------------------------------------
+    def remaining_steps(self) -> list[PlannedStep]:
+        return plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
+
+    def __len__(self) -> int:
+        """Steps left in the current epoch under the current sizes (all of them at epoch start)."""
+        return len(self.remaining_steps())
+
+    def _indices(self, order: torch.Tensor, step: PlannedStep) -> list[int]:
+        lo, hi = step.rank_range(self.rank)
+        return order[lo:hi].tolist()
+
+    def __iter__(self) -> Iterator[Any]:
+        order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
+        while True:
+            steps = self.remaining_steps()
+            if not steps:
+                break
+            generation = self._generation
+            loader = DataLoader(self.dataset, batch_sampler=[self._indices(order, s) for s in steps],
+                                **self.loader_kwargs)
+            batches = iter(loader)
+            for planned in steps:
+                self.tracker.batch_requested()
+                batch = next(batches)
+                self._current = planned
+                self._cursor = planned.end
+                self._step += 1
+                self.tracker.batch_ready(self.epoch, self._step - 1, planned.counts[self.rank],
+                                         planned.global_count)
+                yield batch
+                if self._generation != generation:
+                    break  # sizes changed at this step boundary: replan from the cursor
+            else:
+                break
+            del batches, loader  # shuts down workers holding batches planned with the old sizes
+        self.epoch += 1
+        self._cursor = 0
+        self._step = 0
+
+    # --- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "cursor": self._cursor, "step": self._step,
+                "batch_sizes": list(self._sizes), "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict[str, Any], batch_sizes: Sequence[int] | None = None) -> None:
+        """Resume mid-epoch; `batch_sizes` may give a new world's sizes (e.g. after a restart)."""
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(f"checkpoint was taken on {state['num_samples']} samples, this dataset has "
+                             f"{self.num_samples}")
+        self.seed = state["seed"]
+        self.epoch = state["epoch"]
+        self._cursor = state["cursor"]
+        self._step = state["step"]
+        if batch_sizes is not None:
+            self._sizes = validate_batch_sizes(batch_sizes)
+            if not 0 <= self.rank < len(self._sizes):
+                raise ValueError(f"rank {self.rank} outside the new world of {len(self._sizes)} ranks")
+        else:
+            self._sizes = validate_batch_sizes(state["batch_sizes"], self.world_size)
+        self._generation += 1
+

@@ -1,0 +1,128 @@
+"""Per-step measurements on every rank: where each step's wall time went.
+
+The loader opens a step (data wait ends when the batch is handed out), the optimizer closes it
+(allreduce wait in ``synchronize()``, then the optimizer update). Forward+backward is the time between
+the two. A straggler shows up as ``sync_wait_s`` on the *other* ranks: they finish backward first and
+wait in ``synchronize()`` for the slow rank's gradients.
+"""
+from __future__ import annotations
+
+import resource
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepRecord:
+    """What one rank measured in one optimizer step. Times are seconds of wall time."""
+
+    epoch: int
+    step: int
+    rank: int
+    local_batch: int
+    """Samples this rank processed in the step (b_i)."""
+    global_batch: int
+    """Samples all ranks processed in the step (B = sum of b_i); the update is their exact mean."""
+    data_wait_s: float
+    """Time the training loop waited for the batch (loading, collation, transfer)."""
+    compute_s: float = float("nan")
+    """Forward + backward: from batch handed out to ``optimizer.step()`` entered."""
+    sync_wait_s: float = float("nan")
+    """Allreduce wait: time blocked in ``synchronize()`` for outstanding gradient allreduces."""
+    optimizer_s: float = float("nan")
+    """The wrapped optimizer's own update (after synchronisation and clipping)."""
+    step_s: float = float("nan")
+    """Whole step: from asking for the batch to the end of the update."""
+    samples_per_s: float = float("nan")
+    """local_batch / step_s."""
+    peak_memory_bytes: int = 0
+    """Peak CUDA memory allocated in this step on GPU; peak resident set size of the process on CPU."""
+    memory_kind: str = "rss"
+    lr: float = float("nan")
+    """Learning rate of the first parameter group used for this step's update."""
+    grad_norm: float = float("nan")
+    """Norm of the synchronised (global mean) gradient before clipping."""
+    local_grad_sq: float = float("nan")
+    """Squared norm of this rank's local mean gradient (before allreduce)."""
+    global_grad_sq: float = float("nan")
+    """Squared norm of the global mean gradient (after allreduce)."""
+
+
+def peak_memory(device: torch.device | None) -> tuple[int, str]:
+    """Peak memory since the last reset: CUDA allocator peak on GPU, process peak RSS on CPU."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
+
+
+@dataclass
+class StepTracker:
+    """Collects StepRecords of one rank. Bounded so a long job cannot grow it without limit."""
+
+    rank: int
+    max_records: int = 100_000
+    device: torch.device | None = None
+    records: deque = field(init=False)
+    _open: StepRecord | None = field(default=None, init=False)
+    _t_request: float = field(default=0.0, init=False)
+    _t_batch: float = field(default=0.0, init=False)
+    _t_step: float = field(default=0.0, init=False)
+    _t_sync: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self.records = deque(maxlen=self.max_records)
+
+    # --- called by the loader -------------------------------------------------------------------
+    def batch_requested(self) -> None:
+        self._t_request = time.perf_counter()
+
+    def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
+        self._t_batch = time.perf_counter()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
+                                global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
+
+    # --- called by the optimizer ----------------------------------------------------------------
+    def step_started(self) -> None:
+        self._t_step = time.perf_counter()
+
+    def synchronized(self) -> None:
+        self._t_sync = time.perf_counter()
+
+    def step_finished(self, **extra: Any) -> StepRecord | None:
+        """Close the open step; `extra` fills optional fields (lr, grad norms)."""
+        rec = self._open
+        if rec is None:
+            return None  # optimizer stepped without a batch from our loader: nothing to attribute
+        now = time.perf_counter()
+        rec.compute_s = self._t_step - self._t_batch
+        rec.sync_wait_s = self._t_sync - self._t_step
+        rec.optimizer_s = now - self._t_sync
+        rec.step_s = now - self._t_request
+        rec.samples_per_s = rec.local_batch / rec.step_s if rec.step_s > 0 else float("nan")
+        rec.peak_memory_bytes, rec.memory_kind = peak_memory(self.device)
+        for key, value in extra.items():
+            setattr(rec, key, value)
+        self.records.append(rec)
+        self._open = None
+        return rec
+
+    # --- consumers ------------------------------------------------------------------------------
+    def drain(self) -> list[StepRecord]:
+        """Return and forget the records collected so far (e.g. once per controller decision)."""
+        out = list(self.records)
+        self.records.clear()
+        return out
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.records]
+
+    def to_dataframe(self):  # -> pandas.DataFrame; pandas imported lazily (not needed per step)
+        import pandas as pd
+
+        return pd.DataFrame(self.to_dicts())

@@ -1,0 +1,200 @@
+"""Exact mean gradients over unequal per-rank batches, on top of ``hvd.DistributedOptimizer``.
+
+The only module that touches gradients and Horovod's allreduce.
+
+Horovod refuses per-rank prescale factors, so the weighting happens before Horovod sees a gradient:
+a tensor hook on every parameter (it runs before autograd accumulates into ``p.grad``, hence before
+Horovod's post-accumulation hook starts the allreduce) multiplies the local gradient by b_i / B, and
+Horovod then allreduces with ``op=Sum``. With a loss that is the mean over the local batch this gives
+sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B samples, exactly.
+
+Gradients live as views into one flat buffer per (device, dtype): zeroing is one kernel, the global
+gradient norm is one pass, and the gradient statistics can read all layers at once.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import horovod.torch as hvd
+import torch
+
+from .loader import AdaptiveLoader
+from .lr_scaling import LR_RULES, lr_factor
+
+
+class FlatGradients:
+    """Keeps ``p.grad`` of every parameter as a view into a flat buffer per (device, dtype)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
+        for (device, dtype), members in groups.items():
+            sizes = [params[i].numel() for i in members]
+            buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
+            bounds = [0]
+            for i, n in zip(members, sizes):
+                self.views[i] = buf[bounds[-1]:bounds[-1] + n].view_as(params[i])
+                bounds.append(bounds[-1] + n)
+            self.buffers.append(buf)
+            self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
+        self.attach()
+
+    def attach(self) -> None:
+        """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere."""
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is None or g.data_ptr() != view.data_ptr():
+                if g is not None:
+                    view.copy_(g)
+                p.grad = view
+
+    def zero(self) -> None:
+        self.attach()
+        for buf in self.buffers:
+            buf.zero_()
+
+
+class WeightedDistributedOptimizer:
+    """Wrap a torch optimizer so each step applies the exact mean gradient over all ranks' samples.
+
+    Args:
+        optimizer: any torch optimizer (SGD, Adam, AdamW, ...) over the model's parameters.
+        named_parameters: ``model.named_parameters()``, the same order on every rank.
+        loader: the `AdaptiveLoader` feeding this rank; it tells each step's per-rank sample counts.
+        loss_reduction: "mean" if the loss is the mean over the local batch (PyTorch's default),
+            "sum" if it is the sum.
+        max_grad_norm: clip the synchronised gradient to this norm (identical on every rank).
+        lr_rule: couple the learning rate to the global batch: none / linear / sqrt / adascale.
+        base_batch_size: global batch the learning rate was tuned for (default: the loader's first).
+        compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
+        track_grad_norms: record local and global gradient squared norms per step (cheap; the
+            gradient-noise statistics need them).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
+                 loss_reduction: Literal["mean", "sum"] = "mean", max_grad_norm: float | None = None,
+                 lr_rule: str = "none", base_batch_size: int | None = None,
+                 compression: Any = None, track_grad_norms: bool = True) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}; it must be a positive number or None")
+        if lr_rule not in LR_RULES:
+            raise ValueError(f"lr_rule={lr_rule!r}; choose one of {', '.join(LR_RULES)}")
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        if not named:
+            raise ValueError("named_parameters has no parameter that requires grad")
+        if loader.world_size != hvd.size():
+            raise ValueError(f"loader plans {loader.world_size} ranks (batch_sizes={list(loader.batch_sizes)}) "
+                             f"but Horovod runs {hvd.size()}")
+        self.loader = loader
+        self.loss_reduction = loss_reduction
+        self.max_grad_norm = max_grad_norm
+        self.lr_rule = lr_rule
+        self.base_batch_size = base_batch_size or loader.global_batch_size
+        self.lr_gain = 1.0  # AdaScale gain (or any extra factor) set by the controller
+        self.track_grad_norms = track_grad_norms
+        self.param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.flat = FlatGradients(self._params)
+        self._local_sq = torch.zeros(len(self._params), dtype=torch.float64,
+                                     device=self._params[0].device)
+        self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
+        self._hvd = hvd.DistributedOptimizer(
+            optimizer, named_parameters=named, op=hvd.Sum,
+            compression=compression if compression is not None else hvd.Compression.none)
+        self.last_grad_norm = float("nan")
+
+    # --- gradient weighting (runs inside backward, once per parameter) ---------------------------
+    def _make_weight_hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def weight(grad: torch.Tensor) -> torch.Tensor:
+            step = self.loader.current_step
+            local = step.counts[self.loader.rank]
+            scale = (local if self.loss_reduction == "mean" else 1.0) / step.global_count
+            if self.track_grad_norms:
+                # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
+                unit = 1.0 if self.loss_reduction == "mean" else 1.0 / local
+                sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square() * unit**2
+                self._local_sq[index] = sq
+            return grad * scale
+        return weight
+
+    # --- torch.optim.Optimizer surface -------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._hvd.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self._hvd.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._hvd.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._hvd.load_state_dict(state)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
+        if self._hvd._handles:
+            raise RuntimeError("zero_grad() called after backward() but before step(): the gradient "
+                               "allreduce is still running; call step() (or synchronize()) first")
+        self.flat.zero()
+        self._local_sq.zero_()
+
+    def synchronize(self) -> None:
+        self._hvd.synchronize()
+        self.flat.attach()  # compression may have replaced p.grad with a new tensor
+
+    @contextmanager
+    def _scaled_lr(self) -> Iterator[float]:
+        factor = lr_factor(self.lr_rule, self.loader.global_batch_size, self.base_batch_size,
+                           gain=self.lr_gain)
+        saved = [g["lr"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
+        try:
+            yield self.param_groups[0]["lr"]
+        finally:
+            for g, lr in zip(self.param_groups, saved):
+                g["lr"] = lr
+
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise ValueError("closures are not supported: they recompute gradients outside the "
+                             "per-step weighting; call loss.backward() before step()")
+        tracker = self.loader.tracker
+        tracker.step_started()
+        self.synchronize()
+        tracker.synchronized()
+        grad_norm = self._global_grad_norm()
+        if self.max_grad_norm is not None:
+            clip = self.max_grad_norm / (grad_norm + 1e-6)
+            if clip < 1.0:
+                for buf in self.flat.buffers:
+                    buf.mul_(clip)
+        with self._scaled_lr() as lr, self._hvd.skip_synchronize():
+            self._hvd.step()
+        self.last_grad_norm = grad_norm
+        extra: dict[str, float] = {"lr": float(lr), "grad_norm": grad_norm}
+        if self.track_grad_norms:
+            extra["local_grad_sq"] = float(self._local_sq.sum())
+            extra["global_grad_sq"] = grad_norm**2
+        tracker.step_finished(**extra)
+
+    def _global_grad_norm(self) -> float:
+        total = sum(torch.linalg.vector_norm(buf, dtype=torch.float64).square().item()
+                    for buf in self.flat.buffers)
+        return float(total) ** 0.5
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,48 @@
+"""Start real multi-process jobs the way users do: mpirun, horovodrun (MPI) and horovodrun --gloo."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+LAUNCHERS = ("mpirun", "horovodrun", "horovodrun-gloo")
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        # CI and this machine run as root; Open MPI refuses root without these two.
+        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
+    })
+    return env
+
+
+def command(launcher: str, np: int, argv: list[str]) -> list[str]:
+    if launcher == "mpirun":
+        return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *argv]
+    if launcher in ("horovodrun", "horovodrun-gloo"):
+        gloo = ["--gloo"] if launcher == "horovodrun-gloo" else ["--mpi"]
+        return ["horovodrun", *gloo, "-np", str(np), "-H", f"localhost:{np}", *argv]
+    raise ValueError(f"unknown launcher {launcher!r}; choose one of {LAUNCHERS}")
+
+
+def launch(launcher: str, np: int, script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run tests/workers/`script` on `np` ranks; kill the whole job if it outlives `timeout`."""
+    argv = [sys.executable, str(WORKERS / script), *args]
+    proc = subprocess.Popen(command(launcher, np, argv), env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{launcher} -np {np} {script} did not finish in {timeout} s:\n{out[-4000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    if proc.returncode != 0:
+        raise AssertionError(f"{launcher} -np {np} {script} exited {proc.returncode}:\n{out[-6000:]}")
+    return result
