@@ -58,14 +58,17 @@ def split_proportional(total: int, weights: Sequence[int], min_each: int = 1) ->
     n = len(weights)
     if total < min_each * n:
         raise ValueError(f"cannot split {total} samples over {n} ranks with at least {min_each} each")
-    spare = total - min_each * n
     wsum = sum(weights)
-    quotas = [spare * w / wsum for w in weights]
-    counts = [min_each + int(q) for q in quotas]
-    left = total - sum(counts)
-    by_remainder = sorted(range(n), key=lambda i: (-(quotas[i] - int(quotas[i])), i))
-    for i in by_remainder[:left]:
+    quotas = [total * w / wsum for w in weights]
+    counts = [int(q) for q in quotas]
+    by_remainder = sorted(range(n), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[:total - sum(counts)]:
         counts[i] += 1
+    for i in range(n):  # lift ranks below the minimum, taking from the currently largest
+        while counts[i] < min_each:
+            donor = max(range(n), key=lambda j: (counts[j], -j))
+            counts[donor] -= 1
+            counts[i] += 1
     return tuple(counts)
 
 

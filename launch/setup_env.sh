@@ -86,7 +86,7 @@ _dx_setup() {
   _dx_log "installing Python dependencies"
   "$pip" install -q --disable-pip-version-check "$_dx_torch" 'numpy<2.5' setuptools wheel \
     'cmake>=3.13' mpi4py numba numba-cuda pandas h5py psutil pyyaml cloudpickle packaging \
-    pytest pytest-timeout
+    pytest pytest-timeout hypothesis
   local torch_v py_v wheel_dir
   torch_v=$("$_dx_venv/bin/python" -c 'import torch; print(torch.__version__)')
   py_v=$("$_dx_venv/bin/python" -c 'import sys; print("%d%d" % sys.version_info[:2])')

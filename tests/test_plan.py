@@ -1,0 +1,131 @@
+"""Epoch plans and the adaptive loader in one process (the multi-process checks are in *_mpi.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import TensorDataset
+
+from dynamix_hvd.loader import AdaptiveLoader
+from dynamix_hvd.plan import epoch_permutation, plan_steps, split_proportional, validate_batch_sizes
+
+sizes_st = st.lists(st.integers(1, 40), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sizes=sizes_st, extra=st.integers(0, 500), policy=st.sampled_from(["partial", "drop"]))
+def test_plan_covers_epoch_exactly(sizes, extra, policy):
+    n = len(sizes) + extra
+    steps = plan_steps(n, 0, sizes, policy)
+    covered = sum(s.global_count for s in steps)
+    if policy == "partial":
+        assert covered == n
+    else:
+        assert covered == n - n % sum(sizes)
+        assert all(s.counts == tuple(sizes) for s in steps)
+    pos = 0
+    for s in steps:
+        assert s.start == pos and min(s.counts) >= 1
+        pos = s.end
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=sizes_st, b_seed=st.integers(0, 10**6), extra=st.integers(0, 300), cut=st.integers(0, 50))
+def test_mid_epoch_change_loses_nothing(a, b_seed, extra, cut):
+    n = len(a) + extra
+    g = torch.Generator().manual_seed(b_seed)
+    b = torch.randint(1, 30, (len(a),), generator=g).tolist()
+    first = plan_steps(n, 0, a)
+    cut = min(cut, len(first))
+    cursor = first[cut - 1].end if cut else 0
+    rest = plan_steps(n, cursor, b)
+    assert sum(s.global_count for s in first[:cut]) + sum(s.global_count for s in rest) == n
+
+
+def test_split_proportional_is_proportional_and_exact():
+    assert split_proportional(22, [3, 7, 12]) == (3, 7, 12)
+    assert split_proportional(11, [3, 7, 12]) == (2, 3, 6)
+    assert sum(split_proportional(5, [1, 1, 100])) == 5
+    with pytest.raises(ValueError, match="cannot split 2 samples over 3 ranks"):
+        split_proportional(2, [1, 2, 3])
+
+
+def test_last_partial_step_folds_when_fewer_samples_than_ranks():
+    steps = plan_steps(24, 0, [3, 7, 12])  # 24 = 22 + 2 left over, fewer than 3 ranks
+    assert [s.global_count for s in steps] == [24]
+    assert min(steps[0].counts) >= 3
+
+
+def test_permutation_is_deterministic_and_changes_per_epoch():
+    assert torch.equal(epoch_permutation(50, 1, 2), epoch_permutation(50, 1, 2))
+    assert not torch.equal(epoch_permutation(50, 1, 2), epoch_permutation(50, 1, 3))
+    assert torch.equal(epoch_permutation(50, 1, 2, shuffle=False), torch.arange(50))
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([3, 0, 2], "batch size of rank 1 is 0"),
+    ([3, 2.5], "batch size of rank 1 is 2.5"),
+    ([True], "batch size of rank 0 is True"),
+    ([], "batch_sizes is empty"),
+])
+def test_bad_batch_sizes_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        validate_batch_sizes(bad)
+
+
+def test_wrong_world_size_is_named():
+    with pytest.raises(ValueError, match=r"got 2 batch sizes \[1, 2\] for a world of 3 ranks"):
+        validate_batch_sizes([1, 2], world_size=3)
+
+
+def _loaders(n, sizes, **kw):
+    data = TensorDataset(torch.arange(n))
+    return [AdaptiveLoader(data, sizes, r, seed=9, **kw) for r in range(len(sizes))]
+
+
+def _run_epoch(loaders, change_at=None, new_sizes=None):
+    """Drive all ranks' loaders in lockstep, as synchronous training would."""
+    seen = []
+    iters = [iter(ld) for ld in loaders]
+    step = 0
+    while True:
+        batches = [next(it, None) for it in iters]
+        if all(b is None for b in batches):
+            return seen, step
+        assert all(b is not None for b in batches), "ranks ran different numbers of steps"
+        seen += [i for (x,) in batches for i in x.tolist()]
+        if step == change_at:
+            for ld in loaders:
+                ld.set_batch_sizes(new_sizes)
+        step += 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_mid_epoch_change_with_workers(num_workers):
+    loaders = _loaders(203, [3, 7, 12], num_workers=num_workers)
+    seen, steps = _run_epoch(loaders, change_at=3, new_sizes=[20, 1, 5])
+    assert sorted(seen) == list(range(203))
+    assert steps == 4 + len(range(4 * 22, 203, 26))
+
+
+def test_loader_resumes_mid_epoch_from_state_dict_on_a_new_world():
+    loaders = _loaders(100, [4, 6])
+    iters = [iter(ld) for ld in loaders]
+    seen = []
+    for _ in range(3):
+        seen += [i for it in iters for i in next(it)[0].tolist()]
+    state = loaders[0].state_dict()
+    data = TensorDataset(torch.arange(100))
+    resumed = [AdaptiveLoader(data, [1, 1, 1], r, seed=0) for r in range(3)]
+    for ld in resumed:
+        ld.load_state_dict(state, batch_sizes=[5, 5, 5])
+    rest, _ = _run_epoch(resumed)
+    assert sorted(seen + rest) == list(range(100))
+
+
+def test_loader_refuses_its_own_sampler_arguments():
+    with pytest.raises(ValueError, match="do not pass batch_size=32"):
+        AdaptiveLoader(TensorDataset(torch.arange(10)), [2, 2], 0, batch_size=32)
+    with pytest.raises(ValueError, match="rank 2 outside a world of 2 ranks"):
+        AdaptiveLoader(TensorDataset(torch.arange(10)), [2, 2], 2)
