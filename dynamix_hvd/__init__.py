@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from .controller import ControllerConfig, DynamixController
 from .loader import AdaptiveLoader
 from .lr_scaling import lr_factor
 from .metrics import StepRecord, StepTracker
+from .ppo import PPOConfig
 from .plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptiveLoader", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
+__all__ = ["AdaptiveLoader", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 
 

@@ -11,7 +11,7 @@ actually handed to the training loop, which is what makes a change lossless.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -60,6 +60,9 @@ class AdaptiveLoader:
         self._step = 0            # steps handed out in this epoch
         self._generation = 0      # bumped by set_batch_sizes, so a running iterator replans
         self._current: PlannedStep | None = None
+        # Called on every rank at the same points: after each step's batch was used (when the next
+        # one is asked for) and at the end of the epoch. A callback may call set_batch_sizes().
+        self.step_end_callbacks: list[Callable[["AdaptiveLoader", bool], None]] = []
         plan_steps(self.num_samples, 0, sizes, last_step)  # validate the policy and sizes up front
 
     # --- configuration ----------------------------------------------------------------------------
@@ -86,6 +89,11 @@ class AdaptiveLoader:
 
     # --- what the optimizer needs -------------------------------------------------------------------
     @property
+    def step(self) -> int:
+        """Steps handed out so far in the current epoch."""
+        return self._step
+
+    @property
     def current_step(self) -> PlannedStep:
         """The step whose batch was handed out last: every rank's sample count in it."""
         if self._current is None:
@@ -111,7 +119,8 @@ class AdaptiveLoader:
 
     def __iter__(self) -> Iterator[Any]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
-        while True:
+        epoch_end = False
+        while not epoch_end:
             steps = self.remaining_steps()
             if not steps:
                 break
@@ -128,10 +137,11 @@ class AdaptiveLoader:
                 self.tracker.batch_ready(self.epoch, self._step - 1, planned.counts[self.rank],
                                          planned.global_count)
                 yield batch
-                if self._generation != generation:
+                epoch_end = planned is steps[-1]
+                for callback in self.step_end_callbacks:
+                    callback(self, epoch_end)
+                if epoch_end or self._generation != generation:
                     break  # sizes changed at this step boundary: replan from the cursor
-            else:
-                break
             del batches, loader  # shuts down workers holding batches planned with the old sizes
         self.epoch += 1
         self._cursor = 0

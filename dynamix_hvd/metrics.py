@@ -67,6 +67,8 @@ class StepTracker:
     max_records: int = 100_000
     device: torch.device | None = None
     records: deque = field(init=False)
+    """The most recent `max_records` steps (history for logs and reports)."""
+    _undrained: list = field(default_factory=list, init=False)
     _open: StepRecord | None = field(default=None, init=False)
     _t_request: float = field(default=0.0, init=False)
     _t_batch: float = field(default=0.0, init=False)
@@ -109,14 +111,14 @@ class StepTracker:
         for key, value in extra.items():
             setattr(rec, key, value)
         self.records.append(rec)
+        self._undrained.append(rec)
         self._open = None
         return rec
 
     # --- consumers ------------------------------------------------------------------------------
     def drain(self) -> list[StepRecord]:
-        """Return and forget the records collected so far (e.g. once per controller decision)."""
-        out = list(self.records)
-        self.records.clear()
+        """Records since the previous drain (the controller's decision interval); history is kept."""
+        out, self._undrained = self._undrained, []
         return out
 
     def to_dicts(self) -> list[dict[str, Any]]:

@@ -23,6 +23,8 @@ _dx_cache=${DYNAMIX_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dynamix_hvd}
 _dx_torch=${DYNAMIX_TORCH:-torch==2.13.0}
 _dx_hvd_version=0.28.1
 
+# pip, minus the notes about package-index folders that this machine's pip.conf names but lacks.
+_dx_pip() { "$_dx_venv/bin/pip" --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; } >&2; }
 _dx_log() { printf '[setup_env] %s\n' "$*" >&2; }
 _dx_die() { printf '[setup_env] ERROR: %s\n' "$*" >&2; exit 1; }
 
@@ -66,7 +68,7 @@ WRAP
   CXX="$build_dir/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-gloo} \
     MAKEFLAGS="-j$(nproc)" \
-    "$_dx_venv/bin/pip" wheel --no-deps --no-build-isolation --no-binary horovod \
+    "$_dx_venv/bin/pip" --disable-pip-version-check wheel --no-deps --no-build-isolation --no-binary horovod \
       -w "$build_dir/out" "horovod==$_dx_hvd_version" >"$build_dir/build.log" 2>&1 \
     || { tail -n 60 "$build_dir/build.log" >&2; _dx_die "Horovod build failed; full log: $build_dir/build.log"; }
   mkdir -p "$wheel_dir"
@@ -82,9 +84,8 @@ _dx_setup() {
   fi
   _dx_ensure_mpi
   [ -x "$_dx_venv/bin/python" ] || { _dx_log "creating venv $_dx_venv"; python3 -m venv "$_dx_venv"; }
-  local pip="$_dx_venv/bin/pip"
   _dx_log "installing Python dependencies"
-  "$pip" install -q --disable-pip-version-check "$_dx_torch" 'numpy<2.5' setuptools wheel \
+  _dx_pip install -q "$_dx_torch" 'numpy<2.5' setuptools wheel \
     'cmake>=3.13' mpi4py numba numba-cuda pandas h5py psutil pyyaml cloudpickle packaging \
     pytest pytest-timeout hypothesis
   local torch_v py_v wheel_dir
@@ -95,8 +96,8 @@ _dx_setup() {
     _dx_build_horovod_wheel "$wheel_dir"
   fi
   _dx_log "installing Horovod from cached wheel $wheel_dir"
-  "$pip" install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
-  "$pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$_dx_root"
+  _dx_pip install -q --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
+  _dx_pip install -q --no-deps --no-build-isolation -e "$_dx_root"
   "$_dx_venv/bin/python" -m dynamix_hvd.buildcheck \
     || _dx_die "Horovod is installed but lacks PyTorch/MPI/Gloo support (see above)"
   printf '%s' "$key" >"$stamp"

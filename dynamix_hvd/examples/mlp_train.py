@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import horovod.torch as hvd
+import pandas as pd
 import torch
 from torch import nn
 
@@ -28,6 +29,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.05, help="learning rate at the base global batch")
     ap.add_argument("--lr-rule", default="sqrt", choices=["none", "linear", "sqrt", "adascale"],
                     help="how the LR follows the global batch")
+    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=["ppo", "static"],
+                    help="batch-size policy (env POLICY)")
+    ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE") or None,
+                    help="PPO policy to start from: name in policies/ or path (env POLICY_FILE)")
+    ap.add_argument("--decide-every", type=int, default=0,
+                    help="decide every k steps (0: at the end of every epoch)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
     ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/mlp"),
@@ -50,6 +57,9 @@ def main() -> None:
     loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
     optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                 lr_rule=args.lr_rule)          # dx
+    controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(                # dx
+        policy=args.policy, policy_file=args.policy_file, total_epochs=args.epochs,
+        decide_every_steps=args.decide_every, ppo=dx.PPOConfig(seed=args.seed, rollout_length=8)))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     for epoch in range(args.epochs):
@@ -62,6 +72,7 @@ def main() -> None:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
+            controller.record_loss(loss)                                        # dx
         model.eval()
         with torch.no_grad():
             acc = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
@@ -76,7 +87,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     loader.tracker.to_dataframe().to_csv(out / f"steps_rank{hvd.rank()}.csv", index=False)
     if hvd.rank() == 0:
-        print(f"per-step records: {out}/steps_rank*.csv")
+        pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info")} for d in controller.history]
+                     ).to_csv(out / "decisions.csv", index=False)
+        print(f"per-step records: {out}/steps_rank*.csv; decisions: {out}/decisions.csv")
 
 
 def _busy_wait(seconds: float) -> None:

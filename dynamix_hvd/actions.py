@@ -1,0 +1,90 @@
+"""Discrete batch-size actions and per-rank bounds. Pure maths: no MPI, no Horovod.
+
+The policy picks, for each rank, one multiplier of that rank's current batch size. The result is
+rounded and clipped to [min_batch, max_i], where max_i is the rank's memory bound: the configured
+ceiling, lowered by what was learned from an out-of-memory error or from a fit of peak device memory
+against batch size (only on CUDA, where the allocator's peak is a per-step measurement).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DEFAULT_MULTIPLIERS = (0.5, 0.8, 1.0, 1.25, 2.0)
+
+
+@dataclass
+class ActionSpace:
+    multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
+    """Factor applied to a rank's batch size by each action (must include 1.0 = keep)."""
+
+    def __post_init__(self) -> None:
+        if 1.0 not in self.multipliers or any(not m > 0 for m in self.multipliers):
+            raise ValueError(f"multipliers {self.multipliers} must be positive and include 1.0 (keep)")
+
+    @property
+    def n(self) -> int:
+        return len(self.multipliers)
+
+    @property
+    def keep(self) -> int:
+        return self.multipliers.index(1.0)
+
+
+@dataclass
+class BatchBounds:
+    """Per-rank [min_batch, max_batch[i]] with memory learning."""
+
+    world_size: int
+    min_batch: int = 1
+    max_batch: int = 1024
+    memory_safety: float = 0.9
+    """Fraction of device memory a batch may plan to use."""
+    learned_max: list[int] = field(default_factory=list)
+    _memory: list[dict[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(f"impossible batch bounds: min_batch={self.min_batch}, max_batch={self.max_batch}")
+        if not 0 < self.memory_safety <= 1:
+            raise ValueError(f"memory_safety={self.memory_safety} must be in (0, 1]")
+        if not self.learned_max:
+            self.learned_max = [self.max_batch] * self.world_size
+        self._memory = [dict() for _ in range(self.world_size)]
+
+    def upper(self, rank: int) -> int:
+        return max(self.min_batch, min(self.max_batch, self.learned_max[rank]))
+
+    def clip(self, rank: int, size: int) -> int:
+        return max(self.min_batch, min(self.upper(rank), size))
+
+    def record_oom(self, rank: int, failed_size: int) -> int:
+        """Remember that `failed_size` did not fit; returns the new bound (a bit below it)."""
+        self.learned_max[rank] = max(self.min_batch, min(self.learned_max[rank], int(failed_size * 0.8)))
+        return self.learned_max[rank]
+
+    def record_memory(self, rank: int, size: int, peak_bytes: int, total_bytes: int) -> None:
+        """Fit peak = a + c * size from two or more sizes and bound size by the memory budget."""
+        self._memory[rank][size] = peak_bytes
+        points = sorted(self._memory[rank].items())
+        if len(points) < 2 or total_bytes <= 0:
+            return
+        (b0, m0), (b1, m1) = points[0], points[-1]
+        per_sample = (m1 - m0) / (b1 - b0)
+        if per_sample <= 0:
+            return
+        fitted = int((self.memory_safety * total_bytes - (m0 - per_sample * b0)) / per_sample)
+        self.learned_max[rank] = max(self.min_batch, min(self.max_batch, fitted))
+
+
+def apply_actions(space: ActionSpace, bounds: BatchBounds, sizes: Sequence[int],
+                  actions: Sequence[int]) -> list[int]:
+    """New per-rank sizes: size * multiplier[action], rounded, clipped to the rank's bounds."""
+    if len(actions) != len(sizes):
+        raise ValueError(f"{len(actions)} actions for {len(sizes)} ranks")
+    out = []
+    for rank, (b, a) in enumerate(zip(sizes, actions)):
+        if not 0 <= int(a) < space.n:
+            raise ValueError(f"action {a} of rank {rank} outside 0..{space.n - 1}")
+        out.append(bounds.clip(rank, round(b * space.multipliers[int(a)])))
+    return out

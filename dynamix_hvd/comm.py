@@ -1,0 +1,128 @@
+"""Control-plane messages between ranks: the only module that talks to mpi4py.
+
+Two collectives, both with a deadline and an error that names the rank that did not answer:
+- ``gather(obj)``: every rank's object arrives at rank 0 (a list in rank order; None elsewhere).
+- ``broadcast(obj)``: rank 0's object arrives at every rank.
+
+Under ``mpirun``/``srun``/``horovodrun --mpi`` they run on a ``Dup()`` of MPI_COMM_WORLD, so control
+messages can never match Horovod's own traffic, using nonblocking point-to-point messages polled
+against a deadline (blocking MPI collectives cannot time out). Under ``horovodrun --gloo`` there is
+no MPI world; they fall back to Horovod's object collectives, guarded by a watchdog thread: those
+cannot be abandoned, so on timeout the process exits with the error instead of hanging forever.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+_TAG_GATHER, _TAG_BCAST = 7301, 7302
+
+
+class ControlPlaneTimeout(RuntimeError):
+    """A rank did not take part in a control-plane collective within the deadline."""
+
+
+def launched_under_mpi() -> bool:
+    """True when an MPI launcher (mpirun, srun --mpi=pmix, horovodrun --mpi) started this process."""
+    return any(v in os.environ for v in _MPI_ENV)
+
+
+class ControlChannel:
+    """Rank-0-rooted gather and broadcast of small Python objects, each with a timeout."""
+
+    def __init__(self, timeout_s: float = 120.0, poll_s: float = 0.0005) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}; it must be a positive number of seconds")
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._seq = 0
+        if launched_under_mpi():
+            from mpi4py import MPI
+
+            self._comm = MPI.COMM_WORLD.Dup()
+            self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+            self.backend = "mpi4py"
+        else:
+            import horovod.torch as hvd
+
+            self._comm = None
+            self.rank, self.size = hvd.rank(), hvd.size()
+            self.backend = "horovod-objects"
+
+    # --- public collectives ------------------------------------------------------------------------
+    def gather(self, obj: Any, what: str = "metrics") -> list[Any] | None:
+        self._seq += 1
+        if self._comm is None:
+            everyone = self._hvd_guarded(lambda h: h.allgather_object(obj), what)
+            return everyone if self.rank == 0 else None
+        if self.rank != 0:
+            self._wait([self._comm.isend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
+            return None
+        requests = [self._comm.irecv(source=src, tag=_TAG_GATHER) for src in range(1, self.size)]
+        received = self._wait(requests, list(range(1, self.size)), f"gathering {what} on rank 0")
+        return [obj, *received]
+
+    def broadcast(self, obj: Any = None, what: str = "decision") -> Any:
+        self._seq += 1
+        if self._comm is None:
+            return self._hvd_guarded(lambda h: h.broadcast_object(obj, root_rank=0), what)
+        if self.rank == 0:
+            sends = [self._comm.isend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
+            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0")
+            return obj
+        return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
+                          f"receiving {what} from rank 0")[0]
+
+    def close(self) -> None:
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    # --- mechanics ---------------------------------------------------------------------------------
+    def _wait(self, requests: list, peers: list[int], doing: str) -> list[Any]:
+        """Poll nonblocking requests until all complete or the deadline passes."""
+        deadline = time.monotonic() + self.timeout_s
+        results: list[Any] = [None] * len(requests)
+        pending = set(range(len(requests)))
+        while pending:
+            for i in list(pending):
+                done, value = requests[i].test()
+                if done:
+                    results[i] = value
+                    pending.discard(i)
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                for i in pending:
+                    requests[i].Cancel()
+                missing = sorted(peers[i] for i in pending)
+                raise ControlPlaneTimeout(
+                    f"rank {self.rank}: timed out after {self.timeout_s:.0f} s {doing} "
+                    f"(control message #{self._seq}); rank(s) {missing} did not answer. A rank that "
+                    "crashed, hangs, or skipped the decision point (different step counts) causes this.")
+            time.sleep(self.poll_s)
+        return results
+
+    def _hvd_guarded(self, call, what: str) -> Any:
+        import horovod.torch as hvd
+
+        finished = threading.Event()
+
+        def watchdog() -> None:
+            if not finished.wait(self.timeout_s):
+                sys.stderr.write(
+                    f"[dynamix_hvd] rank {self.rank}: control-plane collective '{what}' (#{self._seq}) did not "
+                    f"complete within {self.timeout_s:.0f} s under Gloo; some rank did not answer (Horovod's "
+                    "stall warnings above name the missing ranks). Exiting instead of hanging.\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            return call(hvd)
+        finally:
+            finished.set()

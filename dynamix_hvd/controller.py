@@ -1,0 +1,212 @@
+"""The DYNAMIX controller: every rank reports, rank 0 decides, every rank applies.
+
+The only module that knows rank 0 decides. Per decision (end of every epoch, or every k steps):
+
+1. every rank condenses its step records, resource use, losses and gradient norms into a report;
+2. the reports are gathered on rank 0 (``comm.ControlChannel``: deadline, names a silent rank);
+3. rank 0 updates the gradient-noise statistics, builds the state, computes the reward earned by the
+   previous decision, asks the policy for new per-rank sizes and the AdaScale gain;
+4. the decision is broadcast and every rank applies it to its loader and optimizer.
+
+Ordering hazard: decisions run inside the loader's step-end callback, i.e. after a step's
+``optimizer.step()`` and before the next batch is planned. Every rank reaches that point after the
+same number of steps, which is what keeps the collectives matched.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .actions import ActionSpace, BatchBounds
+from .comm import ControlChannel
+from .loader import AdaptiveLoader
+from .metrics import StepRecord
+from .noise_scale import GradientStatistics, StatsConfig
+from .policy import BatchSizePolicy, DecisionInput, PPOPolicy, StaticPolicy
+from .policy_store import load_policy
+from .ppo import PPOConfig
+from .resources import ResourceSampler
+from .reward import RewardConfig, compute_reward, global_throughput
+from .state import GlobalContext, RankReport, build_observation
+
+
+@dataclass
+class ControllerConfig:
+    policy: str = "ppo"
+    """Decision maker: "ppo" (DYNAMIX) or "static"."""
+    policy_file: str | None = None
+    """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy."""
+    learn: bool = True
+    """Keep training the PPO policy online from this job's transitions (False: act greedily)."""
+    decide_every_steps: int = 0
+    """Decide every k optimizer steps; 0 decides at the end of every epoch."""
+    min_batch: int = 1
+    """Smallest local batch any rank may get."""
+    max_batch: int = 1024
+    """Largest local batch any rank may get (lowered per rank by what memory allows)."""
+    multipliers: tuple[float, ...] = (0.5, 0.8, 1.0, 1.25, 2.0)
+    """The discrete actions: factors applied to a rank's batch size."""
+    total_epochs: int | None = None
+    """Training budget in epochs, for the progress feature (None: progress stays 0)."""
+    timeout_s: float = 120.0
+    """Deadline of every control-plane collective."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    stats: StatsConfig = field(default_factory=StatsConfig)
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("ppo", "static"):
+            raise ValueError(f"policy={self.policy!r}; choose 'ppo' or 'static'")
+        if isinstance(self.decide_every_steps, bool) or not isinstance(self.decide_every_steps, int) \
+                or self.decide_every_steps < 0:
+            raise ValueError(f"decide_every_steps={self.decide_every_steps!r}; use 0 (every epoch) or k >= 1")
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(f"impossible batch bounds: min_batch={self.min_batch}, max_batch={self.max_batch}")
+
+
+def _make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
+    if cfg.policy == "static":
+        return StaticPolicy()
+    actions = ActionSpace(tuple(cfg.multipliers))
+    learner = load_policy(cfg.policy_file, actions)[0] if cfg.policy_file else None
+    return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
+
+
+class DynamixController:
+    """Attach to a loader and optimizer; decisions then happen by themselves as the loader iterates."""
+
+    def __init__(self, loader: AdaptiveLoader, optimizer: Any, config: ControllerConfig | None = None,
+                 device: torch.device | None = None) -> None:
+        self.cfg = config or ControllerConfig()
+        self.loader, self.optimizer = loader, optimizer
+        self.channel = ControlChannel(self.cfg.timeout_s)
+        if self.channel.size != loader.world_size:
+            raise ValueError(f"control plane has {self.channel.size} ranks but the loader plans "
+                             f"{loader.world_size} (batch_sizes={list(loader.batch_sizes)})")
+        self.rank = self.channel.rank
+        self.resources = ResourceSampler(device)
+        self.history: list[dict[str, Any]] = []   # every decision, kept on every rank
+        self._losses: list[torch.Tensor] = []
+        self._total_steps = 0
+        self.bounds = BatchBounds(loader.world_size, self.cfg.min_batch, self.cfg.max_batch)
+        for r, b in enumerate(loader.batch_sizes):
+            if not self.cfg.min_batch <= b <= self.cfg.max_batch:
+                raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
+                                 f"{self.cfg.max_batch}]")
+        if self.rank == 0:
+            self.policy = _make_policy(self.cfg)
+            self.stats = GradientStatistics(self.cfg.stats)
+            self._ref_goodput = self._ref_tput = 0.0
+            self._prev_loss = math.nan
+            self._prev_sizes: list[int] | None = None
+            self._base_batch = loader.global_batch_size
+        loader.step_end_callbacks.append(self._on_step_end)
+
+    # --- hooks into the training loop --------------------------------------------------------------
+    def record_loss(self, loss: torch.Tensor | float) -> None:
+        """Optional: the step's loss (mean over the local batch), for loss statistics and reward."""
+        self._losses.append(loss.detach().reshape(()) if isinstance(loss, torch.Tensor)
+                            else torch.tensor(float(loss)))
+
+    def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
+        self._total_steps += 1
+        k = self.cfg.decide_every_steps
+        if (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0):
+            self.decide()
+
+    # --- one decision --------------------------------------------------------------------------------
+    def decide(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        payload = self._report(self.loader.tracker.drain())
+        gathered = self.channel.gather(payload, what="metrics")
+        decision = self._decide_on_root(gathered) if self.rank == 0 else None
+        decision = self.channel.broadcast(decision, what="batch-size decision")
+        self.loader.set_batch_sizes(decision["sizes"])
+        if hasattr(self.optimizer, "lr_gain"):
+            self.optimizer.lr_gain = decision["lr_gain"]
+        decision = dict(decision, overhead_s=time.perf_counter() - t0)
+        self.history.append(decision)
+        return decision
+
+    def _report(self, records: list[StepRecord]) -> dict[str, Any]:
+        res = self.resources.sample()
+        losses = torch.stack(self._losses).tolist() if self._losses else []
+        self._losses.clear()
+        mean = (lambda key: statistics.fmean(getattr(r, key) for r in records) if records else 0.0)  # noqa: E731
+        total_time = sum(r.step_s for r in records)
+        report = RankReport(
+            rank=self.rank, local_batch=self.loader.batch_sizes[self.rank], steps=len(records),
+            compute_s=mean("compute_s"), sync_wait_s=mean("sync_wait_s"), data_wait_s=mean("data_wait_s"),
+            step_s=mean("step_s"),
+            samples_per_s=sum(r.local_batch for r in records) / total_time if total_time > 0 else 0.0,
+            peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
+            mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
+            gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
+            loss_mean=statistics.fmean(losses) if losses else math.nan,
+            local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
+            max_batch=self.bounds.upper(self.rank))
+        steps = {"local_batch": [r.local_batch for r in records],
+                 "local_sq": [r.local_grad_sq for r in records],
+                 "global_sq": [r.global_grad_sq for r in records],
+                 "memory_kind": records[-1].memory_kind if records else "rss"}
+        return {"report": report, "steps": steps, "losses": losses}
+
+    def _decide_on_root(self, gathered: list[dict[str, Any]]) -> dict[str, Any]:
+        reports: list[RankReport] = [g["report"] for g in gathered]
+        sizes = list(self.loader.batch_sizes)
+        self._update_statistics(gathered)
+        for r in reports:
+            if gathered[r.rank]["steps"]["memory_kind"] == "cuda":
+                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
+        B = sum(sizes)
+        efficiency = float(self.stats.efficiency_at(B))
+        weighted = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
+        loss = sum(l * b for l, b in weighted) / sum(b for _, b in weighted) if weighted else math.nan
+        loss_change = (loss - self._prev_loss) / abs(self._prev_loss) if self._prev_loss else math.nan
+        progress = 0.0
+        if self.cfg.total_epochs:
+            progress = min(1.0, self.loader.epoch / self.cfg.total_epochs)
+        ctx = GlobalContext(global_batch=B, base_batch=self._base_batch, noise_scale=self.stats.noise_scale,
+                            efficiency=efficiency, loss_trend=loss_change, progress=progress,
+                            world_size=len(sizes))
+        tput = global_throughput(reports)
+        eff = efficiency if math.isfinite(efficiency) else 1.0
+        if self._ref_goodput == 0.0:
+            self._ref_goodput, self._ref_tput = tput * eff, tput
+        reward = None
+        if self._prev_sizes is not None:
+            reward = compute_reward(self.cfg.reward, reports, eff, self._ref_goodput, self._ref_tput,
+                                    loss_change, math.nan, self._prev_sizes, sizes)
+        obs = build_observation(reports, ctx)
+        out = self.policy.decide(DecisionInput(obs, reports, ctx, sizes, self.bounds, reward))
+        self._prev_sizes, self._prev_loss = sizes, loss
+        gain = float(self.stats.gain_at(sum(out.sizes)))
+        return {"decision": len(self.history), "epoch": self.loader.epoch, "sizes": out.sizes,
+                "previous_sizes": sizes, "lr_gain": gain if math.isfinite(gain) and gain > 0 else 1.0,
+                "reward": None if reward is None else reward.tolist(), "loss": loss,
+                "noise_scale": self.stats.noise_scale, "efficiency": efficiency, "throughput": tput,
+                "reports": [r.to_dict() for r in reports], "policy": self.policy.name, "info": out.info}
+
+    def _update_statistics(self, gathered: list[dict[str, Any]]) -> None:
+        """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""
+        per_rank = [g["steps"] for g in gathered]
+        n = min(len(s["local_batch"]) for s in per_rank)
+        losses = [g["losses"] for g in gathered]
+        for k in range(n):
+            batches = [s["local_batch"][k] for s in per_rank]
+            step_losses = [(l[k], b) for l, b in zip(losses, batches) if k < len(l)]
+            loss = sum(l * b for l, b in step_losses) / sum(b for _, b in step_losses) if step_losses else None
+            self.stats.update(batches, [s["local_sq"][k] for s in per_rank], per_rank[0]["global_sq"][k], loss)
+
+    # --- checkpointing -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
+                                 "learned_max": list(self.bounds.learned_max), "config": asdict(self.cfg)}
+        if self.rank == 0:
+            state["policy"] = self.policy.state_dict()
+        return state

@@ -1,0 +1,336 @@
+"""Statistical-efficiency signals: gradient noise scale, AdaScale gain, Pollux efficiency, loss trend.
+
+Pure maths on numbers the data plane already has (torch/numpy only; never imports MPI or Horovod).
+Notation: rank i holds a local batch of ``b_i`` samples, ``B = sum(b_i)``; ``|g_i|^2`` is the squared
+norm of rank i's *local mean* gradient, ``|G_B|^2`` that of the *global mean* gradient. Estimators
+(McCandlish et al. 2018, "An Empirical Model of Large-Batch Training"), unbiased for each rank:
+
+    |G|^2  ~ (B |G_B|^2 - b_i |g_i|^2) / (B - b_i)
+    tr(S)  ~ (|g_i|^2 - |G_B|^2) / (1/b_i - 1/B)
+
+Ranks are combined by a ratio of sums (see :func:`pooled_estimate`). Everything is linear in the
+squared norms, so per-layer estimates (one column per parameter segment) sum to the total.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Optional, Sequence, Union
+
+import numpy as np
+
+ArrayLike = Union[float, Sequence[float], np.ndarray]
+
+
+def _finite_array(name: str, value: ArrayLike, *, nonneg: bool = False) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    bad = ~np.isfinite(arr) | ((arr < 0) if nonneg else False)
+    if np.any(bad):
+        first = arr.flat[int(np.argmax(bad))]
+        need = "finite and >= 0" if nonneg else "finite"
+        raise ValueError(f"{name} must be {need}, got {name}={first!r}")
+    return arr
+
+
+def _positive(name: str, value: ArrayLike) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    bad = ~(np.isfinite(arr) & (arr > 0))
+    if np.any(bad):
+        raise ValueError(f"{name} must be finite and > 0, got {name}={arr.flat[int(np.argmax(bad))]!r}")
+    return arr
+
+
+@dataclass(frozen=True)
+class NoiseEstimate:
+    """Unbiased estimates of |G|^2 (true-gradient squared norm) and tr(Sigma) (per-sample gradient
+    covariance trace); floats, or arrays with one entry per layer."""
+
+    grad_sq: Union[float, np.ndarray]
+    trace_sigma: Union[float, np.ndarray]
+    ranks_used: int
+
+
+def rank_estimate(b: int, B: int, local_sq: ArrayLike, global_sq: ArrayLike) -> Optional[NoiseEstimate]:
+    """One rank's unbiased estimate; ``None`` when ``b == B`` (a single contributing rank: the two
+    gradients coincide, so there is no small/large pair) or ``b == 0`` (the rank saw no data)."""
+    if int(b) != b or int(B) != B or b < 0 or B <= 0 or b > B:
+        raise ValueError(f"need integers 0 <= b <= B, B > 0; got b={b!r}, B={B!r}")
+    g_small = _finite_array("local_sq", local_sq, nonneg=True)
+    g_big = _finite_array("global_sq", global_sq, nonneg=True)
+    if b == 0 or b == B:
+        return None
+    grad_sq = (B * g_big - b * g_small) / (B - b)
+    trace = (g_small - g_big) / (1.0 / b - 1.0 / B)
+    return NoiseEstimate(_scalar(grad_sq), _scalar(trace), 1)
+
+
+def pooled_estimate(local_batches: Sequence[int], local_sq: ArrayLike,
+                    global_sq: ArrayLike) -> Optional[NoiseEstimate]:
+    """Combine the per-rank estimates of all ranks (``local_sq`` shape (R,) or (R, L)).
+
+    Choice: a ratio of sums, i.e. each rank's estimate weighted by its estimator's denominator,
+    ``w_i ~ 1/b_i - 1/B`` for tr(Sigma) and ``w_i ~ B - b_i`` for |G|^2. It equals the plain
+    average (AdaptDL, McCandlish) when all b_i are equal, stays unbiased for any b_i, gives a rank
+    with b_i close to B (tiny denominator, exploding estimate) almost no weight, and is the
+    inverse-variance weighting when the |G|^2 term dominates the noise of |g_i|^2. Ranks with
+    b_i == 0 are left out; ``None`` when fewer than one rank has 0 < b_i < B.
+    """
+    b = np.asarray(local_batches)
+    if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 0):
+        raise ValueError(f"local_batches must be a non-empty 1-D sequence of ints >= 0, got {local_batches!r}")
+    B = int(b.sum())
+    g_small = _finite_array("local_sq", local_sq, nonneg=True)
+    g_big = _finite_array("global_sq", global_sq, nonneg=True)
+    if g_small.shape[:1] != b.shape or g_small.shape[1:] != g_big.shape:
+        raise ValueError(f"local_sq shape {g_small.shape} must be (R,)+global_sq.shape with R={b.size}, "
+                         f"global_sq shape {g_big.shape}")
+    use = (b > 0) & (b < B)
+    if not np.any(use):
+        return None
+    bu = b[use].astype(np.float64).reshape((-1,) + (1,) * g_big.ndim)
+    gs = g_small[use]
+    trace = np.sum(gs - g_big, axis=0) / np.sum(1.0 / bu - 1.0 / B)
+    grad_sq = np.sum(B * g_big - bu * gs, axis=0) / np.sum(B - bu)
+    return NoiseEstimate(_scalar(grad_sq), _scalar(trace), int(use.sum()))
+
+
+def _scalar(x: np.ndarray) -> Union[float, np.ndarray]:
+    return float(x) if np.ndim(x) == 0 else np.asarray(x)
+
+
+class BiasCorrectedEMA:
+    """Exponential moving average with Adam's start-up correction: after t updates the value is
+    ``m_t / (1 - beta^t)``, a weighted mean of the inputs whose weights sum to one (so the EMA of
+    unbiased estimates stays unbiased). Works on floats or same-shaped arrays."""
+
+    def __init__(self, beta: float) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta={beta!r} must be in [0, 1)")
+        self.beta = beta
+        self.count = 0
+        self._m: Optional[np.ndarray] = None
+
+    def update(self, x: ArrayLike) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        if self._m is None:
+            self._m = np.zeros_like(x)
+        elif self._m.shape != x.shape:
+            raise ValueError(f"EMA input shape {x.shape} differs from earlier shape {self._m.shape}")
+        self._m = self.beta * self._m + (1.0 - self.beta) * x
+        self.count += 1
+
+    @property
+    def value(self) -> Union[float, np.ndarray]:
+        """Corrected average; NaN before the first update."""
+        if self._m is None:
+            return math.nan
+        return _scalar(self._m / (1.0 - self.beta ** self.count))
+
+
+def noise_scale(trace_sigma: ArrayLike, grad_sq: ArrayLike, max_value: float = 1e12) -> Union[float, np.ndarray]:
+    """B_simple = tr(Sigma)/|G|^2 from smoothed estimates, clipped to [0, max_value]: a negative
+    trace (estimation noise) gives 0, |G|^2 <= 0 (no detectable signal) gives ``max_value``."""
+    tr = _finite_array("trace_sigma", trace_sigma)
+    g2 = _finite_array("grad_sq", grad_sq)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(g2 > 0, np.maximum(tr, 0.0) / np.where(g2 > 0, g2, 1.0), max_value)
+    return _scalar(np.minimum(out, max_value))
+
+
+def adascale_gain(trace_sigma: float, grad_sq: float, batch: ArrayLike, base_batch: float) -> Union[float, np.ndarray]:
+    """AdaScale gain r(B) = (tr/B0 + |G|^2) / (tr/B + |G|^2), vectorised over ``batch``; in
+    [1, B/B0] for B >= B0. ``r = 1`` when both statistics are 0 (no gradient: nothing to gain)."""
+    tr = float(_finite_array("trace_sigma", trace_sigma, nonneg=True))
+    g2 = float(_finite_array("grad_sq", grad_sq, nonneg=True))
+    bs = _positive("batch", batch)
+    b0 = float(_positive("base_batch", base_batch))
+    if tr == 0.0 and g2 == 0.0:
+        return _scalar(np.ones_like(bs))
+    return _scalar((tr / b0 + g2) / (tr / bs + g2))
+
+
+def statistical_efficiency(noise: float, batch: ArrayLike, base_batch: float) -> Union[float, np.ndarray]:
+    """Pollux efficiency E(B) = (phi + B0)/(phi + B) with phi = B_noise, vectorised over ``batch``:
+    progress per sample at batch B relative to B0 (1 at B0; ``phi = inf`` gives 1 everywhere)."""
+    phi = float(np.asarray(noise, dtype=np.float64))
+    if math.isnan(phi) or phi < 0:
+        raise ValueError(f"noise scale phi must be >= 0 (inf allowed), got phi={noise!r}")
+    bs = _positive("batch", batch)
+    b0 = float(_positive("base_batch", base_batch))
+    if math.isinf(phi):
+        return _scalar(np.ones_like(bs))
+    return _scalar((phi + b0) / (phi + bs))
+
+
+class LossStatistics:
+    """Loss over a sliding window: mean, sample variance, least-squares slope per step, plus a
+    bias-corrected EMA over the whole run. Non-finite losses are counted and ignored."""
+
+    def __init__(self, window: int = 50, ema_beta: float = 0.9) -> None:
+        if window < 2:
+            raise ValueError(f"loss window={window!r} must be >= 2")
+        self.window: Deque[float] = deque(maxlen=window)
+        self.ema = BiasCorrectedEMA(ema_beta)
+        self.nonfinite = 0
+
+    def update(self, loss: float) -> None:
+        loss = float(loss)
+        if not math.isfinite(loss):
+            self.nonfinite += 1
+            return
+        self.window.append(loss)
+        self.ema.update(loss)
+
+    def stats(self) -> Dict[str, float]:
+        """``loss_last, loss_mean, loss_std, loss_slope, loss_rel_change, loss_ema`` (NaN if unknown)."""
+        y = np.asarray(self.window, dtype=np.float64)
+        nan = math.nan
+        if y.size == 0:
+            return dict(loss_last=nan, loss_mean=nan, loss_std=nan, loss_slope=nan, loss_rel_change=nan, loss_ema=nan)
+        mean = float(y.mean())
+        std, slope = nan, nan
+        if y.size >= 2:
+            std = float(y.std(ddof=1))
+            x = np.arange(y.size, dtype=np.float64) - (y.size - 1) / 2.0
+            slope = float(np.dot(x, y - mean) / np.dot(x, x))
+        rel = slope * (y.size - 1) / abs(mean) if mean != 0 and y.size >= 2 else nan
+        return dict(loss_last=float(y[-1]), loss_mean=mean, loss_std=std, loss_slope=slope,
+                    loss_rel_change=rel, loss_ema=float(self.ema.value))
+
+
+@dataclass
+class StatsConfig:
+    """Settings of :class:`GradientStatistics`."""
+
+    ema_beta: float = 0.95
+    """Smoothing of tr(Sigma) and |G|^2 (separately, then divided). 0.95 ~ 40-step memory; raise it
+    when the controller decides rarely and lower it when the noise scale moves fast."""
+    base_batch: Optional[int] = None
+    """B0, the global batch the learning rate was tuned for; None = first global batch seen."""
+    max_noise_scale: float = 1e12
+    """Cap for B_noise when |G|^2 is not (yet) detectably positive."""
+    loss_window: int = 50
+    """Steps in the sliding window of loss mean/std/slope."""
+    loss_ema_beta: float = 0.9
+    """Smoothing of the whole-run loss EMA."""
+    per_layer: bool = True
+    """Keep per-layer (per-segment) EMAs when local_sq has a layer axis."""
+
+
+#: Keys of :meth:`GradientStatistics.snapshot`, all floats; NaN until the quantity is known.
+SNAPSHOT_FIELDS: Dict[str, str] = {
+    "steps": "update() calls accepted (finite inputs)",
+    "gns_steps": "steps that produced a noise estimate (some rank with 0 < b_i < B)",
+    "skipped_nonfinite": "update() calls ignored because a squared norm was NaN/Inf",
+    "global_batch": "B = sum(b_i) of the last update",
+    "base_batch": "B0 used for gain and efficiency",
+    "grad_sq_global": "last measured |G_B|^2 (biased upward by tr(Sigma)/B)",
+    "grad_sq": "smoothed unbiased |G|^2",
+    "trace_sigma": "smoothed unbiased tr(Sigma) (sum of per-sample gradient variances)",
+    "b_noise": "B_simple = trace_sigma/grad_sq, clipped to [0, max_noise_scale]",
+    "log10_b_noise": "log10(1 + b_noise), a bounded feature",
+    "efficiency": "Pollux E(B) = (b_noise + B0)/(b_noise + B) at the last B",
+    "adascale_gain": "AdaScale r(B) at the last B (the LR multiplier AdaScale would use)",
+    "layer_b_noise_min": "smallest per-layer B_simple",
+    "layer_b_noise_median": "median per-layer B_simple",
+    "layer_b_noise_max": "largest per-layer B_simple",
+    "loss_last": "last finite loss",
+    "loss_mean": "loss mean over the window",
+    "loss_std": "loss sample std over the window",
+    "loss_slope": "least-squares loss slope per step over the window",
+    "loss_rel_change": "loss_slope * (window length - 1) / |loss_mean| (about -0.1 = 10% drop)",
+    "loss_ema": "bias-corrected loss EMA over the run",
+}
+
+
+@dataclass
+class GradientStatistics:
+    """Accumulates the per-step statistics the batch-size controller reads via :meth:`snapshot`."""
+
+    config: StatsConfig = field(default_factory=StatsConfig)
+
+    def __post_init__(self) -> None:
+        self._grad_sq = BiasCorrectedEMA(self.config.ema_beta)
+        self._trace = BiasCorrectedEMA(self.config.ema_beta)
+        self._layer_grad_sq = BiasCorrectedEMA(self.config.ema_beta)
+        self._layer_trace = BiasCorrectedEMA(self.config.ema_beta)
+        self.loss = LossStatistics(self.config.loss_window, self.config.loss_ema_beta)
+        self.steps = 0
+        self.skipped_nonfinite = 0
+        self.global_batch = math.nan
+        self.base_batch = float(self.config.base_batch) if self.config.base_batch else math.nan
+        self.grad_sq_global = math.nan
+
+    def update(self, local_batches: Sequence[int], local_sq: ArrayLike, global_sq: ArrayLike,
+               loss: Optional[float] = None) -> Optional[NoiseEstimate]:
+        """Add one step. ``local_sq[i]``: squared norm(s) of rank i's local *mean* gradient, shape (R,)
+        or (R, L) per layer; ``global_sq``: of the global mean gradient, shape () or (L,). Returns
+        the step's pooled estimate (None if no rank has 0 < b_i < B). NaN/Inf steps are skipped."""
+        if loss is not None:
+            self.loss.update(loss)
+        ls, gs = np.asarray(local_sq, dtype=np.float64), np.asarray(global_sq, dtype=np.float64)
+        if not (np.all(np.isfinite(ls)) and np.all(np.isfinite(gs))):
+            self.skipped_nonfinite += 1
+            return None
+        est = pooled_estimate(local_batches, ls, gs)
+        self.steps += 1
+        self.global_batch = float(np.sum(local_batches))
+        if math.isnan(self.base_batch):
+            self.base_batch = self.global_batch
+        self.grad_sq_global = float(np.sum(gs))
+        if est is None:
+            return None
+        self._grad_sq.update(np.sum(est.grad_sq))
+        self._trace.update(np.sum(est.trace_sigma))
+        if self.config.per_layer and gs.ndim == 1:
+            self._layer_grad_sq.update(est.grad_sq)
+            self._layer_trace.update(est.trace_sigma)
+        return est
+
+    @property
+    def noise_scale(self) -> float:
+        """Current B_simple (NaN before the first estimate)."""
+        if self._trace.count == 0:
+            return math.nan
+        return float(noise_scale(self._trace.value, self._grad_sq.value, self.config.max_noise_scale))
+
+    def efficiency_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
+        """Pollux efficiency for candidate global batch size(s) (NaN before the first estimate)."""
+        if self._trace.count == 0:
+            return _scalar(np.full(np.shape(batch), math.nan))
+        return statistical_efficiency(self.noise_scale, batch, self.base_batch)
+
+    def gain_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
+        """AdaScale gain for candidate global batch size(s), using max(0, .) of the estimates."""
+        if self._trace.count == 0:
+            return _scalar(np.full(np.shape(batch), math.nan))
+        tr, g2 = max(0.0, float(self._trace.value)), max(0.0, float(self._grad_sq.value))
+        return adascale_gain(tr, g2, batch, self.base_batch)
+
+    def layer_table(self) -> Dict[str, np.ndarray]:
+        """Per-layer smoothed ``grad_sq``, ``trace_sigma`` (the layer's gradient variance) and ``b_noise``."""
+        if self._layer_trace.count == 0:
+            return {}
+        tr, g2 = np.asarray(self._layer_trace.value), np.asarray(self._layer_grad_sq.value)
+        return dict(grad_sq=g2, trace_sigma=tr, b_noise=np.asarray(noise_scale(tr, g2, self.config.max_noise_scale)))
+
+    def snapshot(self) -> Dict[str, float]:
+        """Controller features; see :data:`SNAPSHOT_FIELDS` for the meaning of each key."""
+        nan = math.nan
+        b_noise = self.noise_scale
+        layers = self.layer_table().get("b_noise", np.zeros(0))
+        snap = dict(
+            steps=float(self.steps), gns_steps=float(self._trace.count),
+            skipped_nonfinite=float(self.skipped_nonfinite), global_batch=self.global_batch,
+            base_batch=self.base_batch, grad_sq_global=self.grad_sq_global,
+            grad_sq=float(self._grad_sq.value), trace_sigma=float(self._trace.value), b_noise=b_noise,
+            log10_b_noise=math.log10(1.0 + b_noise) if not math.isnan(b_noise) else nan,
+            efficiency=float(self.efficiency_at(self.global_batch)) if not math.isnan(b_noise) else nan,
+            adascale_gain=float(self.gain_at(self.global_batch)) if not math.isnan(b_noise) else nan,
+            layer_b_noise_min=float(layers.min()) if layers.size else nan,
+            layer_b_noise_median=float(np.median(layers)) if layers.size else nan,
+            layer_b_noise_max=float(layers.max()) if layers.size else nan,
+        )
+        snap.update(self.loss.stats())
+        return snap

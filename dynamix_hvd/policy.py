@@ -1,0 +1,99 @@
+"""Batch-size policies: what rank 0 consults at each decision. Pure: no MPI, no Horovod.
+
+Every policy sees the same inputs (observation [R, OBS_DIM], the raw rank reports, the global
+context, current sizes, bounds) and returns the new per-rank sizes, so PPO and the classic rules can
+be swapped by name and compared side by side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from .actions import ActionSpace, BatchBounds, apply_actions
+from .ppo import PPOConfig, PPOLearner
+from .state import GLOBAL_FEATURES, RANK_FEATURES, GlobalContext, RankReport
+
+
+@dataclass
+class DecisionInput:
+    obs: torch.Tensor                 # [R, OBS_DIM]
+    reports: Sequence[RankReport]
+    ctx: GlobalContext
+    sizes: Sequence[int]
+    bounds: BatchBounds
+    reward: torch.Tensor | None       # [R] reward earned by the previous decision (None at the first)
+
+
+@dataclass
+class DecisionOutput:
+    sizes: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchSizePolicy(Protocol):
+    name: str
+
+    def decide(self, inp: DecisionInput) -> DecisionOutput: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class StaticPolicy:
+    """Keeps the sizes the job started with (the baseline every other policy is measured against)."""
+
+    name = "static"
+
+    def decide(self, inp: DecisionInput) -> DecisionOutput:
+        return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class PPOPolicy:
+    """The DYNAMIX policy: one shared PPO actor-critic applied to each rank, learning online.
+
+    Ordering: the reward handed in at decision t belongs to the action taken at t-1, so it is recorded
+    first; an update (when a rollout is full) bootstraps from the observation of t; only then the
+    action for t is sampled.
+    """
+
+    name = "ppo"
+
+    def __init__(self, learner: PPOLearner | None = None, actions: ActionSpace | None = None,
+                 learn: bool = True, config: PPOConfig | None = None) -> None:
+        self.actions = actions or ActionSpace()
+        self.learner = learner or PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), self.actions.n, config)
+        self.learn = learn
+        self.last_update: dict[str, float] = {}
+        self._awaiting_reward = False  # a sampled action whose reward has not been recorded yet
+
+    def decide(self, inp: DecisionInput) -> DecisionOutput:
+        info: dict[str, Any] = {}
+        if self.learn and inp.reward is not None and self._awaiting_reward:
+            self.learner.record(inp.reward)
+            if self.learner.ready():
+                self.last_update = self.learner.update(next_obs=inp.obs)
+                info["ppo_update"] = dict(self.last_update)
+        actions, _, values = self.learner.act(inp.obs, deterministic=not self.learn)
+        self._awaiting_reward = self.learn
+        sizes = apply_actions(self.actions, inp.bounds, inp.sizes, actions.tolist())
+        info.update(actions=actions.tolist(), values=[round(v, 4) for v in values.tolist()])
+        return DecisionOutput(sizes, info)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"learner": self.learner.state_dict(), "multipliers": list(self.actions.multipliers),
+                "learn": self.learn, "awaiting_reward": self._awaiting_reward}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.actions = ActionSpace(tuple(state["multipliers"]))
+        self.learner.load_state_dict(state["learner"])
+        self.learn = state["learn"]
+        self._awaiting_reward = state["awaiting_reward"]
