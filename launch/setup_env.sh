@@ -64,11 +64,11 @@ done
 exec "${DYNAMIX_REAL_CXX:-g++}" "${args[@]}"
 WRAP
   chmod +x "$build_dir/cxx17"
-  _dx_log "building Horovod $_dx_hvd_version from PyPI's sdist (takes ~12 min on 2 cores; cached afterwards)"
+  _dx_log "building Horovod $_dx_hvd_version from PyPI's sdist (several minutes; cached afterwards)"
   CXX="$build_dir/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=${HOROVOD_CPU_OPERATIONS:-gloo} \
     MAKEFLAGS="-j$(nproc)" \
-    "$_dx_venv/bin/pip" --disable-pip-version-check wheel --no-deps --no-build-isolation --no-binary horovod \
+    "$_dx_venv/bin/pip" --disable-pip-version-check wheel --no-cache-dir --no-deps --no-build-isolation --no-binary horovod \
       -w "$build_dir/out" "horovod==$_dx_hvd_version" >"$build_dir/build.log" 2>&1 \
     || { tail -n 60 "$build_dir/build.log" >&2; _dx_die "Horovod build failed; full log: $build_dir/build.log"; }
   mkdir -p "$wheel_dir"
