@@ -57,7 +57,9 @@ class ControlChannel:
     def gather(self, obj: Any, what: str = "metrics") -> list[Any] | None:
         self._seq += 1
         if self._comm is None:
-            everyone = self._hvd_guarded(lambda h: h.allgather_object(obj), what)
+            # Horovod matches collectives by name; its default name is the object's type, which
+            # differs between rank 0 (a decision) and the others (None), so name them explicitly.
+            everyone = self._hvd_guarded(lambda h: h.allgather_object(obj, name=f"dx.gather.{self._seq}"), what)
             return everyone if self.rank == 0 else None
         if self.rank != 0:
             self._wait([self._comm.isend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
@@ -69,7 +71,8 @@ class ControlChannel:
     def broadcast(self, obj: Any = None, what: str = "decision") -> Any:
         self._seq += 1
         if self._comm is None:
-            return self._hvd_guarded(lambda h: h.broadcast_object(obj, root_rank=0), what)
+            return self._hvd_guarded(
+                lambda h: h.broadcast_object(obj, root_rank=0, name=f"dx.bcast.{self._seq}"), what)
         if self.rank == 0:
             sends = [self._comm.isend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
             self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0")

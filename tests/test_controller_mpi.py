@@ -1,0 +1,41 @@
+"""The controller in real multi-process jobs: decisions reach every rank, stay in bounds, time out."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launching import launch
+
+
+@pytest.mark.parametrize("launcher, ranks", [("mpirun", 3), ("horovodrun-gloo", 2)])
+def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ranks):
+    launch(launcher, ranks, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "5",
+           "--max-batch", "40")
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert results[0]["backend"] == ("mpi4py" if launcher == "mpirun" else "horovod-objects")
+    histories = [r["history"] for r in results]
+    assert len(histories[0]) >= 4
+    for h in histories[1:]:
+        assert [d["sizes"] for d in h] == [d["sizes"] for d in histories[0]], "ranks disagree on decisions"
+    for d in histories[0]:
+        assert len(d["sizes"]) == ranks
+        assert all(2 <= b <= 40 for b in d["sizes"]), d
+        assert d["lr_gain"] > 0
+    assert any(d["reward"] is not None for d in histories[0])
+    assert results[0]["final_sizes"] == histories[0][-1]["sizes"]
+
+
+def test_silent_rank_triggers_timeout_naming_it():
+    out = launch("mpirun", 3, "controller.py", "--mode", "silent", "--silent", "2", "--timeout", "3").stdout
+    assert "TIMEOUT-OK rank 0" in out and "rank(s) [2] did not answer" in out, out
+    # rank 1 waits for rank 0's decision, which never comes because rank 0 is stuck on rank 2
+    assert "TIMEOUT-OK rank 1" in out and "receiving batch-size decision from rank 0" in out, out
+
+
+def test_silent_rank_under_gloo_exits_with_a_clear_message(tmp_path):
+    with pytest.raises(AssertionError) as err:
+        launch("horovodrun-gloo", 2, "controller.py", "--mode", "silent", "--silent", "1", "--timeout", "3",
+               timeout=120)
+    assert "did not complete within 3 s under Gloo" in str(err.value)

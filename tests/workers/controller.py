@@ -1,0 +1,75 @@
+"""Worker: the controller in a real job. Modes:
+
+train   train a few epochs with decisions every k steps; dump every rank's decision history.
+silent  rank `--silent` never takes part in the control plane; the others must time out with an
+        error naming it (exit code 0 and a line "TIMEOUT-OK: <message>" when they do).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import dynamix_hvd as dx
+from dynamix_hvd.comm import ControlPlaneTimeout
+from dynamix_hvd.data import teacher_classification
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["train", "silent"], default="train")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--policy", default="ppo")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--silent", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=3.0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    train, _ = teacher_classification(1200, seed=0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    loader = dx.AdaptiveLoader(train, [8 + 4 * r for r in range(world)], rank, seed=1)
+    opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                          loader, lr_rule="adascale")
+    cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=args.every, max_batch=args.max_batch,
+                              min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
+                              ppo=dx.PPOConfig(rollout_length=4, seed=3))
+    controller = dx.DynamixController(loader, opt, cfg)
+    if args.mode == "silent":
+        if rank == args.silent:
+            time.sleep(args.timeout + 4)  # alive but never answers
+            return
+        try:
+            controller.decide()
+        except ControlPlaneTimeout as exc:
+            print(f"TIMEOUT-OK rank {rank}: {exc}", flush=True)
+            return
+        sys.exit("expected a ControlPlaneTimeout")
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for epoch in range(args.epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            controller.record_loss(loss)
+    history = [{k: d[k] for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s")}
+               for d in controller.history]
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({
+        "history": history, "backend": controller.channel.backend,
+        "bounds": [controller.bounds.upper(r) for r in range(world)],
+        "final_sizes": list(loader.batch_sizes)}))
+
+
+if __name__ == "__main__":
+    main()
