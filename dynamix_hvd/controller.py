@@ -130,6 +130,11 @@ class DynamixController:
         if hasattr(self.optimizer, "lr_gain"):
             self.optimizer.lr_gain = decision["lr_gain"]
         decision = dict(decision, overhead_s=time.perf_counter() - t0)
+        if self.rank == 0:
+            t1 = time.perf_counter()
+            update = self.policy.after_decision()  # learning runs after the others got the decision
+            if update:
+                decision.update(ppo_update=update, learn_s=time.perf_counter() - t1)
         self.history.append(decision)
         return decision
 

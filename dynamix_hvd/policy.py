@@ -37,6 +37,8 @@ class BatchSizePolicy(Protocol):
 
     def decide(self, inp: DecisionInput) -> DecisionOutput: ...
 
+    def after_decision(self) -> dict[str, float]: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -50,6 +52,9 @@ class StaticPolicy:
     def decide(self, inp: DecisionInput) -> DecisionOutput:
         return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)])
 
+    def after_decision(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -61,8 +66,9 @@ class PPOPolicy:
     """The DYNAMIX policy: one shared PPO actor-critic applied to each rank, learning online.
 
     Ordering: the reward handed in at decision t belongs to the action taken at t-1, so it is recorded
-    first; an update (when a rollout is full) bootstraps from the observation of t; only then the
-    action for t is sampled.
+    before the action for t is sampled. The PPO update itself runs in `after_decision`, once the
+    decision has been sent, so its cost stays off the ranks' critical path; the action of t was then
+    sampled by the pre-update policy, which PPO's stored log-probabilities account for.
     """
 
     name = "ppo"
@@ -74,19 +80,23 @@ class PPOPolicy:
         self.learn = learn
         self.last_update: dict[str, float] = {}
         self._awaiting_reward = False  # a sampled action whose reward has not been recorded yet
+        self._last_obs: torch.Tensor | None = None
 
     def decide(self, inp: DecisionInput) -> DecisionOutput:
-        info: dict[str, Any] = {}
         if self.learn and inp.reward is not None and self._awaiting_reward:
             self.learner.record(inp.reward)
-            if self.learner.ready():
-                self.last_update = self.learner.update(next_obs=inp.obs)
-                info["ppo_update"] = dict(self.last_update)
         actions, _, values = self.learner.act(inp.obs, deterministic=not self.learn)
         self._awaiting_reward = self.learn
+        self._last_obs = inp.obs
         sizes = apply_actions(self.actions, inp.bounds, inp.sizes, actions.tolist())
-        info.update(actions=actions.tolist(), values=[round(v, 4) for v in values.tolist()])
-        return DecisionOutput(sizes, info)
+        return DecisionOutput(sizes, {"actions": actions.tolist(), "values": [round(v, 4) for v in values.tolist()]})
+
+    def after_decision(self) -> dict[str, float]:
+        """Run a PPO update when a rollout is full (bootstrapping from the latest observation)."""
+        if not (self.learn and self.learner.ready()):
+            return {}
+        self.last_update = self.learner.update(next_obs=self._last_obs)  # keeps the pending action
+        return self.last_update
 
     def state_dict(self) -> dict[str, Any]:
         return {"learner": self.learner.state_dict(), "multipliers": list(self.actions.multipliers),
