@@ -20,13 +20,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .actions import ActionSpace, BatchBounds
 from .comm import ControlChannel
 from .loader import AdaptiveLoader
 from .metrics import StepRecord
-from .noise_scale import GradientStatistics, StatsConfig
+from .noise_scale import GradientStatistics, StatsConfig, pooled_estimate
 from .policy import BatchSizePolicy, DecisionInput, PPOPolicy, StaticPolicy
 from .policy_store import load_policy
 from .ppo import PPOConfig
@@ -159,7 +160,8 @@ class DynamixController:
                  "local_sq": [r.local_grad_sq for r in records],
                  "global_sq": [r.global_grad_sq for r in records],
                  "memory_kind": records[-1].memory_kind if records else "rss"}
-        return {"report": report, "steps": steps, "losses": losses}
+        layers = self.optimizer.pop_layer_means() if hasattr(self.optimizer, "pop_layer_means") else None
+        return {"report": report, "steps": steps, "losses": losses, "layers": layers}
 
     def _decide_on_root(self, gathered: list[dict[str, Any]]) -> dict[str, Any]:
         reports: list[RankReport] = [g["report"] for g in gathered]
@@ -188,6 +190,7 @@ class DynamixController:
             reward = compute_reward(self.cfg.reward, reports, eff, self._ref_goodput, self._ref_tput,
                                     loss_change, math.nan, self._prev_sizes, sizes)
         obs = build_observation(reports, ctx)
+        layer_variance = self._layer_variance(gathered, sizes)
         out = self.policy.decide(DecisionInput(obs, reports, ctx, sizes, self.bounds, reward))
         self._prev_sizes, self._prev_loss = sizes, loss
         gain = float(self.stats.gain_at(sum(out.sizes)))
@@ -195,7 +198,19 @@ class DynamixController:
                 "previous_sizes": sizes, "lr_gain": gain if math.isfinite(gain) and gain > 0 else 1.0,
                 "reward": None if reward is None else reward.tolist(), "loss": loss,
                 "noise_scale": self.stats.noise_scale, "efficiency": efficiency, "throughput": tput,
-                "reports": [r.to_dict() for r in reports], "policy": self.policy.name, "info": out.info}
+                "reports": [r.to_dict() for r in reports], "policy": self.policy.name, "info": out.info,
+                "layer_variance": layer_variance}
+
+    def _layer_variance(self, gathered: list[dict[str, Any]], sizes: list[int]) -> dict[str, float] | None:
+        """Per-parameter gradient variance tr(Sigma_l) over the interval (unbiased, pooled over ranks)."""
+        if any(g["layers"] is None for g in gathered):
+            return None
+        local = np.array([g["layers"][0] for g in gathered])
+        est = pooled_estimate(sizes, local, np.array(gathered[0]["layers"][1]))
+        if est is None:
+            return None
+        names = getattr(self.optimizer, "param_names", [str(i) for i in range(local.shape[1])])
+        return dict(zip(names, np.asarray(est.trace_sigma, dtype=float).tolist()))
 
     def _update_statistics(self, gathered: list[dict[str, Any]]) -> None:
         """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""

@@ -21,6 +21,7 @@ import torch
 
 from .loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, lr_factor
+from .sqnorm import backend_for, segment_sq_norms
 
 
 class FlatGradients:
@@ -34,6 +35,7 @@ class FlatGradients:
         self.buffers: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
+        self.members: list[list[int]] = []     # per buffer: indices of its parameters, in order
         for (device, dtype), members in groups.items():
             sizes = [params[i].numel() for i in members]
             buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
@@ -43,6 +45,7 @@ class FlatGradients:
                 bounds.append(bounds[-1] + n)
             self.buffers.append(buf)
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
+            self.members.append(members)
         self.attach()
 
     def attach(self) -> None:
@@ -53,6 +56,13 @@ class FlatGradients:
                 if g is not None:
                     view.copy_(g)
                 p.grad = view
+
+    def sq_norms(self) -> torch.Tensor:
+        """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
+        out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
+        for buf, offsets, members in zip(self.buffers, self.offsets, self.members):
+            out[members] = segment_sq_norms(buf, offsets).to(out.device)
+        return out
 
     def zero(self) -> None:
         self.attach()
@@ -104,8 +114,12 @@ class WeightedDistributedOptimizer:
         self.param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
-        self._local_sq = torch.zeros(len(self._params), dtype=torch.float64,
-                                     device=self._params[0].device)
+        device = self._params[0].device
+        self._local_sq = torch.zeros(len(self._params), dtype=torch.float64, device=device)
+        # Per-parameter sums over the steps since the controller last read them (no host sync).
+        self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
+        self._layer_steps = 0
+        self.sqnorm_backend = backend_for(self.flat.buffers[0])
         self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
         self._hvd = hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Sum,
@@ -174,7 +188,12 @@ class WeightedDistributedOptimizer:
         tracker.step_started()
         self.synchronize()
         tracker.synchronized()
-        grad_norm = self._global_grad_norm()
+        global_sq = self.flat.sq_norms()
+        if self.track_grad_norms:
+            self._layer_sums[0] += self._local_sq
+            self._layer_sums[1] += global_sq
+            self._layer_steps += 1
+        grad_norm = float(global_sq.sum()) ** 0.5
         if self.max_grad_norm is not None:
             clip = self.max_grad_norm / (grad_norm + 1e-6)
             if clip < 1.0:
@@ -189,10 +208,14 @@ class WeightedDistributedOptimizer:
             extra["global_grad_sq"] = grad_norm**2
         tracker.step_finished(**extra)
 
-    def _global_grad_norm(self) -> float:
-        total = sum(torch.linalg.vector_norm(buf, dtype=torch.float64).square().item()
-                    for buf in self.flat.buffers)
-        return float(total) ** 0.5
+    def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
+        """Mean per-parameter squared norms (local, global) since the last call, then reset."""
+        if self._layer_steps == 0:
+            return None
+        local, global_ = (self._layer_sums / self._layer_steps).tolist()
+        self._layer_sums.zero_()
+        self._layer_steps = 0
+        return local, global_
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
