@@ -57,7 +57,9 @@ class ControllerConfig:
     timeout_s: float = 120.0
     """Deadline of every control-plane collective."""
     reward: RewardConfig = field(default_factory=RewardConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(gamma=0.9, rollout_length=16))
+    """PPO settings. gamma 0.9: rewards are O(1) log-ratios per decision, and a shorter horizon keeps
+    returns O(10) so the clipped value loss can follow them."""
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:

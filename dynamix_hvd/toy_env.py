@@ -12,7 +12,9 @@ Model (goodput as in Pollux/AdaptDL: throughput x statistical efficiency):
 * goodput ``G(b) = B / T * (phi + B0) / (phi + B)``.
 
 Known optimum. Without per-rank caps the best vector is balanced (every rank computes for the same
-time) with ``B* = sqrt(c * S * phi)``, ``S = sum_i s_i`` (maximise ``B / ((c + B/S)(phi + B))``).
+time), ``b_i* = B* s_i / S`` with ``B* = sqrt(c * S * phi)``, ``S = sum_i s_i`` (maximise
+``B / ((c + B/S)(phi + B))``); e.g. speeds (100, 200, 300) samples/s, ``c = 0.05`` s, ``phi = 1920``
+give ``B* = 240``, ``b* = (40, 80, 120)``.
 With integer batches in ``[min_batch, max_i]`` the exact optimum is found by brute force in
 :meth:`ToyBatchSizeEnv.optimum`: for a fixed bottleneck time ``T``, goodput grows with ``B``, so every
 rank takes the largest batch that fits ``T``; enumerating every candidate bottleneck time
@@ -73,6 +75,12 @@ class ToyClusterConfig:
         caps = np.broadcast_to(np.asarray(self.max_batch), (self.num_ranks,))
         if np.any(caps < self.base_batch):
             raise ValueError(f"ToyClusterConfig.max_batch must be >= base_batch (got {self.max_batch!r})")
+        for name in ("speed_range", "noise_scale_range"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi:
+                raise ValueError(f"ToyClusterConfig.{name} must satisfy 0 < low <= high (got {getattr(self, name)!r})")
+        if not self.overhead_s > 0:
+            raise ValueError(f"ToyClusterConfig.overhead_s must be > 0 (got {self.overhead_s!r})")
         if self.horizon < 1:
             raise ValueError(f"ToyClusterConfig.horizon must be >= 1 (got {self.horizon!r})")
 
