@@ -109,6 +109,15 @@ class DynamixController:
             self._prev_sizes: list[int] | None = None
             self._base_batch = loader.global_batch_size
         loader.step_end_callbacks.append(self._on_step_end)
+        if hasattr(optimizer, "oom_handler"):
+            optimizer.oom_handler = self._shrink_after_oom
+
+    def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
+        """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
+        out = []
+        for rank, (b, f) in enumerate(zip(sizes, failed)):
+            out.append(min(b, self.bounds.record_oom(rank, f)) if f else b)
+        return out
 
     # --- hooks into the training loop --------------------------------------------------------------
     def record_loss(self, loss: torch.Tensor | float) -> None:
@@ -144,6 +153,7 @@ class DynamixController:
     def _report(self, records: list[StepRecord]) -> dict[str, Any]:
         res = self.resources.sample()
         losses = torch.stack(self._losses).tolist() if self._losses else []
+        finite_losses = [l for l in losses if math.isfinite(l)]  # a NaN step must not poison the mean
         self._losses.clear()
         mean = (lambda key: statistics.fmean(getattr(r, key) for r in records) if records else 0.0)  # noqa: E731
         total_time = sum(r.step_s for r in records)
@@ -155,7 +165,7 @@ class DynamixController:
             peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
-            loss_mean=statistics.fmean(losses) if losses else math.nan,
+            loss_mean=statistics.fmean(finite_losses) if finite_losses else math.nan,
             local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
             max_batch=self.bounds.upper(self.rank))
         steps = {"local_batch": [r.local_batch for r in records],
@@ -221,7 +231,7 @@ class DynamixController:
         losses = [g["losses"] for g in gathered]
         for k in range(n):
             batches = [s["local_batch"][k] for s in per_rank]
-            step_losses = [(l[k], b) for l, b in zip(losses, batches) if k < len(l)]
+            step_losses = [(l[k], b) for l, b in zip(losses, batches) if k < len(l) and math.isfinite(l[k])]
             loss = sum(l * b for l, b in step_losses) / sum(b for _, b in step_losses) if step_losses else None
             self.stats.update(batches, [s["local_sq"][k] for s in per_rank], per_rank[0]["global_sq"][k], loss)
 

@@ -81,6 +81,14 @@ class AdaptiveLoader:
             self._sizes = sizes
             self._generation += 1
 
+    def redo_current_step(self, batch_sizes: Sequence[int]) -> None:
+        """Serve the samples of the step just handed out again, split with new sizes (after a failure)."""
+        step = self.current_step
+        self._cursor = step.start
+        self._step -= 1
+        self._sizes = validate_batch_sizes(batch_sizes, self.world_size)
+        self._generation += 1
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (reshuffled from seed and epoch)."""
         self.epoch = int(epoch)
@@ -137,7 +145,7 @@ class AdaptiveLoader:
                 self.tracker.batch_ready(self.epoch, self._step - 1, planned.counts[self.rank],
                                          planned.global_count)
                 yield batch
-                epoch_end = planned is steps[-1]
+                epoch_end = planned is steps[-1] and self._cursor == planned.end  # not rewound
                 for callback in self.step_end_callbacks:
                     callback(self, epoch_end)
                 if epoch_end or self._generation != generation:

@@ -46,6 +46,8 @@ class StepRecord:
     """Learning rate of the first parameter group used for this step's update."""
     grad_norm: float = float("nan")
     """Norm of the synchronised (global mean) gradient before clipping."""
+    status: str = "ok"
+    """"ok", or why the update was skipped: "nonfinite" (NaN/inf gradient) or "oom" (redone smaller)."""
     local_grad_sq: float = float("nan")
     """Squared norm of this rank's local mean gradient (before allreduce)."""
     global_grad_sq: float = float("nan")

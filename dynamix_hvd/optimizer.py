@@ -10,9 +10,17 @@ sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B sa
 
 Gradients live as views into one flat buffer per (device, dtype): zeroing is one kernel, the global
 gradient norm is one pass, and the gradient statistics can read all layers at once.
+
+Failed steps. A step whose synchronised gradient is not finite (NaN/inf loss or gradient on any
+rank) is skipped on every rank alike, because all ranks see the same allreduced norm; its samples
+count as seen. An out-of-memory error inside ``with opt.guard():`` is caught; at ``step()`` the ranks
+agree through a one-element-per-rank status allreduce (launched before ``synchronize()`` so Horovod
+fuses it with the gradients), skip the update, shrink the failed rank's batch (``oom_handler``) and
+rewind the loader so the same samples are redone.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Literal
 
@@ -121,6 +129,11 @@ class WeightedDistributedOptimizer:
         self._layer_steps = 0
         self.sqnorm_backend = backend_for(self.flat.buffers[0])
         self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
+        # status[r] > 0: rank r ran out of memory this step with that many samples
+        self._status = torch.zeros(loader.world_size, dtype=torch.float64)
+        self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
+        self.last_status = "ok"
+        self.skipped_steps = {"nonfinite": 0, "oom": 0}
         self._hvd = hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Sum,
             compression=compression if compression is not None else hvd.Compression.none)
@@ -163,6 +176,18 @@ class WeightedDistributedOptimizer:
         self.flat.zero()
         self._local_sq.zero_()
 
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Wrap forward+backward: an out-of-memory error becomes a redone step with a smaller batch."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            self._status[self.loader.rank] = self.loader.current_step.counts[self.loader.rank]
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
     def synchronize(self) -> None:
         self._hvd.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
@@ -186,14 +211,25 @@ class WeightedDistributedOptimizer:
                              "per-step weighting; call loss.backward() before step()")
         tracker = self.loader.tracker
         tracker.step_started()
+        status = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
         self.synchronize()
+        failed = [int(v) for v in hvd.synchronize(status).tolist()]
+        self._status.zero_()
         tracker.synchronized()
         global_sq = self.flat.sq_norms()
+        grad_norm = float(global_sq.sum()) ** 0.5
+        if any(failed):
+            self._skip("oom", tracker, grad_norm)
+            sizes = list(self.loader.batch_sizes)
+            self.loader.redo_current_step(self.oom_handler(sizes, failed))
+            return
+        if not math.isfinite(grad_norm):
+            self._skip("nonfinite", tracker, grad_norm)
+            return
         if self.track_grad_norms:
             self._layer_sums[0] += self._local_sq
             self._layer_sums[1] += global_sq
             self._layer_steps += 1
-        grad_norm = float(global_sq.sum()) ** 0.5
         if self.max_grad_norm is not None:
             clip = self.max_grad_norm / (grad_norm + 1e-6)
             if clip < 1.0:
@@ -202,11 +238,20 @@ class WeightedDistributedOptimizer:
         with self._scaled_lr() as lr, self._hvd.skip_synchronize():
             self._hvd.step()
         self.last_grad_norm = grad_norm
-        extra: dict[str, float] = {"lr": float(lr), "grad_norm": grad_norm}
+        self.last_status = "ok"
+        extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
         if self.track_grad_norms:
             extra["local_grad_sq"] = float(self._local_sq.sum())
             extra["global_grad_sq"] = grad_norm**2
         tracker.step_finished(**extra)
+
+    def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
+        """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
+        self.flat.zero()
+        self._local_sq.zero_()
+        self.last_status = reason
+        self.skipped_steps[reason] += 1
+        tracker.step_finished(status=reason, grad_norm=grad_norm)
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
         """Mean per-parameter squared norms (local, global) since the last call, then reset."""
@@ -221,3 +266,18 @@ class WeightedDistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or an allocator RuntimeError that says it ran out of memory."""
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    if oom_types and isinstance(exc, oom_types):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def halve_failed_ranks(sizes: list[int], failed: list[int]) -> list[int]:
+    """Default OOM response without a controller: halve the batch of every rank that failed."""
+    return [max(1, f // 2) if f else b for b, f in zip(sizes, failed)]

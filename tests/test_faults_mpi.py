@@ -1,0 +1,43 @@
+"""Injected failures in real jobs: a NaN step is skipped everywhere, an OOM is redone smaller."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from launching import launch
+
+
+def _results(tmp_path, ranks=2):
+    return [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _epoch_coverage(results, epoch):
+    """Samples consumed in `epoch` by steps that were not redone (ok or skipped as non-finite)."""
+    return sorted(i for r in results for s in r["served"]
+                  if s["epoch"] == epoch and s["status"] != "oom" for i in s["indices"])
+
+
+def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
+    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--nan-step", "5")
+    results = _results(tmp_path)
+    for r in results:
+        assert r["statuses"][5] == "nonfinite" and r["skipped"]["nonfinite"] == 1
+        assert r["statuses"].count("ok") == len(r["statuses"]) - 1
+        assert r["params_finite"]
+        assert all(math.isfinite(loss) for loss in r["decision_losses"]), "NaN leaked into the loss statistics"
+    assert math.isfinite(results[0]["noise_scale"])
+    for epoch in (0, 1):
+        assert _epoch_coverage(results, epoch) == list(range(600))
+
+
+def test_oom_shrinks_the_rank_redoes_the_step_and_remembers_the_bound(tmp_path):
+    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--oom-above", "20")
+    results = _results(tmp_path)
+    r0 = results[0]
+    assert r0["skipped"]["oom"] == 1, "exactly one failure: the bound is remembered afterwards"
+    assert r0["statuses"][0] == "oom" and r0["statuses"][1] == "ok"
+    assert r0["bound_rank1"] == int(24 * 0.8) == r0["final_sizes"][1]
+    assert len(results[1]["served"][0]["indices"]) == 24 and len(results[1]["served"][1]["indices"]) == 19
+    for epoch in (0, 1):
+        assert _epoch_coverage(results, epoch) == list(range(600)), "samples lost or repeated"

@@ -1,0 +1,75 @@
+"""Worker: inject a NaN loss and an out-of-memory error; dump what every rank saw.
+
+--nan-step K    rank 1 returns a NaN loss at global step K (the step must be skipped everywhere)
+--oom-above N   rank 1 raises torch.OutOfMemoryError whenever its local batch exceeds N
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import dynamix_hvd as dx
+from dynamix_hvd.data import teacher_classification
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return (i, *self.base[i])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nan-step", type=int, default=-1)
+    ap.add_argument("--oom-above", type=int, default=10**9)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    rank = hvd.rank()
+    train, _ = teacher_classification(600, seed=0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    loader = dx.AdaptiveLoader(Indexed(train), [8, 24], rank, seed=1)
+    opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                          loader)
+    controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static", max_batch=64))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    served, statuses, global_step = [], [], 0
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for idx, x, y in loader:
+            opt.zero_grad()
+            loss = None
+            with opt.guard():
+                if rank == 1 and len(idx) > args.oom_above:
+                    raise torch.OutOfMemoryError(f"injected: {len(idx)} samples do not fit")
+                loss = nn.functional.cross_entropy(model(x), y)
+                if rank == 1 and global_step == args.nan_step:
+                    loss = loss * float("nan")
+                loss.backward()
+            opt.step()
+            if loss is not None:
+                controller.record_loss(loss)
+            statuses.append(opt.last_status)
+            served.append({"epoch": epoch, "indices": idx.tolist(), "status": opt.last_status})
+            global_step += 1
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({
+        "served": served, "statuses": statuses, "skipped": opt.skipped_steps,
+        "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "bound_rank1": controller.bounds.upper(1), "final_sizes": list(loader.batch_sizes),
+        "noise_scale": controller.stats.noise_scale if rank == 0 else None,
+        "decision_losses": [d["loss"] for d in controller.history]}))
+
+
+if __name__ == "__main__":
+    main()
