@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import checkpoint
+from .checkpoint import Checkpointer
 from .controller import ControllerConfig, DynamixController
 from .loader import AdaptiveLoader
 from .lr_scaling import lr_factor
@@ -16,7 +18,7 @@ from .plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptiveLoader", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
+__all__ = ["AdaptiveLoader", "Checkpointer", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 
 

@@ -26,6 +26,19 @@ class ControlPlaneTimeout(RuntimeError):
     """A rank did not take part in a control-plane collective within the deadline."""
 
 
+class _BufferRequest:
+    """Adapts a buffer request (Test() -> bool) to the object-request interface (test() -> (bool, value))."""
+
+    def __init__(self, request) -> None:
+        self._request = request
+
+    def test(self):
+        return self._request.Test(), None
+
+    def Cancel(self) -> None:  # collectives cannot be cancelled; the error is raised regardless
+        pass
+
+
 def launched_under_mpi() -> bool:
     """True when an MPI launcher (mpirun, srun --mpi=pmix, horovodrun --mpi) started this process."""
     return any(v in os.environ for v in _MPI_ENV)
@@ -80,6 +93,23 @@ class ControlChannel:
         return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
                           f"receiving {what} from rank 0")[0]
 
+    def any_true(self, flag: bool, what: str = "stop flag") -> bool:
+        """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM)."""
+        self._seq += 1
+        if self._comm is None:
+            import torch
+
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            out = self._hvd_guarded(lambda h: h.allreduce(t, op=h.Max, name=f"dx.any.{self._seq}"), what)
+            return bool(out.item())
+        import numpy as np
+        from mpi4py import MPI
+
+        send, recv = np.array([1 if flag else 0], dtype=np.int32), np.zeros(1, dtype=np.int32)
+        request = self._comm.Iallreduce(send, recv, op=MPI.MAX)
+        self._wait([_BufferRequest(request)], list(range(self.size)), f"agreeing on the {what}")
+        return bool(recv[0])
+
     def close(self) -> None:
         if self._comm is not None:
             self._comm.Free()
@@ -91,6 +121,7 @@ class ControlChannel:
         deadline = time.monotonic() + self.timeout_s
         results: list[Any] = [None] * len(requests)
         pending = set(range(len(requests)))
+        spin_until = time.monotonic() + 0.002  # most answers arrive within microseconds: spin first
         while pending:
             for i in list(pending):
                 done, value = requests[i].test()
@@ -107,7 +138,8 @@ class ControlChannel:
                     f"rank {self.rank}: timed out after {self.timeout_s:.0f} s {doing} "
                     f"(control message #{self._seq}); rank(s) {missing} did not answer. A rank that "
                     "crashed, hangs, or skipped the decision point (different step counts) causes this.")
-            time.sleep(self.poll_s)
+            if time.monotonic() > spin_until:
+                time.sleep(self.poll_s)
         return results
 
     def _hvd_guarded(self, call, what: str) -> Any:

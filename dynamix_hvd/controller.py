@@ -237,8 +237,30 @@ class DynamixController:
 
     # --- checkpointing -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue: on rank 0 also the policy, statistics and reward references."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
-                                 "learned_max": list(self.bounds.learned_max), "config": asdict(self.cfg)}
+                                 "learned_max": list(self.bounds.learned_max), "world_size": self.loader.world_size}
         if self.rank == 0:
-            state["policy"] = self.policy.state_dict()
+            state["root"] = {"policy": self.policy.state_dict(), "stats": self.stats,
+                             "ref_goodput": self._ref_goodput, "ref_tput": self._ref_tput,
+                             "prev_loss": self._prev_loss, "prev_sizes": self._prev_sizes,
+                             "base_batch": self._base_batch}
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (taken on rank 0); a different world size keeps the learning
+        (policy, statistics) but not what was per rank (memory bounds, the last sizes)."""
+        self.history = list(state["history"])
+        self._total_steps = int(state["total_steps"])
+        same_world = state["world_size"] == self.loader.world_size
+        if same_world:
+            self.bounds.learned_max = list(state["learned_max"])
+        if self.rank == 0 and "root" in state:
+            root = state["root"]
+            self.policy.load_state_dict(root["policy"])
+            if not same_world:
+                self.policy.reset_world(self.loader.world_size)
+            self.stats = root["stats"]
+            self._ref_goodput, self._ref_tput = root["ref_goodput"], root["ref_tput"]
+            self._prev_loss, self._base_batch = root["prev_loss"], root["base_batch"]
+            self._prev_sizes = root["prev_sizes"] if same_world else None

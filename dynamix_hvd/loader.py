@@ -60,6 +60,7 @@ class AdaptiveLoader:
         self._step = 0            # steps handed out in this epoch
         self._generation = 0      # bumped by set_batch_sizes, so a running iterator replans
         self._current: PlannedStep | None = None
+        self._resumed = False     # set by load_state_dict: the next set_epoch(same epoch) keeps the cursor
         # Called on every rank at the same points: after each step's batch was used (when the next
         # one is asked for) and at the end of the epoch. A callback may call set_batch_sizes().
         self.step_end_callbacks: list[Callable[["AdaptiveLoader", bool], None]] = []
@@ -90,7 +91,12 @@ class AdaptiveLoader:
         self._generation += 1
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch `epoch` from its beginning (reshuffled from seed and epoch)."""
+        """Start epoch `epoch` from its beginning (reshuffled from seed and epoch). Right after
+        `load_state_dict`, the restored epoch instead continues where the checkpoint left it."""
+        if self._resumed and int(epoch) == self.epoch:
+            self._resumed = False
+            return
+        self._resumed = False
         self.epoch = int(epoch)
         self._cursor = 0
         self._step = 0
@@ -176,4 +182,5 @@ class AdaptiveLoader:
         else:
             self._sizes = validate_batch_sizes(state["batch_sizes"], self.world_size)
         self._generation += 1
+        self._resumed = True
 

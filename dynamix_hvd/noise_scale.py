@@ -27,7 +27,7 @@ def _finite_array(name: str, value: ArrayLike, *, nonneg: bool = False) -> np.nd
     arr = np.asarray(value, dtype=np.float64)
     bad = ~np.isfinite(arr) | ((arr < 0) if nonneg else False)
     if np.any(bad):
-        first = arr.flat[int(np.argmax(bad))]
+        first = float(arr.flat[int(np.argmax(bad))])
         need = "finite and >= 0" if nonneg else "finite"
         raise ValueError(f"{name} must be {need}, got {name}={first!r}")
     return arr
@@ -37,7 +37,7 @@ def _positive(name: str, value: ArrayLike) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float64)
     bad = ~(np.isfinite(arr) & (arr > 0))
     if np.any(bad):
-        raise ValueError(f"{name} must be finite and > 0, got {name}={arr.flat[int(np.argmax(bad))]!r}")
+        raise ValueError(f"{name} must be finite and > 0, got {name}={float(arr.flat[int(np.argmax(bad))])!r}")
     return arr
 
 
@@ -73,26 +73,31 @@ def pooled_estimate(local_batches: Sequence[int], local_sq: ArrayLike,
     ``w_i ~ 1/b_i - 1/B`` for tr(Sigma) and ``w_i ~ B - b_i`` for |G|^2. It equals the plain
     average (AdaptDL, McCandlish) when all b_i are equal, stays unbiased for any b_i, gives a rank
     with b_i close to B (tiny denominator, exploding estimate) almost no weight, and is the
-    inverse-variance weighting when the |G|^2 term dominates the noise of |g_i|^2. Ranks with
-    b_i == 0 are left out; ``None`` when fewer than one rank has 0 < b_i < B.
+    inverse-variance weighting when the cross term 2 G.noise dominates (per-rank variances are then
+    ~ 1/(1/b_i - 1/B) and ~ 1/(B - b_i); correlation between ranks ignored). Ranks with b_i == 0
+    are left out; ``None`` when no rank has 0 < b_i < B. ``B = sum(local_batches)``.
     """
     b = np.asarray(local_batches)
-    if b.ndim != 1 or b.size == 0 or not np.issubdtype(b.dtype, np.integer) or np.any(b < 0):
+    if b.ndim != 1 or b.size == 0 or b.dtype.kind not in "iu" or (b < 0).any():
         raise ValueError(f"local_batches must be a non-empty 1-D sequence of ints >= 0, got {local_batches!r}")
-    B = int(b.sum())
-    g_small = _finite_array("local_sq", local_sq, nonneg=True)
-    g_big = _finite_array("global_sq", global_sq, nonneg=True)
+    g_small = np.asarray(local_sq, dtype=np.float64)
+    g_big = np.asarray(global_sq, dtype=np.float64)
+    for name, arr in (("local_sq", g_small), ("global_sq", g_big)):
+        if not ((arr >= 0).all() and (arr < np.inf).all()):  # NaN fails both
+            _finite_array(name, arr, nonneg=True)
     if g_small.shape[:1] != b.shape or g_small.shape[1:] != g_big.shape:
         raise ValueError(f"local_sq shape {g_small.shape} must be (R,)+global_sq.shape with R={b.size}, "
                          f"global_sq shape {g_big.shape}")
+    B = int(b.sum())
     use = (b > 0) & (b < B)
-    if not np.any(use):
+    k = int(use.sum())
+    if k == 0:
         return None
-    bu = b[use].astype(np.float64).reshape((-1,) + (1,) * g_big.ndim)
+    bu = b[use].astype(np.float64)
     gs = g_small[use]
-    trace = np.sum(gs - g_big, axis=0) / np.sum(1.0 / bu - 1.0 / B)
-    grad_sq = np.sum(B * g_big - bu * gs, axis=0) / np.sum(B - bu)
-    return NoiseEstimate(_scalar(grad_sq), _scalar(trace), int(use.sum()))
+    trace = (gs.sum(axis=0) - k * g_big) / ((1.0 / bu).sum() - k / B)
+    grad_sq = (k * B * g_big - np.tensordot(bu, gs, axes=1)) / (k * B - bu.sum())
+    return NoiseEstimate(_scalar(grad_sq), _scalar(trace), k)
 
 
 def _scalar(x: np.ndarray) -> Union[float, np.ndarray]:
@@ -119,6 +124,19 @@ class BiasCorrectedEMA:
             raise ValueError(f"EMA input shape {x.shape} differs from earlier shape {self._m.shape}")
         self._m = self.beta * self._m + (1.0 - self.beta) * x
         self.count += 1
+
+    def update_many(self, xs: ArrayLike) -> None:
+        """Same as calling :meth:`update` on ``xs[0], xs[1], ...`` in order, in one vectorised step."""
+        xs = np.asarray(xs, dtype=np.float64)
+        if len(xs) == 0:
+            return
+        if self._m is None:
+            self._m = np.zeros_like(xs[0])
+        elif self._m.shape != xs.shape[1:]:
+            raise ValueError(f"EMA input shape {xs.shape[1:]} differs from earlier shape {self._m.shape}")
+        w = (1.0 - self.beta) * self.beta ** np.arange(len(xs) - 1, -1, -1, dtype=np.float64)
+        self._m = self.beta ** len(xs) * self._m + np.tensordot(w, xs, axes=1)
+        self.count += len(xs)
 
     @property
     def value(self) -> Union[float, np.ndarray]:
@@ -203,9 +221,10 @@ class LossStatistics:
 class StatsConfig:
     """Settings of :class:`GradientStatistics`."""
 
-    ema_beta: float = 0.95
-    """Smoothing of tr(Sigma) and |G|^2 (separately, then divided). 0.95 ~ 40-step memory; raise it
-    when the controller decides rarely and lower it when the noise scale moves fast."""
+    ema_beta: float = 0.99
+    """Smoothing of tr(Sigma) and |G|^2 (separately, then divided); memory ~1/(1-beta) steps. One
+    step's estimate is very noisy (~75% relative std with 3 ranks in the tests), so ~100 steps give
+    ~10%; lower it only if the noise scale moves faster than that."""
     base_batch: Optional[int] = None
     """B0, the global batch the learning rate was tuned for; None = first global batch seen."""
     max_noise_scale: float = 1e12
@@ -244,6 +263,9 @@ SNAPSHOT_FIELDS: Dict[str, str] = {
 }
 
 
+_EMAS = ("_grad_sq", "_trace", "_layer_grad_sq", "_layer_trace")
+
+
 @dataclass
 class GradientStatistics:
     """Accumulates the per-step statistics the batch-size controller reads via :meth:`snapshot`."""
@@ -261,48 +283,106 @@ class GradientStatistics:
         self.global_batch = math.nan
         self.base_batch = float(self.config.base_batch) if self.config.base_batch else math.nan
         self.grad_sq_global = math.nan
+        self._pending: list = []
+
+    def record(self, local_batches: Sequence[int], local_sq: ArrayLike, global_sq: ArrayLike,
+               loss: Optional[float] = None) -> None:
+        """Per-step hot path, O(1): store (a copy of) the step; estimates are computed in bulk,
+        vectorised over steps, on the next read. Arguments as in :meth:`update`; errors surface on
+        that read. Results equal calling :meth:`update` per step."""
+        self._pending.append((tuple(local_batches), np.array(local_sq, dtype=np.float64),
+                              np.array(global_sq, dtype=np.float64), loss))
+        if len(self._pending) >= 4096:  # bound memory when nobody reads for a long time
+            self._flush()
 
     def update(self, local_batches: Sequence[int], local_sq: ArrayLike, global_sq: ArrayLike,
                loss: Optional[float] = None) -> Optional[NoiseEstimate]:
-        """Add one step. ``local_sq[i]``: squared norm(s) of rank i's local *mean* gradient, shape (R,)
-        or (R, L) per layer; ``global_sq``: of the global mean gradient, shape () or (L,). Returns
-        the step's pooled estimate (None if no rank has 0 < b_i < B). NaN/Inf steps are skipped."""
-        if loss is not None:
-            self.loss.update(loss)
-        ls, gs = np.asarray(local_sq, dtype=np.float64), np.asarray(global_sq, dtype=np.float64)
-        if not (np.all(np.isfinite(ls)) and np.all(np.isfinite(gs))):
-            self.skipped_nonfinite += 1
+        """Add one step now. ``local_sq[i]``: squared norm(s) of rank i's local *mean* gradient, shape
+        (R,) or (R, L) per layer; ``global_sq``: of the global mean gradient, shape () or (L,).
+        Returns the step's pooled estimate (None if no rank has 0 < b_i < B, or the step was
+        skipped: NaN/Inf norms, or sum(b_i) == 0)."""
+        self.record(local_batches, local_sq, global_sq, loss)
+        return self._flush()
+
+    def _flush(self) -> Optional[NoiseEstimate]:
+        pending, self._pending = self._pending, []
+        for p in pending:
+            if p[3] is not None:
+                self.loss.update(p[3])
+        last, i = None, 0
+        while i < len(pending):  # runs of steps with the same batch sizes and shapes
+            key = (pending[i][0], np.shape(pending[i][1]))
+            j = i + 1
+            while j < len(pending) and (pending[j][0], np.shape(pending[j][1])) == key:
+                j += 1
+            run = pending[i:j]
+            last = self._ingest(key[0], np.array([p[1] for p in run], dtype=np.float64),
+                                np.array([p[2] for p in run], dtype=np.float64))
+            i = j
+        return last
+
+    def _ingest(self, b: Sequence[int], ls: np.ndarray, gs: np.ndarray) -> Optional[NoiseEstimate]:
+        """``ls``: (T, R[, L]), ``gs``: (T[, L]) for T steps with the same batch sizes ``b``."""
+        t = len(ls)
+        finite = np.isfinite(ls.reshape(t, -1)).all(1) & np.isfinite(gs.reshape(t, -1)).all(1)
+        self.skipped_nonfinite += int(t - finite.sum())
+        ls, gs = ls[finite], gs[finite]
+        if len(ls) == 0:
             return None
-        est = pooled_estimate(local_batches, ls, gs)
-        self.steps += 1
-        self.global_batch = float(np.sum(local_batches))
+        est = pooled_estimate(b, np.moveaxis(ls, 1, 0), gs)
+        if sum(b) == 0:  # nobody had data
+            return None
+        self.steps += len(ls)
+        self.global_batch = float(sum(b))
         if math.isnan(self.base_batch):
             self.base_batch = self.global_batch
-        self.grad_sq_global = float(np.sum(gs))
+        self.grad_sq_global = float(np.sum(gs[-1]))
         if est is None:
             return None
-        self._grad_sq.update(np.sum(est.grad_sq))
-        self._trace.update(np.sum(est.trace_sigma))
-        if self.config.per_layer and gs.ndim == 1:
-            self._layer_grad_sq.update(est.grad_sq)
-            self._layer_trace.update(est.trace_sigma)
-        return est
+        g2, tr = np.asarray(est.grad_sq), np.asarray(est.trace_sigma)
+        self._grad_sq.update_many(g2.reshape(len(ls), -1).sum(1))
+        self._trace.update_many(tr.reshape(len(ls), -1).sum(1))
+        if self.config.per_layer and gs.ndim == 2:
+            if self._layer_trace.count and np.shape(self._layer_trace.value) != gs.shape[1:]:
+                self._layer_grad_sq = BiasCorrectedEMA(self.config.ema_beta)  # layer set changed
+                self._layer_trace = BiasCorrectedEMA(self.config.ema_beta)
+            self._layer_grad_sq.update_many(g2)
+            self._layer_trace.update_many(tr)
+        return NoiseEstimate(_scalar(g2[-1]), _scalar(tr[-1]), est.ranks_used)
+
+    def state_dict(self) -> Dict[str, object]:
+        """Picklable state for checkpoints (the config is not included)."""
+        self._flush()
+        emas = {k: (getattr(self, k)._m, getattr(self, k).count) for k in _EMAS}
+        return dict(emas=emas, loss_window=list(self.loss.window), loss_ema=(self.loss.ema._m, self.loss.ema.count),
+                    counters=(self.steps, self.skipped_nonfinite, self.global_batch, self.base_batch, self.grad_sq_global))
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        for k, (m, count) in state["emas"].items():
+            getattr(self, k)._m, getattr(self, k).count = m, count
+        self.loss.window.clear()
+        self.loss.window.extend(state["loss_window"])
+        self.loss.ema._m, self.loss.ema.count = state["loss_ema"]
+        self.steps, self.skipped_nonfinite, self.global_batch, self.base_batch, self.grad_sq_global = state["counters"]
 
     @property
     def noise_scale(self) -> float:
         """Current B_simple (NaN before the first estimate)."""
+        self._flush()
         if self._trace.count == 0:
             return math.nan
         return float(noise_scale(self._trace.value, self._grad_sq.value, self.config.max_noise_scale))
 
     def efficiency_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
         """Pollux efficiency for candidate global batch size(s) (NaN before the first estimate)."""
+        self._flush()
         if self._trace.count == 0:
             return _scalar(np.full(np.shape(batch), math.nan))
         return statistical_efficiency(self.noise_scale, batch, self.base_batch)
 
     def gain_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
         """AdaScale gain for candidate global batch size(s), using max(0, .) of the estimates."""
+        self._flush()
         if self._trace.count == 0:
             return _scalar(np.full(np.shape(batch), math.nan))
         tr, g2 = max(0.0, float(self._trace.value)), max(0.0, float(self._grad_sq.value))
@@ -310,6 +390,7 @@ class GradientStatistics:
 
     def layer_table(self) -> Dict[str, np.ndarray]:
         """Per-layer smoothed ``grad_sq``, ``trace_sigma`` (the layer's gradient variance) and ``b_noise``."""
+        self._flush()
         if self._layer_trace.count == 0:
             return {}
         tr, g2 = np.asarray(self._layer_trace.value), np.asarray(self._layer_grad_sq.value)
@@ -317,6 +398,7 @@ class GradientStatistics:
 
     def snapshot(self) -> Dict[str, float]:
         """Controller features; see :data:`SNAPSHOT_FIELDS` for the meaning of each key."""
+        self._flush()
         nan = math.nan
         b_noise = self.noise_scale
         layers = self.layer_table().get("b_noise", np.zeros(0))

@@ -39,6 +39,8 @@ class BatchSizePolicy(Protocol):
 
     def after_decision(self) -> dict[str, float]: ...
 
+    def reset_world(self, world_size: int) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -54,6 +56,9 @@ class StaticPolicy:
 
     def after_decision(self) -> dict[str, float]:
         return {}
+
+    def reset_world(self, world_size: int) -> None:
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -90,6 +95,11 @@ class PPOPolicy:
         self._last_obs = inp.obs
         sizes = apply_actions(self.actions, inp.bounds, inp.sizes, actions.tolist())
         return DecisionOutput(sizes, {"actions": actions.tolist(), "values": [round(v, 4) for v in values.tolist()]})
+
+    def reset_world(self, world_size: int) -> None:
+        """The number of ranks changed: drop the rollout (its transitions have the old shape)."""
+        self.learner.reset_rollout(world_size)
+        self._awaiting_reward = False
 
     def after_decision(self) -> dict[str, float]:
         """Run a PPO update when a rollout is full (bootstrapping from the latest observation)."""

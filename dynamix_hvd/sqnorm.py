@@ -13,7 +13,7 @@ The data plane keeps every parameter's gradient as a view into one contiguous fl
 * 16-bit floats (float16, bfloat16) are read as raw 16-bit words and converted through a 65,536-entry
   float32 table (exact), because numba has no CPU float16/bfloat16 arithmetic.
 * ``torch`` fallback (``torch.segment_reduce`` in float64) when numba is missing, CUDA is unusable
-  through numba, or ``DYNAMIX_SQNORM_BACKEND=torch`` is set.
+  through numba, or ``DYNAMIX_SQNORM_BACKEND=torch`` is set (read at import; see FORCE_TORCH).
 
 ``numba.cuda`` is imported only when a CUDA tensor is seen, so CPU-only hosts never touch it.
 """
@@ -81,15 +81,9 @@ if numba is not None:
 
     @overload(_sq, inline="always")
     def _sq_impl(x, table, i):
-        if isinstance(x.dtype, _nbtypes.Integer):
-            def impl(x, table, i):
-                v = np.float64(table[np.int64(x[i]) & 0xFFFF])
-                return v * v
-        else:
-            def impl(x, table, i):
-                v = np.float64(x[i])
-                return v * v
-        return impl
+        if isinstance(x.dtype, _nbtypes.Integer):  # 16-bit words: look the value up
+            return lambda x, table, i: np.float64(table[np.int64(x[i]) & 0xFFFF]) ** 2
+        return lambda x, table, i: np.float64(x[i]) ** 2
 
     @njit(cache=True, fastmath=_FASTMATH)
     def _span(x, table, a, b):
@@ -102,44 +96,48 @@ if numba is not None:
         return acc
 
     @njit(cache=True)
+    def _offsets_ok(offsets, n):
+        if offsets.size == 0 or offsets[0] != 0 or offsets[offsets.size - 1] != n:
+            return False
+        for s in range(offsets.size - 1):
+            if offsets[s] > offsets[s + 1]:
+                return False
+        return True
+
+    @njit(cache=True)
     def _segments_serial(x, table, offsets, out):
+        # Validates here too: one compiled call instead of several numpy calls per step (the hot path
+        # runs right after backward, when the interpreter's caches are cold).
+        if not _offsets_ok(offsets, x.size):
+            return False
         for s in range(offsets.size - 1):
             out[s] = _span(x, table, offsets[s], offsets[s + 1])
+        return True
 
     @njit(cache=True, parallel=True)
     def _segments_parallel(x, table, offsets, out, nchunks):
         # Each chunk owns the segments that lie wholly inside it (direct write); its first and last
         # (possibly shared) segments go to per-chunk slots that are added serially afterwards.
-        n = x.size
-        nseg = offsets.size - 1
+        n, nseg = x.size, offsets.size - 1
         chunk = (n + nchunks - 1) // nchunks
-        first_seg = np.full(nchunks, -1, np.int64)
-        last_seg = np.full(nchunks, -1, np.int64)
-        first_sum = np.zeros(nchunks)
-        last_sum = np.zeros(nchunks)
+        edge_seg = np.full((nchunks, 2), -1, np.int64)
+        edge_sum = np.zeros((nchunks, 2))
         for c in prange(nchunks):
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            if lo >= hi:
-                continue
+            lo, hi = c * chunk, min(n, c * chunk + chunk)
             s = np.searchsorted(offsets, lo, side="right") - 1
             first = s
-            while s < nseg and offsets[s] < hi:
+            while lo < hi and s < nseg and offsets[s] < hi:
                 v = _span(x, table, max(lo, offsets[s]), min(hi, offsets[s + 1]))
-                if s == first:
-                    first_seg[c] = s
-                    first_sum[c] = v
-                elif offsets[s + 1] > hi:
-                    last_seg[c] = s
-                    last_sum[c] = v
+                if s == first or offsets[s + 1] > hi:
+                    k = 0 if s == first else 1
+                    edge_seg[c, k], edge_sum[c, k] = s, v
                 else:
                     out[s] = v
                 s += 1
         for c in range(nchunks):
-            if first_seg[c] >= 0:
-                out[first_seg[c]] += first_sum[c]
-            if last_seg[c] >= 0:
-                out[last_seg[c]] += last_sum[c]
+            for k in range(2):
+                if edge_seg[c, k] >= 0:
+                    out[edge_seg[c, k]] += edge_sum[c, k]
 
 
 def _cpu_words(flat: torch.Tensor) -> np.ndarray:
@@ -148,15 +146,23 @@ def _cpu_words(flat: torch.Tensor) -> np.ndarray:
     return flat.numpy()
 
 
-def _segment_cpu(flat: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    out = np.zeros(offsets.size - 1, dtype=np.float64)
+_NO_TABLE = np.zeros(1, dtype=np.float32)
+
+
+def _segment_cpu(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1
+            or offsets.is_cuda or offsets.numel() == 0):
+        _check_offsets(offsets, flat.numel())  # raises with the reason
+        offsets = offsets.cpu()
+    off = offsets.numpy()
+    out = np.zeros(off.size - 1, dtype=np.float64)
     x = _cpu_words(flat)
-    table = _table(flat.dtype, flat.device).numpy()
-    nthreads = numba.get_num_threads()
-    if x.size >= PARALLEL_MIN_ELEMS and nthreads > 1:
-        _segments_parallel(x, table, offsets, out, 4 * nthreads)
-    else:
-        _segments_serial(x, table, offsets, out)
+    table = _table(flat.dtype, flat.device).numpy() if flat.dtype in _HALF_DTYPES else _NO_TABLE
+    if x.size >= PARALLEL_MIN_ELEMS and numba.get_num_threads() > 1:
+        _check_offsets(offsets, x.size)
+        _segments_parallel(x, table, off, out, 4 * numba.get_num_threads())
+    elif not _segments_serial(x, table, off, out):
+        _check_offsets(offsets, x.size)  # raises with the reason
     return torch.from_numpy(out)
 
 
@@ -192,14 +198,11 @@ def cuda_segment_kernel(lut: bool) -> Any:
         sh = cuda.shared.array(THREADS, float64)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        n = x.size
-        nseg = offsets.size - 1
+        n, nseg = x.size, offsets.size - 1
         c = cuda.blockIdx.x
         while c * chunk < n:  # grid-stride over block-sized chunks
-            lo = c * chunk
-            hi = min(n, lo + chunk)
-            left = 0  # first j with offsets[j] > lo (exists: offsets[nseg] == n > lo)
-            right = nseg
+            lo, hi = c * chunk, min(n, c * chunk + chunk)
+            left, right = 0, nseg  # first j with offsets[j] > lo (exists: offsets[nseg] == n > lo)
             while left < right:
                 mid = (left + right) // 2
                 if offsets[mid] > lo:
@@ -208,19 +211,13 @@ def cuda_segment_kernel(lut: bool) -> Any:
                     left = mid + 1
             s = left - 1
             while s < nseg and offsets[s] < hi:
-                a = max(lo, offsets[s])
-                b = min(hi, offsets[s + 1])
+                a, b = max(lo, offsets[s]), min(hi, offsets[s + 1])
                 if a < b:  # uniform across the block, so the barriers below are safe
-                    acc0 = 0.0
-                    acc1 = 0.0
-                    acc2 = 0.0
-                    acc3 = 0.0
+                    acc0 = acc1 = acc2 = acc3 = 0.0
                     i = a + tid
-                    while i + 3 * nt < b:
-                        v0 = load(x, table, i)
-                        v1 = load(x, table, i + nt)
-                        v2 = load(x, table, i + 2 * nt)
-                        v3 = load(x, table, i + 3 * nt)
+                    while i + 3 * nt < b:  # 4 independent loads in flight per thread
+                        v0, v1 = load(x, table, i), load(x, table, i + nt)
+                        v2, v3 = load(x, table, i + 2 * nt), load(x, table, i + 3 * nt)
                         acc0 += v0 * v0
                         acc1 += v1 * v1
                         acc2 += v2 * v2
@@ -256,10 +253,9 @@ def launch_segment_kernel(x: Any, table: Any, offsets: Any, out: Any, *, lut: bo
     n = int(x.shape[0])
     if n == 0 or int(offsets.shape[0]) <= 1:
         return
-    blocks = max(1, min(blocks, -(-n // (threads * _UNROLL))))
     quantum = threads * _UNROLL
-    per_block = -(-n // blocks)
-    chunk = -(-per_block // quantum) * quantum
+    blocks = max(1, min(blocks, -(-n // quantum)))
+    chunk = -(-(-(-n // blocks)) // quantum) * quantum  # ceil(ceil(n / blocks) / quantum) * quantum
     kernel = cuda_segment_kernel(lut)
     with warnings.catch_warnings():  # small buffers get small grids on purpose
         warnings.filterwarnings("ignore", message=".*under-utilization.*")
@@ -270,29 +266,40 @@ _SM_COUNT: Dict[int, int] = {}
 _DEVICE_OFFSETS: Dict[Tuple[str, bytes], torch.Tensor] = {}
 
 
-def _segment_cuda(flat: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+def _cuda_prepare(flat: torch.Tensor, offsets: np.ndarray) -> Tuple[Any, ...]:
+    """Zero-copy numba views of (words, table, offsets) plus launch parameters, for :func:`_cuda_run`."""
     from numba import cuda
 
     dev = flat.device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     key = (str(dev), offsets.tobytes())
-    d_off = _DEVICE_OFFSETS.get(key)
-    if d_off is None:
+    if key not in _DEVICE_OFFSETS:
         if len(_DEVICE_OFFSETS) > 64:
             _DEVICE_OFFSETS.clear()
-        d_off = _DEVICE_OFFSETS[key] = torch.from_numpy(offsets).to(dev)
-    out = torch.zeros(offsets.size - 1, dtype=torch.float64, device=dev)
+        _DEVICE_OFFSETS[key] = torch.from_numpy(offsets).to(dev)
     lut = flat.dtype in _HALF_DTYPES
-    words = flat.view(torch.int16) if lut else flat
+    keep = (flat.view(torch.int16) if lut else flat, _table(flat.dtype, dev), _DEVICE_OFFSETS[key])
     with cuda.gpus[index]:
         if index not in _SM_COUNT:
             _SM_COUNT[index] = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        arrays = tuple(cuda.as_cuda_array(t, sync=False) for t in keep)
+    return dev, index, lut, offsets.size - 1, arrays, keep
+
+
+def _cuda_run(state: Tuple[Any, ...]) -> torch.Tensor:
+    from numba import cuda
+
+    dev, index, lut, nseg, arrays, _ = state
+    out = torch.zeros(nseg, dtype=torch.float64, device=dev)  # on torch's current stream, like the launch
+    with cuda.gpus[index]:
         stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
-        launch_segment_kernel(
-            cuda.as_cuda_array(words, sync=False), cuda.as_cuda_array(_table(flat.dtype, dev), sync=False),
-            cuda.as_cuda_array(d_off, sync=False), cuda.as_cuda_array(out, sync=False),
-            lut=lut, blocks=8 * _SM_COUNT[index], stream=stream)
+        launch_segment_kernel(*arrays, cuda.as_cuda_array(out, sync=False), lut=lut,
+                              blocks=8 * _SM_COUNT[index], stream=stream)
     return out
+
+
+def _segment_cuda(flat: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
+    return _cuda_run(_cuda_prepare(flat, offsets))
 
 
 # --------------------------------------------------------------------------- torch fallback, API
@@ -304,7 +311,7 @@ def _segment_torch(flat: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     return torch.segment_reduce(sq, "sum", lengths=lengths, unsafe=True)
 
 
-_CUDA_OK: Optional[bool] = None
+_CUDA_OK: Optional[bool] = None  # None: not probed yet
 _LOGGED: set = set()
 
 
@@ -315,26 +322,28 @@ def _numba_cuda_ok() -> bool:
             from numba import cuda
 
             _CUDA_OK = bool(cuda.is_available())
-        except Exception as exc:  # ImportError, CudaSupportError, NVVM lookup errors, ...
+        except Exception as exc:  # ImportError (e.g. numba-cuda vs numpy 2.5), CudaSupportError, ...
             log.debug("numba.cuda unusable (%s); CUDA tensors use the torch backend", exc)
             _CUDA_OK = False
     return _CUDA_OK
 
 
+#: ``DYNAMIX_SQNORM_BACKEND=torch`` (read at import) forces the torch fallback everywhere.
+FORCE_TORCH = os.environ.get("DYNAMIX_SQNORM_BACKEND", "") == "torch"
+
+
 def backend_for(tensor: torch.Tensor) -> str:
     """Backend that :func:`segment_sq_norms` uses for ``tensor``: numba-cuda, numba-cpu or torch."""
-    if os.environ.get("DYNAMIX_SQNORM_BACKEND", "") == "torch" or numba is None:
-        choice = "torch"
-    elif tensor.is_cuda:
-        choice = "numba-cuda" if _numba_cuda_ok() else "torch"
-    elif tensor.device.type == "cpu":
-        choice = "numba-cpu"
-    else:
-        choice = "torch"
-    key = (tensor.device.type, choice)
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.debug("squared norms of %s tensors: %s backend", tensor.device.type, choice)
+    kind = tensor.device.type
+    choice = "torch"
+    if not FORCE_TORCH and numba is not None:
+        if kind == "cpu":
+            choice = "numba-cpu"
+        elif kind == "cuda" and _numba_cuda_ok():
+            choice = "numba-cuda"
+    if (kind, choice) not in _LOGGED:
+        _LOGGED.add((kind, choice))
+        log.debug("squared norms of %s tensors: %s backend", kind, choice)
     return choice
 
 
@@ -347,11 +356,19 @@ def _check_offsets(offsets: torch.Tensor, numel: int) -> np.ndarray:
     if off[0] != 0 or off[-1] != numel:
         raise ValueError(f"offsets must start at 0 and end at flat.numel()={numel}, got "
                          f"offsets[0]={int(off[0])}, offsets[-1]={int(off[-1])}")
-    if off.size > 1 and np.any(np.diff(off) < 0):
+    if np.any(np.diff(off) < 0):
         bad = int(np.argmax(np.diff(off) < 0))
         raise ValueError(f"offsets must be non-decreasing, offsets[{bad}]={int(off[bad])} > "
                          f"offsets[{bad + 1}]={int(off[bad + 1])}")
     return np.ascontiguousarray(off)
+
+
+def _check_flat(flat: torch.Tensor) -> None:
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"flat must be a 1-D contiguous tensor, got {type(flat).__name__} of shape "
+                         f"{tuple(getattr(flat, 'shape', ()))}")
+    if flat.dtype not in _FLOAT_DTYPES + _HALF_DTYPES:
+        raise ValueError(f"flat.dtype={flat.dtype} is not float32/float64/float16/bfloat16")
 
 
 def segment_sq_norms(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -361,20 +378,62 @@ def segment_sq_norms(flat: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     n+1 non-decreasing bounds with ``offsets[0] == 0`` and ``offsets[-1] == flat.numel()``; segment
     ``s`` is ``flat[offsets[s]:offsets[s+1]]`` (empty segments give 0). NaN/Inf propagate.
     """
-    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(f"flat must be a 1-D contiguous tensor, got shape "
-                         f"{tuple(getattr(flat, 'shape', ()))} (contiguous="
-                         f"{getattr(flat, 'is_contiguous', lambda: None)()})")
-    if flat.dtype not in _FLOAT_DTYPES + _HALF_DTYPES:
-        raise ValueError(f"flat.dtype={flat.dtype} is not float32/float64/float16/bfloat16")
-    off = _check_offsets(offsets, flat.numel())
-    flat = flat.detach()
+    _check_flat(flat)
+    if flat.requires_grad:
+        flat = flat.detach()
     backend = backend_for(flat)
-    if backend == "numba-cuda":
-        return _segment_cuda(flat, off)
     if backend == "numba-cpu":
-        return _segment_cpu(flat, off)
+        return _segment_cpu(flat, offsets)
+    off = _check_offsets(offsets, flat.numel())
+    if backend == "numba-cuda":
+        try:
+            return _segment_cuda(flat, off)
+        except Exception as exc:
+            _disable_cuda(exc)
     return _segment_torch(flat, off)
+
+
+def _disable_cuda(exc: Exception) -> None:
+    """E.g. NVVM missing at the first compile: a statistic must not stop training."""
+    global _CUDA_OK
+    _CUDA_OK = False
+    log.warning("numba-cuda squared norms failed (%s: %s); using the torch backend from now on",
+                type(exc).__name__, exc)
+
+
+class SegmentSqNorms:
+    """:func:`segment_sq_norms` prepared for one long-lived (flat, offsets) pair, e.g. a gradient
+    buffer of the data plane: validates once and keeps the zero-copy views, so a CPU call is a single
+    compiled call (about 60 us less Python per call right after backward, when caches are cold).
+    Holds a reference to ``flat``; build a new one if the data plane reallocates the buffer."""
+
+    def __init__(self, flat: torch.Tensor, offsets: torch.Tensor) -> None:
+        _check_flat(flat)
+        self.offsets = _check_offsets(offsets, flat.numel())
+        self.flat = flat.detach()
+        self.backend = backend_for(self.flat)
+        self._cpu = self._cuda = None
+        if self.backend == "numba-cpu" and flat.numel() < PARALLEL_MIN_ELEMS:
+            table = _table(flat.dtype, flat.device).numpy() if flat.dtype in _HALF_DTYPES else _NO_TABLE
+            self._cpu = (_cpu_words(self.flat), table, self.offsets)
+        elif self.backend == "numba-cuda":
+            try:
+                self._cuda = _cuda_prepare(self.flat, self.offsets)  # saves 3 as_cuda_array per call
+            except Exception as exc:
+                _disable_cuda(exc)
+
+    def __call__(self) -> torch.Tensor:
+        """float64 squared norm of every segment, as a new tensor on ``flat``'s device."""
+        if self._cpu is not None and not FORCE_TORCH:
+            out = np.zeros(self.offsets.size - 1)
+            _segments_serial(*self._cpu, out)
+            return torch.from_numpy(out)
+        if self._cuda is not None and _CUDA_OK and not FORCE_TORCH:
+            try:
+                return _cuda_run(self._cuda)
+            except Exception as exc:
+                _disable_cuda(exc)
+        return segment_sq_norms(self.flat, torch.from_numpy(self.offsets))
 
 
 def _flat_view(group: List[torch.Tensor]) -> Optional[Tuple[torch.Tensor, np.ndarray, np.ndarray]]:
@@ -384,16 +443,14 @@ def _flat_view(group: List[torch.Tensor]) -> Optional[Tuple[torch.Tensor, np.nda
     storage_ptr = first.untyped_storage().data_ptr()
     if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != storage_ptr for t in group):
         return None
-    starts = [t.storage_offset() for t in group]
-    bounds: List[int] = [starts[0]]
-    which: List[int] = []
-    for k, t in enumerate(group):
-        if starts[k] < bounds[-1]:
+    bounds, which = [group[0].storage_offset()], []
+    for t in group:
+        if t.storage_offset() < bounds[-1]:
             return None
-        if starts[k] > bounds[-1]:
-            bounds.append(starts[k])  # gap segment, dropped from the result
+        if t.storage_offset() > bounds[-1]:
+            bounds.append(t.storage_offset())  # gap segment, dropped from the result
         which.append(len(bounds) - 1)
-        bounds.append(starts[k] + t.numel())
+        bounds.append(t.storage_offset() + t.numel())
     span = bounds[-1] - bounds[0]
     if span > 2 * sum(t.numel() for t in group):
         return None
@@ -431,16 +488,14 @@ def multi_tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             res = segment_sq_norms(flat, torch.from_numpy(bounds))[torch.from_numpy(which).to(flat.device)]
             out[idx] = res.to(out.device)
             continue
-        limit = max(1, MAX_STAGE_BYTES // group[0].element_size())
-        start = 0
-        while start < len(group):
-            stop, total = start, 0
-            while stop < len(group) and (stop == start or total + group[stop].numel() <= limit):
-                total += group[stop].numel()
-                stop += 1
+        limit, start = MAX_STAGE_BYTES // group[0].element_size(), 0
+        while start < len(group):  # greedy runs of at most `limit` elements (or one big tensor)
+            stop, total = start + 1, group[start].numel()
+            while stop < len(group) and total + group[stop].numel() <= limit:
+                total, stop = total + group[stop].numel(), stop + 1
             part = group[start:stop]
-            flat = part[0].reshape(-1) if len(part) == 1 else torch.cat([t.reshape(-1) for t in part])
-            bounds = np.concatenate([[0], np.cumsum([t.numel() for t in part])]).astype(np.int64)
-            out[idx[start:stop]] = segment_sq_norms(flat.contiguous(), torch.from_numpy(bounds)).to(out.device)
+            flat = torch.cat([t.reshape(-1) for t in part]) if len(part) > 1 else part[0].reshape(-1)
+            bounds = torch.tensor([0] + [t.numel() for t in part], dtype=torch.int64).cumsum(0)
+            out[idx[start:stop]] = segment_sq_norms(flat.contiguous(), bounds).to(out.device)
             start = stop
     return out

@@ -10,12 +10,13 @@ import os
 from pathlib import Path
 
 import horovod.torch as hvd
-import pandas as pd
 import torch
 from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.progress import Progress
+from dynamix_hvd.runlog import RunLog
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,7 +39,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
     ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/mlp"),
-                    help="directory for per-step records (env OUT)")
+                    help="run directory: epochs.csv, trace.h5, meta.json, report.png (env OUT)")
+    ap.add_argument("--progress", default=os.environ.get("DYNAMIX_PROGRESS", "auto"),
+                    choices=["auto", "bar", "epoch", "off"],
+                    help="rank 0's display: progress bar, one line per epoch, or nothing (env DYNAMIX_PROGRESS)")
+    ap.add_argument("--no-report", action="store_true", help="do not write OUT/report.png at the end")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -60,6 +65,8 @@ def main() -> None:
     controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(                # dx
         policy=args.policy, policy_file=args.policy_file, total_epochs=args.epochs,
         decide_every_steps=args.decide_every, ppo=dx.PPOConfig(seed=args.seed, rollout_length=8)))
+    run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp_train", **vars(args)},  # dx
+                 progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     for epoch in range(args.epochs):
@@ -73,23 +80,15 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             controller.record_loss(loss)                                        # dx
+            run.step(loss)                                                      # dx
         model.eval()
         with torch.no_grad():
             acc = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-        records = loader.tracker.to_dataframe()
-        epoch_rec = records[records.epoch == epoch]
-        wait = hvd.allgather_object(float(epoch_rec.sync_wait_s.mean()))
-        if hvd.rank() == 0:
-            print(f"epoch {epoch}: loss {loss.item():.4f} test acc {acc:.4f} sizes {list(loader.batch_sizes)} "
-                  f"samples/s (rank 0) {epoch_rec.samples_per_s.median():.0f} "
-                  f"mean allreduce wait per rank (ms) {[round(w * 1e3, 2) for w in wait]}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    loader.tracker.to_dataframe().to_csv(out / f"steps_rank{hvd.rank()}.csv", index=False)
-    if hvd.rank() == 0:
-        pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info")} for d in controller.history]
-                     ).to_csv(out / "decisions.csv", index=False)
-        print(f"per-step records: {out}/steps_rank*.csv; decisions: {out}/decisions.csv")
+        run.end_epoch(accuracy=acc)                                             # dx: collective
+    out = run.finish(report=not args.no_report)                                 # dx: collective
+    if out is not None:
+        print(f"run records: {out}/epochs.csv, {out}/trace.h5, {out}/meta.json"
+              f"{'' if args.no_report else f', {out}/report.png'} (dynamix-hvd summarize {out})", flush=True)
 
 
 def _busy_wait(seconds: float) -> None:

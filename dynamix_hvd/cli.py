@@ -1,0 +1,241 @@
+"""``dynamix-hvd``: run the example job, manage policies, summarise and plot runs, run benchmarks.
+
+    dynamix-hvd run --np 2 --launcher mpirun --batch-sizes 16,48 --epochs 3 --out runs/mlp
+    dynamix-hvd check --np 4 --launcher mpirun          # only the launch checks
+    dynamix-hvd policy list | inspect NAME | validate NAME
+    dynamix-hvd summarize runs/mlp
+    dynamix-hvd plot runs/mlp [-o report.png]
+    dynamix-hvd bench decision_overhead -- --ranks 2,4
+
+Also ``python -m dynamix_hvd``. Every subcommand has ``--help``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import launchcheck
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO / "bench"
+EXAMPLE = "dynamix_hvd.examples.mlp_train"
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"dynamix-hvd: error: {message}", file=sys.stderr)
+    return code
+
+
+# --- run / check -------------------------------------------------------------------------------------
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
+    p.add_argument("--launcher", default="mpirun", choices=launchcheck.LAUNCHERS,
+                   help="mpirun (Open MPI), horovodrun (its MPI mode) or horovodrun-gloo (no MPI needed)")
+    p.add_argument("--hostfile", default=None,
+                   help="hostfile with one 'host slots=N' line per node (see hostfile.example); default: this host")
+    p.add_argument("--hosts", default=None, help="host list instead of a hostfile, e.g. node1:2,node2:2")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than cores on this host (or than the hostfile's slots, with mpirun)")
+    p.add_argument("--no-allow-run-as-root", dest="allow_root", action="store_false",
+                   help="do not set OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1 when running as root (Open MPI then refuses)")
+    p.add_argument("--mpirun", default=os.environ.get("MPIRUN", "mpirun"),
+                   help="the mpirun to use, a name on PATH or a path (env MPIRUN; default mpirun)")
+
+
+def _check(args: argparse.Namespace) -> launchcheck.LaunchPlan:
+    return launchcheck.check(args.launcher, args.np, hostfile=args.hostfile, hosts=args.hosts,
+                             oversubscribe=args.oversubscribe, allow_root=args.allow_root, mpirun=args.mpirun)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        plan = _check(args)
+    except launchcheck.LaunchError as exc:
+        return _fail("launch misconfigured:\n" + "\n".join(f"  - {l}" for l in str(exc).splitlines()))
+    print(plan.describe())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    sizes = [s for s in (args.batch_sizes or "").split(",") if s.strip()]
+    if sizes and (len(sizes) != args.np or not all(s.strip().isdigit() and int(s) > 0 for s in sizes)):
+        return _fail(f"--batch-sizes {args.batch_sizes} must be {args.np} positive integers, one per rank "
+                     f"(--np {args.np})")
+    try:
+        plan = _check(args)
+    except launchcheck.LaunchError as exc:
+        return _fail("launch misconfigured:\n" + "\n".join(f"  - {l}" for l in str(exc).splitlines()))
+    job = [sys.executable, "-m", EXAMPLE, "--epochs", str(args.epochs), "--out", args.out,
+           "--policy", args.policy, "--samples", str(args.samples)]
+    if sizes:
+        job += ["--batch-sizes", ",".join(s.strip() for s in sizes)]
+    if args.policy_file:
+        job += ["--policy-file", args.policy_file]
+    job += [a for a in args.extra if a != "--"]
+    env = dict(os.environ, **plan.env, DYNAMIX_LAUNCHER=args.launcher)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    if os.sep in args.mpirun:  # horovodrun --mpi looks mpirun up on PATH
+        env["PATH"] = os.pathsep.join([str(Path(args.mpirun).parent), env.get("PATH", "")])
+    cmd = launchcheck.command(plan, job, mpirun=args.mpirun, env=env)
+    print(f"[dynamix-hvd] {plan.describe()}\n[dynamix-hvd] {' '.join(cmd)}", file=sys.stderr, flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.run(cmd, env=env).returncode
+
+
+# --- policy ------------------------------------------------------------------------------------------
+def _policy_dir(args: argparse.Namespace) -> Path | None:
+    return Path(args.dir) if args.dir else None
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from . import policy_store
+    from .actions import ActionSpace
+    from .controller import ControllerConfig
+
+    directory = _policy_dir(args)
+    try:
+        if args.action == "list":
+            policies = policy_store.list_policies(directory)
+            where = directory or policy_store.default_policy_dir()
+            if not policies:
+                print(f"no policies in {where} (a policy is NAME.pt + NAME.json)")
+                return 0
+            print(f"policies in {where}:")
+            for p in policies:
+                prov = p.get("provenance", {})
+                print(f"  {p['name']:<24} {'weights' if p['has_weights'] else 'NO WEIGHTS':<10} "
+                      f"{prov.get('created', '?'):<26} {p.get('error', '')}")
+            return 0
+        if args.action == "inspect":
+            meta = policy_store.read_spec(args.name, directory)
+            pt, js = policy_store.resolve(args.name, directory)
+            print(json.dumps({"weights": str(pt), "weights_bytes": pt.stat().st_size if pt.exists() else None,
+                              "spec": str(js), **meta}, indent=2, default=str))
+            return 0
+        actions = ActionSpace(tuple(ControllerConfig().multipliers))
+        learner, meta = policy_store.load_policy(args.name, actions, directory)
+        print(f"OK: policy {args.name} fits this dynamix_hvd ({learner.obs_dim_rank} rank features, "
+              f"{learner.obs_dim_global} global features, {learner.n_actions} actions)")
+        return 0
+    except policy_store.PolicyError as exc:
+        return _fail(str(exc), 1)
+
+
+# --- runs --------------------------------------------------------------------------------------------
+def cmd_summarize(args: argparse.Namespace) -> int:
+    from .report import header_text, summary_table
+    from .runlog import read_run
+
+    try:
+        run = read_run(args.run_dir)
+    except FileNotFoundError as exc:
+        return _fail(str(exc), 1)
+    print(header_text(run))
+    print()
+    import pandas as pd
+
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4f}".format):
+        print(summary_table(run).to_string(index=False))
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    try:
+        out = write_report(args.run_dir, args.output)
+    except FileNotFoundError as exc:
+        return _fail(str(exc), 1)
+    print(out)
+    return 0
+
+
+# --- bench -------------------------------------------------------------------------------------------
+def bench_scripts() -> dict[str, Path]:
+    """Benchmarks in bench/: name (file stem without 'bench_') -> script."""
+    if not BENCH_DIR.is_dir():
+        return {}
+    return {p.stem.removeprefix("bench_"): p for p in sorted(BENCH_DIR.glob("bench_*.py"))}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    scripts = bench_scripts()
+    if args.list or not args.name:
+        for name, path in scripts.items():
+            doc = path.read_text().split('"""')[1].strip().splitlines()[0] if '"""' in path.read_text() else ""
+            print(f"{name:<22} {doc}")
+        return 0 if scripts else _fail(f"no benchmarks found in {BENCH_DIR}", 1)
+    script = scripts.get(args.name)
+    if script is None:
+        return _fail(f"no benchmark {args.name!r} in {BENCH_DIR}; available: {', '.join(scripts) or 'none'}")
+    extra = [a for a in args.extra if a != "--"]
+    return subprocess.run([sys.executable, str(script), *extra], cwd=REPO).returncode
+
+
+# --- parser ------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dynamix-hvd", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the example training job through a launcher",
+                       description="Run the example MLP job (dynamix_hvd.examples.mlp_train) on --np ranks. "
+                                   "Arguments after '--' go to the example (see its --help).")
+    _add_launch_options(p)
+    p.add_argument("--batch-sizes", default=None, help="local batch size per rank, e.g. 16,48 (default 32 each)")
+    p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
+    p.add_argument("--samples", type=int, default=8192, help="generated training samples (default 8192)")
+    p.add_argument("--policy", default="ppo", choices=["ppo", "static"], help="batch-size policy (default ppo)")
+    p.add_argument("--policy-file", default=None, help="PPO policy to start from: name in policies/ or path")
+    p.add_argument("--out", default="runs/mlp", help="run directory for records and report (default runs/mlp)")
+    p.add_argument("--dry-run", action="store_true", help="check and print the command without running it")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the example")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="only check a launch configuration (no job is started)",
+                       description=launchcheck.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_launch_options(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("policy", help="list, inspect or validate stored PPO policies")
+    p.add_argument("action", choices=["list", "inspect", "validate"],
+                   help="list: policies in the directory; inspect: print NAME's spec; "
+                        "validate: load NAME and check it fits this code")
+    p.add_argument("name", nargs="?", help="policy name in the directory, or a path (inspect/validate)")
+    p.add_argument("--dir", default=None, help="policy directory (default $DYNAMIX_POLICY_DIR or policies/)")
+    p.set_defaults(func=cmd_policy)
+
+    p = sub.add_parser("summarize", help="table of a finished run, one row per epoch")
+    p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
+    p.set_defaults(func=cmd_summarize)
+
+    p = sub.add_parser("plot", help="write the PNG report of a finished run")
+    p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
+    p.add_argument("-o", "--output", default=None, help="PNG to write (default RUN_DIR/report.png)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. decision_overhead)")
+    p.add_argument("name", nargs="?", help="benchmark name: bench/bench_NAME.py")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the benchmark")
+    p.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "policy" and args.action != "list" and not args.name:
+        return _fail(f"policy {args.action} needs a policy NAME")
+    result: Any = args.func(args)
+    return int(result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

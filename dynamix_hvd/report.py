@@ -1,0 +1,137 @@
+"""A one-page PNG report of a finished run (``dynamix-hvd plot RUN_DIR``).
+
+Header with the run's metadata, then four panels against wall time: batch size per rank, loss (and
+test accuracy), allreduce wait per rank (the straggler signal: a slow rank makes the *others* wait),
+and throughput per rank. Uses matplotlib's Agg backend, so no display is needed.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .progress import format_sizes
+from .runlog import RunData, read_run
+
+
+def nominal_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """Steps without each epoch's smaller leftover step, so batch-size lines show planned sizes."""
+    last = steps.groupby(["rank", "epoch"]).step.transform("max")
+    prev_global = steps.sort_values(["rank", "epoch", "step"]).groupby(["rank", "epoch"]).global_batch.shift(1)
+    partial = (steps.step == last) & (steps.global_batch < prev_global.reindex(steps.index))
+    return steps[~partial.fillna(False)]
+
+
+def _smooth(values: pd.Series, n: int) -> pd.Series:
+    return values.rolling(max(1, n), min_periods=1, center=True).mean()
+
+
+def header_text(run: RunData) -> str:
+    m = run.meta
+    e = run.epochs
+    last = e[e.epoch == e.epoch.max()] if len(e) else e
+    sizes = format_sizes([int(b) for b in last.sort_values("rank").batch_size]) if len(last) else "?"
+    first = e[e.epoch == e.epoch.min()] if len(e) else e
+    start = format_sizes([int(b) for b in first.sort_values("rank").batch_size]) if len(first) else "?"
+    acc = m.get("final_accuracy")
+    lines = [
+        f"dynamix_hvd run  {run.path}   created {m.get('created', '?')}",
+        f"{m.get('world_size', '?')} ranks on {', '.join(m.get('hosts', [])) or '?'} via {m.get('launcher', '?')}"
+        f"{'  (Slurm job ' + str(m['slurm_job_id']) + ')' if m.get('slurm_job_id') else ''}   "
+        f"policy {m.get('policy', '?')}   epochs {m.get('epochs', '?')}   decisions {m.get('decisions', '?')}",
+        f"batch sizes {start} -> {sizes}   wall time {m.get('wall_time_s', math.nan):.1f} s"
+        + (f"   final accuracy {acc:.4f}" if isinstance(acc, (int, float)) else ""),
+        f"dynamix_hvd {m.get('dynamix_hvd', '?')}, horovod {m.get('horovod', '?')}, torch {m.get('torch', '?')}",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = None, dpi: int = 110) -> Path:
+    """Render `run_dir`'s report to `path` (default RUN_DIR/report.png); returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = read_run(run_dir)
+    steps = run.steps.sort_values(["rank", "wall_s"])
+    ranks = sorted(steps["rank"].unique()) if len(steps) else []
+    colors = plt.get_cmap("tab10")
+    smooth_n = max(1, len(steps) // max(1, len(ranks)) // 60)
+    fig = plt.figure(figsize=(12, 9.5))
+    grid = fig.add_gridspec(3, 2, height_ratios=[0.42, 1, 1], hspace=0.45, wspace=0.22,
+                            left=0.07, right=0.93, top=0.97, bottom=0.07)
+    head = fig.add_subplot(grid[0, :])
+    head.axis("off")
+    head.text(0.0, 1.0, header_text(run), va="top", ha="left", family="monospace", fontsize=9.5)
+
+    ax = fig.add_subplot(grid[1, 0])
+    nominal = nominal_steps(steps)
+    for r in ranks:
+        s = nominal[nominal["rank"] == r]
+        ax.step(s.wall_s, s.local_batch, where="post", color=colors(r % 10), label=f"rank {r}")
+    d = run.decisions
+    if "wall_s" in d and len(d["wall_s"]):
+        for t in d["wall_s"][np.isfinite(d["wall_s"])]:
+            ax.axvline(t, color="0.8", lw=0.6, zorder=0)
+    ax.set(title="local batch size per rank (grey: decisions)", xlabel="wall time (s)", ylabel="samples per step")
+    ax.legend(fontsize=8, loc="best")
+
+    ax = fig.add_subplot(grid[1, 1])
+    if len(steps):
+        per_step = steps.assign(w=steps.loss * steps.local_batch).groupby(["epoch", "step"]).agg(
+            wall_s=("wall_s", "max"), w=("w", "sum"), n=("local_batch", "sum")).sort_values("wall_s")
+        loss = per_step.w / per_step.n
+        ax.plot(per_step.wall_s, loss, color="0.75", lw=0.6, label="loss per step")
+        ax.plot(per_step.wall_s, _smooth(loss, 4 * smooth_n + 1), color="tab:blue", label="loss (smoothed)")
+    ax.set(title="training loss and test accuracy", xlabel="wall time (s)", ylabel="cross-entropy")
+    if "accuracy" in run.epochs and len(run.epochs):
+        acc = run.epochs.groupby("epoch").agg(wall_s=("wall_s", "max"), accuracy=("accuracy", "mean"))
+        ax2 = ax.twinx()
+        ax2.plot(acc.wall_s, acc.accuracy, "o-", color="tab:red", label="test accuracy (epoch end)")
+        ax2.set_ylabel("accuracy", color="tab:red")
+        ax2.set_ylim(0, 1)
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
+
+    ax = fig.add_subplot(grid[2, 0])
+    for r in ranks:
+        s = steps[steps["rank"] == r]
+        ax.plot(s.wall_s, _smooth(s.sync_wait_s * 1e3, smooth_n), color=colors(r % 10), lw=1,
+                label=f"rank {r}: mean {s.sync_wait_s.mean() * 1e3:.2f} ms")
+    ax.set(title="allreduce wait per rank (time in synchronize())", xlabel="wall time (s)", ylabel="ms per step")
+    ax.legend(fontsize=8, loc="best")
+
+    ax = fig.add_subplot(grid[2, 1])
+    for r in ranks:
+        s = steps[steps["rank"] == r]
+        ax.plot(s.wall_s, _smooth(s.samples_per_s, smooth_n), color=colors(r % 10), lw=1, label=f"rank {r}")
+    ax.set(title="throughput per rank", xlabel="wall time (s)", ylabel="samples/s")
+    ax.legend(fontsize=8, loc="best")
+
+    out = Path(path) if path else run.path / "report.png"
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
+def summary_table(run: RunData) -> pd.DataFrame:
+    """One row per epoch: wall time, sizes per rank, loss, accuracy, throughput, allreduce wait per rank."""
+    rows: list[dict[str, Any]] = []
+    for epoch, e in run.epochs.sort_values(["epoch", "rank"]).groupby("epoch"):
+        weighted = e.dropna(subset=["loss_mean"])
+        row: dict[str, Any] = {
+            "epoch": int(epoch), "wall_s": round(float(e.wall_s.max()), 2),
+            "sizes": format_sizes([int(b) for b in e.batch_size]),
+            "loss": (weighted.loss_mean * weighted.samples).sum() / max(1, weighted.samples.sum()),
+            "samples/s": round(float(e.samples_per_s.sum())),
+            "allreduce_wait_ms": "/".join(f"{w * 1e3:.2f}" for w in e.sync_wait_s)}
+        if "accuracy" in e:
+            row["accuracy"] = float(e.accuracy.mean())
+        rows.append(row)
+    return pd.DataFrame(rows)

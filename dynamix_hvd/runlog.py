@@ -1,0 +1,279 @@
+"""Run records: one row per epoch and rank, and the full traces of every rank in one HDF5 file.
+
+Attach a `RunLog` to the loader (and controller) of a Horovod job; at the end, `finish` gathers every
+rank's per-step records to rank 0 (``hvd.allgather_object``) which writes ``OUT/``:
+
+* ``epochs.csv`` (and ``epochs.parquet`` when pyarrow is installed): one row per epoch and rank;
+* ``trace.h5``: ``/steps`` (every StepRecord field of every rank, plus ``wall_s`` and ``loss``),
+  ``/epochs``, ``/decisions`` (``sizes``/``previous_sizes``/``reward`` as decisions x ranks arrays,
+  ``noise_scale``, ``efficiency``, ``throughput``, ``lr_gain``, ``wall_s``, ... and the whole
+  controller history as JSON), run metadata in the root's ``meta`` attribute;
+* ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time).
+
+`read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.report`).
+``wall_s`` is seconds since the earliest rank started its RunLog (ranks on one clock).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import importlib.util
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .metrics import StepRecord
+from .progress import Progress
+
+STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
+DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
+                    "throughput", "overhead_s", "learn_s")
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+class RunLog:
+    """Per-step and per-epoch records of one rank; rank 0 writes the run directory in `finish`."""
+
+    def __init__(self, out_dir: str | os.PathLike, loader: Any, *, controller: Any = None,
+                 meta: dict[str, Any] | None = None, progress: Progress | None = None,
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
+        self.out = Path(out_dir)
+        self.loader, self.controller, self.progress = loader, controller, progress
+        self.rank, self.world_size = loader.rank, loader.world_size
+        self.meta = dict(meta or {})
+        self._gather = gather
+        self.t_start = time.time()
+        self._steps: list[tuple[StepRecord, float, Any]] = []  # (record, unix time at step end, loss)
+        self._epoch_start = 0
+        self._pending_loss: Any = None
+        self._seen_decisions = len(controller.history) if controller is not None else 0
+        self._decision_times: dict[int, float] = {}
+        self._sizes_seen: tuple[int, ...] = tuple(loader.batch_sizes)
+        self.epoch_rows: list[dict[str, Any]] = []  # rank 0: every rank's rows; other ranks: their own
+        loader.step_end_callbacks.append(self._on_step_end)
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self._gather is None:
+            import horovod.torch as hvd
+
+            self._gather = lambda o: hvd.allgather_object(o, name="dynamix_runlog")
+        return self._gather(obj)
+
+    # --- per step ------------------------------------------------------------------------------------
+    def step(self, loss: Any) -> None:
+        """This step's loss (tensor or float); read lazily, so no device sync per step."""
+        self._pending_loss = loss.detach() if hasattr(loss, "detach") else loss
+
+    def _on_step_end(self, loader: Any, epoch_end: bool) -> None:
+        records = loader.tracker.records
+        rec = records[-1] if records else None
+        if rec is None or (self._steps and self._steps[-1][0] is rec):
+            return  # the optimizer did not step: nothing measured
+        loss, self._pending_loss = self._pending_loss, None
+        self._steps.append((rec, time.time(), loss))
+        if self.controller is not None and len(self.controller.history) > self._seen_decisions:
+            for d in self.controller.history[self._seen_decisions:]:
+                self._decision_times[int(d.get("decision", len(self._decision_times)))] = time.time()
+            self._seen_decisions = len(self.controller.history)
+        if self.progress is None or not self.progress.enabled:
+            return
+        sizes = tuple(loader.batch_sizes)
+        if rec.step == 0:
+            self.progress.start_epoch(rec.epoch, rec.step + 1 + len(loader.remaining_steps()))
+        total = None
+        if sizes != self._sizes_seen and not epoch_end:
+            total = rec.step + 1 + len(loader.remaining_steps())
+        self._sizes_seen = sizes
+        tput = rec.global_batch / rec.step_s if rec.step_s > 0 else math.nan
+        self.progress.update(rec.step, total, sizes, tput, loss)
+
+    def _losses_to_float(self, start: int) -> None:
+        for i in range(start, len(self._steps)):
+            rec, t, loss = self._steps[i]
+            if loss is not None and not isinstance(loss, float):
+                self._steps[i] = (rec, t, _float(loss.item() if hasattr(loss, "item") else loss))
+
+    # --- per epoch (collective) -----------------------------------------------------------------------
+    def end_epoch(self, **metrics: float) -> list[dict[str, Any]]:
+        """Close the epoch on every rank (a collective): one row per rank; rank 0 prints the summary."""
+        self._losses_to_float(self._epoch_start)
+        steps = self._steps[self._epoch_start:]
+        self._epoch_start = len(self._steps)
+        recs = [r for r, _, _ in steps]
+        losses = [l for _, _, l in steps if l is not None and math.isfinite(l)]
+        time_s = sum(r.step_s for r in recs)
+        mean = (lambda key: statistics.fmean(getattr(r, key) for r in recs) if recs else math.nan)  # noqa: E731
+        row = {"epoch": recs[-1].epoch if recs else -1, "rank": self.rank,
+               "wall_unix": steps[-1][1] if steps else time.time(), "steps": len(recs),
+               "samples": sum(r.local_batch for r in recs),
+               "batch_size": int(statistics.median(r.local_batch for r in recs)) if recs else 0,
+               "loss_mean": statistics.fmean(losses) if losses else math.nan,
+               "loss_last": losses[-1] if losses else math.nan,
+               "samples_per_s": sum(r.local_batch for r in recs) / time_s if time_s > 0 else math.nan,
+               "step_s": mean("step_s"), "compute_s": mean("compute_s"), "sync_wait_s": mean("sync_wait_s"),
+               "data_wait_s": mean("data_wait_s"), "lr": recs[-1].lr if recs else math.nan,
+               "peak_memory_bytes": max((r.peak_memory_bytes for r in recs), default=0),
+               **{k: _float(v) for k, v in metrics.items()}}
+        rows = self.gather(row)
+        if self.rank == 0:
+            self.epoch_rows.extend(rows)
+            if self.progress is not None:
+                weighted = [(r["loss_mean"], r["samples"]) for r in rows if math.isfinite(r["loss_mean"])]
+                loss = sum(l * n for l, n in weighted) / max(1, sum(n for _, n in weighted))
+                tput = sum(r["samples_per_s"] for r in rows if math.isfinite(r["samples_per_s"]))
+                self.progress.end_epoch(row["epoch"], sizes=[r["batch_size"] for r in rows], loss=loss,
+                                        samples_per_s=tput, sync_wait_ms=[r["sync_wait_s"] * 1e3 for r in rows],
+                                        **{k: _float(v) for k, v in metrics.items()})
+        else:
+            self.epoch_rows.append(row)
+        return rows
+
+    # --- end of run (collective) -----------------------------------------------------------------------
+    def finish(self, history: Sequence[dict[str, Any]] | None = None, report: bool = False) -> Path | None:
+        """Gather every rank's steps to rank 0 and write the run directory (returned on rank 0)."""
+        self._losses_to_float(0)
+        cols: dict[str, list[Any]] = {k: [getattr(r, k) for r, _, _ in self._steps] for k in STEP_FIELDS}
+        cols["time_unix"] = [t for _, t, _ in self._steps]
+        cols["loss"] = [math.nan if l is None else l for _, _, l in self._steps]
+        everything = self.gather({"steps": cols, "start": self.t_start, "host": socket.gethostname()})
+        if self.progress is not None:
+            self.progress.close()
+        if self.rank != 0:
+            return None
+        t0 = min(e["start"] for e in everything)
+        steps = pd.concat([pd.DataFrame(e["steps"]) for e in everything], ignore_index=True)
+        steps["wall_s"] = steps.pop("time_unix") - t0
+        epochs = pd.DataFrame(self.epoch_rows)
+        if len(epochs):
+            epochs.insert(2, "wall_s", epochs.pop("wall_unix") - t0)
+        if history is None and self.controller is not None:
+            history = self.controller.history
+        decisions = decision_arrays(history or [], self.world_size, {k: v - t0 for k, v in self._decision_times.items()})
+        meta = {"created": _dt.datetime.fromtimestamp(t0, _dt.timezone.utc).isoformat(timespec="seconds"),
+                "world_size": self.world_size, "hosts": sorted({e["host"] for e in everything}),
+                "wall_time_s": time.time() - t0, "epochs": int(epochs.epoch.max()) + 1 if len(epochs) else 0,
+                "decisions": len(history or []), **_environment(), **self.meta}
+        if len(epochs) and "accuracy" in epochs:
+            meta["final_accuracy"] = float(epochs[epochs.epoch == epochs.epoch.max()].accuracy.mean())
+        write_run(self.out, meta, steps, epochs, decisions, history or [])
+        if report:
+            from .report import write_report
+
+            write_report(self.out)
+        return self.out
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+
+    from . import __version__
+
+    env = {"launcher": os.environ.get("DYNAMIX_LAUNCHER", "unknown"), "dynamix_hvd": __version__,
+           "torch": torch.__version__}
+    if "SLURM_JOB_ID" in os.environ:
+        env["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    try:
+        import horovod
+
+        env["horovod"] = horovod.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def decision_arrays(history: Sequence[dict[str, Any]], world_size: int,
+                    wall: dict[int, float] | None = None) -> dict[str, np.ndarray]:
+    """Controller history as arrays: scalars per decision, sizes/rewards as decisions x ranks."""
+    wall = wall or {}
+    n = len(history)
+    out: dict[str, np.ndarray] = {k: np.full(n, np.nan) for k in DECISION_SCALARS}
+    for k in ("sizes", "previous_sizes", "reward"):
+        out[k] = np.full((n, world_size), np.nan)
+    for i, d in enumerate(history):
+        for k in DECISION_SCALARS:
+            out[k][i] = _float(wall.get(int(d.get("decision", i)), math.nan) if k == "wall_s" else d.get(k))
+        for k in ("sizes", "previous_sizes", "reward"):
+            if d.get(k) is not None:
+                out[k][i, :] = np.asarray(d[k], dtype=float).reshape(-1)[:world_size]
+    return out
+
+
+def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.DataFrame,
+              decisions: dict[str, np.ndarray], history: Sequence[dict[str, Any]]) -> None:
+    """Write epochs.csv (+ .parquet), trace.h5 and meta.json into `out`."""
+    import h5py
+
+    out.mkdir(parents=True, exist_ok=True)
+    epochs.to_csv(out / "epochs.csv", index=False)
+    if importlib.util.find_spec("pyarrow") is not None:
+        epochs.to_parquet(out / "epochs.parquet", index=False)
+    tmp = out / f".trace.h5.tmp{os.getpid()}"
+    with h5py.File(tmp, "w") as h5:
+        h5.attrs["meta"] = json.dumps(meta, default=str)
+        for name, frame in (("steps", steps), ("epochs", epochs)):
+            g = h5.create_group(name)
+            for col in frame.columns:
+                values = frame[col].to_numpy()
+                if values.dtype == object:
+                    values = values.astype(str).astype(h5py.string_dtype())
+                g.create_dataset(col, data=values)
+        g = h5.create_group("decisions")
+        for k, v in decisions.items():
+            g.create_dataset(k, data=v)
+        g.attrs["history_json"] = json.dumps(list(history), default=_jsonable)
+    os.replace(tmp, out / "trace.h5")
+    (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+@dataclasses.dataclass
+class RunData:
+    """A finished run read back from its directory."""
+
+    path: Path
+    meta: dict[str, Any]
+    steps: pd.DataFrame
+    epochs: pd.DataFrame
+    decisions: dict[str, np.ndarray]
+    history: list[dict[str, Any]]
+
+
+def read_run(run_dir: str | os.PathLike) -> RunData:
+    """Load `run_dir` (written by `RunLog.finish`); raises FileNotFoundError naming what is missing."""
+    import h5py
+
+    path = Path(run_dir)
+    trace = path / "trace.h5"
+    if not trace.is_file():
+        raise FileNotFoundError(f"{trace} not found: is {path} the OUT directory of a finished run?")
+    with h5py.File(trace, "r") as h5:
+        meta = json.loads(h5.attrs["meta"])
+        frames = {}
+        for name in ("steps", "epochs"):
+            frames[name] = pd.DataFrame({k: (v[()].astype(str) if v.dtype.kind in "OS" else v[()])
+                                         for k, v in h5[name].items()})
+        decisions = {k: v[()] for k, v in h5["decisions"].items()}
+        history = json.loads(h5["decisions"].attrs["history_json"])
+    epochs = pd.read_csv(path / "epochs.csv") if (path / "epochs.csv").is_file() else frames["epochs"]
+    return RunData(path, meta, frames["steps"], epochs, decisions, history)

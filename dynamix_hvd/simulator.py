@@ -1,0 +1,587 @@
+"""A simulated synchronous data-parallel cluster with the live controller's exact interface.
+
+Pure NumPy/PyTorch: no MPI, no Horovod. The simulator produces, per decision interval, what the live
+controller (:mod:`dynamix_hvd.controller`) sees: one :class:`~dynamix_hvd.state.RankReport` per rank and
+a :class:`~dynamix_hvd.state.GlobalContext`; observations come from :func:`state.build_observation`,
+rewards from :func:`reward.compute_reward` (reference = the first interval's goodput), the noise scale and
+efficiency from the same :class:`~dynamix_hvd.noise_scale.GradientStatistics` fed step by step with the
+same per-step squared gradient norms, and actions go through :func:`actions.apply_actions` with
+:class:`~dynamix_hvd.actions.BatchBounds` (memory bounds learned from peak memory on "GPU" clusters, from
+out-of-memory failures on "CPU" ones). So a policy trained here sees the same numbers at run time.
+
+Models (all vectorised over ranks and steps; 1024 ranks are fine):
+
+* compute of rank i per step: ``(alpha_i + beta_i * b_i) * slow_i * lognormal(jitter)``; ``slow_i`` can
+  drift mid-run (``drift``: at a progress fraction a rank slows by a factor, e.g. 2x);
+* data loading: ``data_s + data_s_per_sample * b_i``;
+* ring allreduce: ``T_net = 2 (R-1) latency + 2 (R-1)/R * model_bytes / (bandwidth / (1 + load))``, where
+  the background load (contention) fluctuates per interval and causes TCP retransmits;
+* synchronous step (Pollux, overlap exponent ``gamma``):
+  ``T_sync = (max_i arrival_i ** gamma + T_net ** gamma) ** (1 / gamma)``, arrival = data + compute;
+  rank i waits ``T_sync - arrival_i`` in allreduce; the step ends after the optimizer update;
+* memory: peak bytes = ``mem_base + mem_per_sample * b``; a batch above capacity fails (OOM): the step is
+  redone smaller, as the live optimizer does;
+* statistics: progress is measured in reference-batch-equivalent samples, one step adds
+  ``B * (phi + B_ref) / (phi + B)`` (Pollux efficiency). The noise scale ``phi`` grows geometrically from
+  ``phi_start`` to ``phi_end`` as progress goes from 0 to the target, the true gradient's squared norm
+  falls from ``grad_sq_start`` to ``grad_sq_end``, and per-rank gradients are simulated in
+  ``grad_dims`` dimensions (mean + noise of covariance trace ``phi * |G|^2 / b_i``), which gives the
+  per-step local/global squared norms the controller's estimator uses;
+* loss: ``loss_end + (loss_start - loss_end) * exp(-loss_rate * p)`` plus sampling noise; when the
+  global batch (hence, through the LR rule, the learning rate) jumps up, the loss spikes by
+  ``spike_coef * log2(lr ratio)`` (decaying over ``spike_steps``) and progress slows meanwhile.
+
+An episode is a training run from ``start_progress`` until the statistical target or ``max_decisions``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .actions import ActionSpace, BatchBounds, apply_actions
+from .lr_scaling import lr_factor
+from .noise_scale import GradientStatistics, StatsConfig
+from .policy import BatchSizePolicy, DecisionInput
+from .reward import RewardConfig, compute_reward, global_throughput
+from .state import GlobalContext, RankReport, build_observation
+
+
+@dataclass
+class ClusterSpec:
+    """One concrete simulated job (cluster + workload). Per-rank fields are lists, one entry per rank."""
+
+    alpha_s: list[float]
+    """Fixed compute time per step of each rank (s): kernel launches, small layers."""
+    beta_s: list[float]
+    """Compute time per sample of each rank (s)."""
+    initial_batch: list[int]
+    """The user's static local batch sizes (the reference configuration)."""
+    mem_base_bytes: list[float] = field(default_factory=list)
+    """Memory in use at batch 0 (weights, optimizer state); empty: 1 GB on every rank."""
+    mem_per_sample_bytes: list[float] = field(default_factory=list)
+    """Activation memory per sample; empty: 20 MB on every rank."""
+    mem_total_bytes: list[float] = field(default_factory=list)
+    """Device memory of each rank; empty: 16 GB on every rank."""
+    gpu: bool = True
+    """True: memory bounds learned from peak memory (as on CUDA); False: from OOM failures (as on CPU)."""
+    net_latency_s: float = 5e-6
+    """Latency of one ring-allreduce hop (s)."""
+    model_bytes: float = 4e6
+    """Gradient bytes allreduced per step."""
+    bandwidth_Bps: float = 1.25e9
+    """Link bandwidth in bytes/s."""
+    contention: float = 0.0
+    """Mean background network load (fraction of bandwidth used by others, 0 = idle network)."""
+    gamma: float = 1.0
+    """Pollux overlap exponent: 1 = compute and allreduce add up, large = fully overlapped."""
+    data_s: float = 1e-4
+    """Data-loading time per step (s)."""
+    data_s_per_sample: float = 0.0
+    """Data-loading time per sample (s)."""
+    optimizer_s: float = 2e-4
+    """Optimizer update time per step (s)."""
+    jitter: float = 0.05
+    """Log-normal sigma of per-step compute-time noise."""
+    drift: list[tuple[float, int, float]] = field(default_factory=list)
+    """Speed changes: (progress fraction, rank, factor), e.g. (0.5, 3, 2.0) = rank 3 twice as slow from half-way."""
+    phi_start: float = 200.0
+    """Gradient noise scale at the start of training (samples)."""
+    phi_end: float = 2000.0
+    """Gradient noise scale at the target (grows geometrically with progress)."""
+    grad_sq_start: float = 1.0
+    """Squared norm of the true gradient at the start."""
+    grad_sq_end: float = 0.05
+    """... at the target."""
+    grad_dims: int = 16
+    """Dimensions of the simulated gradient vectors (more = less noisy norm estimates)."""
+    loss_start: float = 2.3
+    """Loss at the start of training."""
+    loss_end: float = 0.3
+    """Loss approached at the target."""
+    loss_rate: float = 3.0
+    """Exponential decay rate of the loss with progress."""
+    loss_noise: float = 1.0
+    """Per-sample relative loss std (a rank's mean loss has std loss * loss_noise / sqrt(b))."""
+    spike_coef: float = 0.3
+    """Relative loss spike per doubling of the learning rate caused by a global-batch increase."""
+    spike_steps: float = 5.0
+    """Decay time of a loss spike (steps)."""
+    spike_progress_cost: float = 0.5
+    """Fraction of a step's progress lost per unit of current spike (capped at 90%)."""
+    lr_rule: str = "sqrt"
+    """How the learning rate follows the global batch (see :mod:`dynamix_hvd.lr_scaling`)."""
+    ref_batch: int = 0
+    """B_ref of the progress unit; 0 = the initial global batch."""
+    target_progress: float = 2e5
+    """Statistical progress (B_ref-equivalent samples) that ends training."""
+    dataset_size: int = 50_000
+    """Samples per epoch (for the epoch-based progress feature)."""
+    total_epochs: int = 0
+    """Training budget for the progress feature (as ControllerConfig.total_epochs); 0: target at B_ref."""
+    steps_per_decision: int = 20
+    """Optimizer steps per decision interval (ControllerConfig.decide_every_steps)."""
+    max_decisions: int = 2000
+    """Decisions after which an episode stops even if the target was not reached."""
+    min_batch: int = 1
+    """Smallest local batch (ControllerConfig.min_batch)."""
+    max_batch: int = 1024
+    """Largest local batch (ControllerConfig.max_batch)."""
+    oom_penalty_s: float = 0.0
+    """Extra time lost per out-of-memory failure beyond the redone step (s)."""
+    name: str = "cluster"
+    """Free-form label (workload family, calibration source)."""
+
+    def __post_init__(self) -> None:
+        R = len(self.alpha_s)
+        if R < 1 or len(self.beta_s) != R or len(self.initial_batch) != R:
+            raise ValueError(f"alpha_s, beta_s, initial_batch need one entry per rank (got {len(self.alpha_s)}, "
+                             f"{len(self.beta_s)}, {len(self.initial_batch)})")
+        for name, default in (("mem_base_bytes", 1e9), ("mem_per_sample_bytes", 2e7), ("mem_total_bytes", 16e9)):
+            value = getattr(self, name)
+            if len(value) == 0:
+                setattr(self, name, [default] * R)
+            elif len(value) != R:
+                raise ValueError(f"{name} needs {R} entries, got {len(value)}")
+        if min(self.alpha_s) < 0 or min(self.beta_s) <= 0:
+            raise ValueError("alpha_s must be >= 0 and beta_s > 0")
+        if not (self.phi_start > 0 and self.phi_end > 0 and self.target_progress > 0 and self.gamma >= 1):
+            raise ValueError("phi_start, phi_end, target_progress must be > 0 and gamma >= 1")
+        if self.steps_per_decision < 1 or self.grad_dims < 1:
+            raise ValueError("steps_per_decision and grad_dims must be >= 1")
+        if not 1 <= self.min_batch <= min(self.initial_batch) or max(self.initial_batch) > self.max_batch:
+            raise ValueError(f"initial_batch {self.initial_batch[:8]} outside [{self.min_batch}, {self.max_batch}]")
+        self.drift = [tuple(d) for d in self.drift]  # type: ignore[misc]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.alpha_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (provenance); :meth:`from_dict` inverts it."""
+        return {k: (list(map(list, v)) if k == "drift" else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ClusterSpec":
+        return cls(**d)
+
+
+@dataclass
+class EpisodeResult:
+    """Outcome of one simulated training run under one policy."""
+
+    time_to_target_s: float
+    """Simulated wall time until the statistical target (inf if it was not reached)."""
+    wall_s: float
+    """Simulated wall time of the whole episode."""
+    decisions: int
+    reached: bool
+    mean_reward: float
+    """Mean over decisions and ranks of the controller's reward."""
+    mean_goodput_ratio: float
+    """Mean over decisions of goodput / goodput of the optimum for the same moment."""
+    final_sizes: list[int]
+    ooms: int
+
+
+class ClusterSimulator:
+    """One simulated job; ``reset()`` then ``step(actions)`` (PPO) or :meth:`run_policy` (any policy)."""
+
+    def __init__(self, spec: ClusterSpec, reward: Optional[RewardConfig] = None,
+                 actions: Optional[ActionSpace] = None, stats: Optional[StatsConfig] = None, seed: int = 0) -> None:
+        self.spec = spec
+        self.reward_cfg = reward or RewardConfig()
+        self.actions = actions or ActionSpace()
+        self.stats_cfg = stats or StatsConfig()
+        self.rng = np.random.default_rng(seed)
+        s = spec
+        self.R = s.world_size
+        self.alpha = np.asarray(s.alpha_s, dtype=np.float64)
+        self.beta = np.asarray(s.beta_s, dtype=np.float64)
+        self.mem_base = np.asarray(s.mem_base_bytes, dtype=np.float64)
+        self.mem_ps = np.asarray(s.mem_per_sample_bytes, dtype=np.float64)
+        self.mem_total = np.asarray(s.mem_total_bytes, dtype=np.float64)
+        self.capacity = np.maximum(np.floor((self.mem_total - self.mem_base) / self.mem_ps), 0).astype(np.int64)
+        self.ref_batch = float(s.ref_batch or sum(s.initial_batch))
+        self.total_epochs = s.total_epochs or max(1, math.ceil(s.target_progress / s.dataset_size))
+        self.reset()
+
+    # --- true physics ----------------------------------------------------------------------------
+    def phi(self, p: Optional[float] = None) -> float:
+        """True noise scale at progress fraction ``p`` (default: now)."""
+        p = min(1.0, self.progress / self.spec.target_progress) if p is None else p
+        return self.spec.phi_start * (self.spec.phi_end / self.spec.phi_start) ** p
+
+    def net_time(self, load: float = 0.0) -> float:
+        """Expected ring-allreduce time per step (0 on one rank)."""
+        R, s = self.R, self.spec
+        if R == 1:
+            return 0.0
+        return 2 * (R - 1) * s.net_latency_s + 2 * (R - 1) / R * s.model_bytes * (1 + load) / s.bandwidth_Bps
+
+    def expected_step_time(self, sizes: np.ndarray, load: Optional[float] = None) -> np.ndarray:
+        """Noise-free step time of per-rank sizes ``[..., R]`` with the current speeds."""
+        s = self.spec
+        b = np.asarray(sizes, dtype=np.float64)
+        arrival = s.data_s + s.data_s_per_sample * b + (self.alpha + self.beta * b) * self.slow
+        net = self.net_time(s.contention if load is None else load)
+        g = s.gamma
+        return (arrival.max(axis=-1) ** g + net ** g) ** (1 / g) + s.optimizer_s
+
+    def goodput(self, sizes: np.ndarray, phi: Optional[float] = None) -> np.ndarray:
+        """Expected progress per second of sizes ``[..., R]`` (B_ref-equivalent samples per second)."""
+        B = np.asarray(sizes, dtype=np.float64).sum(axis=-1)
+        phi = self.phi() if phi is None else phi
+        return B * (phi + self.ref_batch) / (phi + B) / self.expected_step_time(sizes)
+
+    def optimum_sizes(self, caps: Optional[np.ndarray] = None, grid: int = 400) -> list[int]:
+        """Goodput-maximising per-rank sizes for the current speeds and true noise scale, within
+        ``[min_batch, caps]`` (default: the true memory capacities). For a fixed slowest-arrival time
+        every rank should take the largest batch that arrives in time (goodput grows with B at fixed
+        step time), so a search over that time on a log grid plus a local refinement finds it."""
+        s = self.spec
+        caps = np.minimum(self.capacity, s.max_batch) if caps is None else np.asarray(caps)
+        caps = np.maximum(caps, s.min_batch)
+        per_sample = self.beta * self.slow + s.data_s_per_sample
+        fixed = self.alpha * self.slow + s.data_s
+        t_lo, t_hi = float((fixed + per_sample * s.min_batch).max()), float((fixed + per_sample * caps).max())
+
+        def fill(times: np.ndarray) -> np.ndarray:
+            b = np.floor((times[:, None] - fixed) / per_sample * (1 + 1e-12))
+            return np.clip(b, s.min_batch, caps)
+
+        times = np.geomspace(t_lo, max(t_hi, t_lo * (1 + 1e-9)), grid)
+        cands = fill(times)
+        g = self.goodput(cands)
+        k = int(np.argmax(g))
+        fine = np.linspace(times[max(k - 1, 0)], times[min(k + 1, grid - 1)], 64)
+        cands = np.concatenate([cands, fill(fine)])
+        g = self.goodput(cands)
+        return cands[int(np.argmax(g))].astype(np.int64).tolist()
+
+    # --- episode ---------------------------------------------------------------------------------
+    def reset(self, start_progress: float = 0.0) -> torch.Tensor:
+        """Start a run at progress fraction ``start_progress`` with the initial sizes; simulates the first
+        interval (the reference) and returns its observation ``[R, OBS_DIM]``."""
+        s = self.spec
+        self.slow = np.ones(self.R)
+        self.progress = float(start_progress) * s.target_progress
+        self.samples_seen = self.progress  # epoch counter for the progress feature
+        for frac, rank, factor in s.drift:
+            if frac <= start_progress:
+                self.slow[int(rank)] *= factor
+        self._drift_done = [frac <= start_progress for frac, _, _ in s.drift]
+        self.bounds = BatchBounds(self.R, s.min_batch, s.max_batch)
+        self.stats = GradientStatistics(self.stats_cfg)
+        self.sizes = [self.bounds.clip(r, b) for r, b in enumerate(s.initial_batch)]
+        self.base_batch = sum(self.sizes)
+        self.wall_s, self.decisions, self.ooms = 0.0, 0, 0
+        self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
+        self._spike = 0.0
+        self._load = s.contention
+        self.ref_goodput = self.ref_tput = 0.0
+        self.prev_loss = math.nan
+        self.prev_sizes: Optional[list[int]] = None
+        self.last_reward: Optional[torch.Tensor] = None
+        self.done = False
+        self._interval()
+        return self.obs
+
+    def _interval(self) -> None:
+        """Run ``steps_per_decision`` steps at ``self.sizes`` and build reports, context, reward, obs."""
+        s, R, k = self.spec, self.R, self.spec.steps_per_decision
+        rng = self.rng
+        self._oom_check()
+        b = np.asarray(self.sizes, dtype=np.float64)
+        B = float(b.sum())
+        # network load: log-normal fluctuation around the mean contention
+        self._load = s.contention * float(np.exp(rng.normal(0.0, 0.5))) if s.contention > 0 else 0.0
+        compute = (self.alpha + self.beta * b) * self.slow * np.exp(rng.normal(0.0, s.jitter, (k, R)))
+        data = (s.data_s + s.data_s_per_sample * b) * np.exp(rng.normal(0.0, 0.1, (k, R)))
+        arrival = data + compute
+        net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
+        sync_end = (arrival.max(axis=1) ** s.gamma + net ** s.gamma) ** (1.0 / s.gamma)
+        step_s = sync_end + s.optimizer_s
+        wait = sync_end[:, None] - arrival
+        # statistics, progress, loss: step by step (progress moves phi and |G|^2)
+        t = np.arange(k)
+        spike = self._spike * np.exp(-t / s.spike_steps)
+        self._spike = float(spike[-1] * math.exp(-1.0 / s.spike_steps))
+        frac0 = min(1.0, self.progress / s.target_progress)
+        phi = s.phi_start * (s.phi_end / s.phi_start) ** frac0
+        gain = B * (phi + self.ref_batch) / (phi + B)
+        dprog = gain * (1.0 - np.minimum(0.9, s.spike_progress_cost * spike))
+        prog = self.progress + np.concatenate([[0.0], np.cumsum(dprog)[:-1]])
+        frac = np.minimum(1.0, prog / s.target_progress)
+        phi_t = s.phi_start * (s.phi_end / s.phi_start) ** frac
+        g2 = s.grad_sq_start * (s.grad_sq_end / s.grad_sq_start) ** frac
+        local_sq, global_sq = self._grad_norms(b, phi_t, g2)
+        loss_true = (s.loss_end + (s.loss_start - s.loss_end) * np.exp(-s.loss_rate * frac)) * (1.0 + spike)
+        losses = loss_true[:, None] * (1.0 + s.loss_noise * rng.normal(0.0, 1.0, (k, R)) / np.sqrt(b))
+        batches = [int(x) for x in self.sizes]
+        w = b / B
+        record = getattr(self.stats, "record", self.stats.update)  # record(): batched, same result as update()
+        step_loss = losses @ w
+        for j in range(k):
+            record(batches, local_sq[j], global_sq[j], float(step_loss[j]))
+        # clocks and progress
+        self.wall_s += float(step_s.sum()) + self._oom_time
+        if math.isinf(self.time_to_target) and self.progress + dprog.sum() >= s.target_progress:
+            cum = self.progress + np.cumsum(dprog)
+            j = int(np.argmax(cum >= s.target_progress))
+            self.time_to_target = self.wall_s - float(step_s[j + 1:].sum())
+        self.progress += float(dprog.sum())
+        self.samples_seen += B * k
+        self._apply_drift()
+        # reports, exactly the fields the controller's ranks send
+        mem_used = self.mem_base + self.mem_ps * b
+        mean_step = float(step_s.mean())
+        comp_m, wait_m, data_m = compute.mean(0), wait.mean(0), data.mean(0)
+        net_bps = (2 * (R - 1) / R * s.model_bytes / mean_step) if R > 1 else 0.0
+        retrans = float(rng.poisson(50.0 * self._load * self._load)) / (k * mean_step) if self._load > 0 else 0.0
+        busy = (comp_m + data_m) / mean_step
+        cpu = busy if not s.gpu else np.clip(0.15 + 0.2 * data_m / mean_step + rng.normal(0, 0.02, R), 0, 1)
+        gpu = np.clip(comp_m / mean_step, 0, 1) if s.gpu else np.full(R, math.nan)
+        loss_mean = losses.mean(0)
+        ls_m, gs_m = local_sq.mean(0), float(global_sq.mean())
+        upper = [self.bounds.upper(r) for r in range(R)]
+        self.reports = [RankReport(
+            rank=r, local_batch=batches[r], steps=k, compute_s=float(comp_m[r]), sync_wait_s=float(wait_m[r]),
+            data_wait_s=float(data_m[r]), step_s=mean_step, samples_per_s=batches[r] / mean_step,
+            peak_memory_bytes=int(mem_used[r]), mem_used_bytes=int(mem_used[r]), mem_total_bytes=int(self.mem_total[r]),
+            cpu_util=float(cpu[r]), gpu_util=float(gpu[r]), net_bytes_per_s=net_bps, tcp_retrans_per_s=retrans,
+            loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r])
+            for r in range(R)]
+        self._decide_state()
+
+    def _grad_norms(self, b: np.ndarray, phi_t: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-step squared norms of each rank's local mean gradient ``[k, R]`` and of the global one ``[k]``."""
+        k, R, D = len(phi_t), self.R, self.spec.grad_dims
+        noise_sd = np.sqrt(phi_t[:, None] * g2[:, None] / (b[None, :] * D))  # per dimension, [k, R]
+        n = self.rng.standard_normal((k, R, D)) * noise_sd[:, :, None]
+        mean = np.zeros(D)
+        mean[0] = 1.0
+        G = np.sqrt(g2)[:, None] * mean[None, :]                              # [k, D]
+        local = G[:, None, :] + n
+        glob = G + np.einsum("krd,r->kd", n, b / b.sum())
+        return (local ** 2).sum(-1), (glob ** 2).sum(-1)
+
+    def _oom_check(self) -> None:
+        """Sizes above a rank's memory capacity fail; the live optimizer redoes the step smaller and the
+        controller lowers that rank's bound (``BatchBounds.record_oom``)."""
+        self._oom_time = 0.0
+        for _ in range(8):
+            failed = [r for r, bb in enumerate(self.sizes) if bb > self.capacity[r]]
+            if not failed:
+                return
+            self.ooms += len(failed)
+            self._oom_time += float(self.expected_step_time(np.asarray(self.sizes))) + self.spec.oom_penalty_s
+            for r in failed:
+                self.sizes[r] = min(self.sizes[r], self.bounds.record_oom(r, self.sizes[r]))
+
+    def _apply_drift(self) -> None:
+        frac = self.progress / self.spec.target_progress
+        for i, (at, rank, factor) in enumerate(self.spec.drift):
+            if not self._drift_done[i] and frac >= at:
+                self.slow[int(rank)] *= factor
+                self._drift_done[i] = True
+
+    def _decide_state(self) -> None:
+        """What ``DynamixController._decide_on_root`` computes from the reports (same order, same rules)."""
+        s, reports, sizes = self.spec, self.reports, list(self.sizes)
+        if s.gpu:  # memory_kind "cuda": bounds fitted from peak memory
+            for r in reports:
+                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
+        B = sum(sizes)
+        efficiency = float(self.stats.efficiency_at(B))
+        weighted = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
+        loss = sum(l * b for l, b in weighted) / sum(b for _, b in weighted) if weighted else math.nan
+        loss_change = (loss - self.prev_loss) / abs(self.prev_loss) if self.prev_loss else math.nan
+        epochs_done = int(self.samples_seen // s.dataset_size)
+        progress = min(1.0, epochs_done / self.total_epochs)
+        self.ctx = GlobalContext(global_batch=B, base_batch=self.base_batch, noise_scale=self.stats.noise_scale,
+                                 efficiency=efficiency, loss_trend=loss_change, progress=progress, world_size=len(sizes))
+        tput = global_throughput(reports)
+        eff = efficiency if math.isfinite(efficiency) else 1.0
+        if self.ref_goodput == 0.0:
+            self.ref_goodput, self.ref_tput = tput * eff, tput
+        self.last_reward = None
+        if self.prev_sizes is not None:
+            self.last_reward = compute_reward(self.reward_cfg, reports, eff, self.ref_goodput, self.ref_tput,
+                                              loss_change, math.nan, self.prev_sizes, sizes)
+        self.obs = build_observation(reports, self.ctx)
+        self.prev_sizes, self.prev_loss = sizes, loss
+        self.decisions += 1
+        self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
+
+    # --- acting ----------------------------------------------------------------------------------
+    def decision_input(self) -> DecisionInput:
+        """What a live policy is handed at this decision (reward of the previous decision included)."""
+        return DecisionInput(self.obs, self.reports, self.ctx, list(self.sizes), self.bounds, self.last_reward)
+
+    def step_sizes(self, sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
+        """Apply new per-rank sizes (clipped to the bounds), simulate the next interval; returns
+        ``(obs, reward [R] earned by this change, done, info)``."""
+        if len(sizes) != self.R:
+            raise ValueError(f"{len(sizes)} sizes for {self.R} ranks")
+        self.sizes = [self.bounds.clip(r, int(b)) for r, b in enumerate(sizes)]
+        old_B, new_B = sum(self.prev_sizes or self.sizes), sum(self.sizes)
+        if new_B > old_B:  # a larger global batch raises the LR through the LR rule: loss spike
+            ratio = (lr_factor(self.spec.lr_rule, new_B, old_B) if self.spec.lr_rule != "adascale"
+                     else math.sqrt(new_B / old_B))
+            self._spike += self.spec.spike_coef * max(0.0, math.log2(max(ratio, 1.0)))
+        self._interval()
+        assert self.last_reward is not None
+        info = {"sizes": list(self.sizes), "wall_s": self.wall_s, "progress": self.progress / self.spec.target_progress}
+        return self.obs, self.last_reward, self.done, info
+
+    def step(self, actions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
+        """Apply one action index per rank through :func:`actions.apply_actions` (see :meth:`step_sizes`)."""
+        return self.step_sizes(apply_actions(self.actions, self.bounds, self.sizes, [int(a) for a in actions]))
+
+    def goodput_ratio(self, sizes: Optional[Sequence[int]] = None) -> float:
+        """Expected goodput of ``sizes`` (default: current) / that of :meth:`optimum_sizes`, now."""
+        caps = np.array([self.bounds.upper(r) for r in range(self.R)])
+        best = float(self.goodput(np.asarray(self.optimum_sizes(np.minimum(caps, self.capacity)))))
+        return float(self.goodput(np.asarray(self.sizes if sizes is None else sizes))) / best
+
+    def run_policy(self, policy: BatchSizePolicy, start_progress: float = 0.0,
+                   track_optimum: bool = True) -> EpisodeResult:
+        """Drive any live policy exactly as the controller does until the episode ends."""
+        self.reset(start_progress)
+        rewards, ratios = [], []
+        while not self.done:
+            out = policy.decide(self.decision_input())
+            policy.after_decision()
+            self.step_sizes(out.sizes)
+            rewards.append(float(self.last_reward.mean()))
+            if track_optimum:
+                ratios.append(self.goodput_ratio())
+        return self.result(rewards, ratios)
+
+    def run_oracle(self, start_progress: float = 0.0) -> EpisodeResult:
+        """Set the goodput-optimal sizes (true speeds, noise scale, learned bounds) at every decision."""
+        self.reset(start_progress)
+        rewards = []
+        while not self.done:
+            caps = np.minimum([self.bounds.upper(r) for r in range(self.R)], self.capacity)
+            self.step_sizes(self.optimum_sizes(caps))
+            rewards.append(float(self.last_reward.mean()))
+        return self.result(rewards, [1.0])
+
+    def result(self, rewards: Sequence[float], ratios: Sequence[float]) -> EpisodeResult:
+        return EpisodeResult(time_to_target_s=self.time_to_target, wall_s=self.wall_s, decisions=self.decisions,
+                             reached=math.isfinite(self.time_to_target),
+                             mean_reward=float(np.mean(rewards)) if len(rewards) else 0.0,
+                             mean_goodput_ratio=float(np.mean(ratios)) if len(ratios) else math.nan,
+                             final_sizes=list(self.sizes), ooms=self.ooms)
+
+
+# --- randomised clusters and workloads -------------------------------------------------------------
+#: Per-family ranges: (low, high) are drawn log-uniformly unless noted.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # small dense nets on CPUs or small GPUs: cheap samples, fixed costs and the allreduce dominate
+    "mlp": dict(beta=(2e-6, 6e-5), alpha=(3e-4, 4e-3), model_bytes=(1e5, 8e6), phi_growth=(2.0, 20.0),
+                spike=(0.1, 0.3), gpu_prob=0.3, loss=(2.3, 0.2), epochs=(3, 30)),
+    # convolutional nets on GPUs: expensive samples, big activations, moderate models
+    "cnn": dict(beta=(1e-4, 4e-3), alpha=(2e-3, 2e-2), model_bytes=(1e7, 2e8), phi_growth=(3.0, 30.0),
+                spike=(0.1, 0.4), gpu_prob=0.9, loss=(2.3, 0.1), epochs=(5, 40)),
+    # transformers / language models: per-sequence cost, large models, Adam-style LR sensitivity
+    "transformer": dict(beta=(5e-4, 2e-2), alpha=(5e-3, 3e-2), model_bytes=(2e7, 5e8), phi_growth=(5.0, 50.0),
+                        spike=(0.3, 0.8), gpu_prob=0.9, loss=(4.5, 1.2), epochs=(1, 10)),
+}
+
+
+@dataclass
+class ScenarioConfig:
+    """Distribution of simulated jobs that :func:`sample_cluster` draws from (the pretraining curriculum)."""
+
+    families: tuple[str, ...] = ("mlp", "cnn")
+    """Workload families (keys of FAMILIES) drawn uniformly."""
+    world_sizes: tuple[int, ...] = (1, 2, 2, 3, 4, 4, 8, 16, 32)
+    """World sizes drawn uniformly (repeat a value to weight it)."""
+    base_batches: tuple[int, ...] = (8, 16, 32, 64, 128)
+    """Initial local batch of a rank (the user's static choice)."""
+    unequal_prob: float = 0.3
+    """Chance that the initial local batches differ per rank (x0.5..x2)."""
+    speed_sigma: tuple[float, float] = (0.0, 0.6)
+    """Log-normal sigma of per-rank speed differences (uniform range)."""
+    straggler_prob: float = 0.3
+    """Chance of one rank slower by x1.5..4 from the start."""
+    drift_prob: float = 0.3
+    """Chance that one rank slows x1.5..3 part-way through training."""
+    phi_vs_batch: tuple[float, float] = (0.125, 8.0)
+    """Initial noise scale relative to the initial global batch (log-uniform)."""
+    bandwidth_Bps: tuple[float, float] = (1e8, 1.25e10)
+    """Link bandwidth range (log-uniform)."""
+    latency_s: tuple[float, float] = (1e-6, 5e-5)
+    """Allreduce hop latency range (log-uniform)."""
+    contention_prob: float = 0.4
+    """Chance of background network load (0.1..2 x the job's own traffic)."""
+    overlap_prob: float = 0.5
+    """Chance of compute/allreduce overlap (gamma in 1..4 instead of 1)."""
+    capacity_vs_batch: tuple[float, float] = (2.0, 64.0)
+    """Memory capacity relative to the initial local batch (log-uniform)."""
+    jitter: tuple[float, float] = (0.02, 0.25)
+    """Per-step compute noise sigma (uniform)."""
+    steps_per_decision: tuple[int, ...] = (10, 20, 50)
+    """Decision interval choices."""
+    static_decisions: tuple[float, float] = (30.0, 300.0)
+    """Length of a run under the static sizes, in decisions (log-uniform): sets the statistical target."""
+    max_batch: int = 1024
+    """ControllerConfig.max_batch of the simulated jobs."""
+
+
+def _logu(rng: np.random.Generator, lo: float, hi: float, size: Any = None) -> Any:
+    return np.exp(rng.uniform(math.log(lo), math.log(hi), size))
+
+
+def sample_cluster(rng: np.random.Generator, cfg: Optional[ScenarioConfig] = None,
+                   world_size: Optional[int] = None, family: Optional[str] = None) -> ClusterSpec:
+    """Draw one simulated job from the scenario distribution."""
+    cfg = cfg or ScenarioConfig()
+    fam_name = family or str(rng.choice(cfg.families))
+    fam = FAMILIES[fam_name]
+    R = int(world_size or rng.choice(cfg.world_sizes))
+    b0 = int(rng.choice(cfg.base_batches))
+    init = np.full(R, b0)
+    if R > 1 and rng.random() < cfg.unequal_prob:
+        init = np.maximum(1, np.rint(b0 * _logu(rng, 0.5, 2.0, R))).astype(int)
+    speed = np.exp(rng.normal(0.0, rng.uniform(*cfg.speed_sigma), R))
+    if R > 1 and rng.random() < cfg.straggler_prob:
+        speed[rng.integers(R)] /= rng.uniform(1.5, 4.0)
+    beta = float(_logu(rng, *fam["beta"])) / speed
+    alpha = float(_logu(rng, *fam["alpha"])) / speed
+    gpu = bool(rng.random() < fam["gpu_prob"])
+    cap = np.maximum(init + 1, np.rint(init * _logu(rng, *cfg.capacity_vs_batch, R)))
+    mem_total = np.full(R, float(rng.choice([16e9, 24e9, 40e9, 80e9]) if gpu else 64e9))
+    mem_base = mem_total * rng.uniform(0.05, 0.3)
+    mem_ps = (mem_total - mem_base) / cap
+    B0 = int(init.sum())
+    phi0 = B0 * float(_logu(rng, *cfg.phi_vs_batch))
+    steps_per_decision = int(rng.choice(cfg.steps_per_decision))
+    target = float(_logu(rng, *cfg.static_decisions)) * steps_per_decision * B0
+    epochs = int(rng.integers(fam["epochs"][0], fam["epochs"][1] + 1))
+    dataset = max(1, math.ceil(target / epochs))
+    drift: list[tuple[float, int, float]] = []
+    if R > 1 and rng.random() < cfg.drift_prob:
+        drift.append((float(rng.uniform(0.1, 0.7)), int(rng.integers(R)), float(rng.uniform(1.5, 3.0))))
+    loss0, loss1 = fam["loss"]
+    return ClusterSpec(
+        alpha_s=alpha.tolist(), beta_s=beta.tolist(), initial_batch=init.tolist(),
+        mem_base_bytes=mem_base.tolist(), mem_per_sample_bytes=mem_ps.tolist(), mem_total_bytes=mem_total.tolist(),
+        gpu=gpu, net_latency_s=float(_logu(rng, *cfg.latency_s)), model_bytes=float(_logu(rng, *fam["model_bytes"])),
+        bandwidth_Bps=float(_logu(rng, *cfg.bandwidth_Bps)),
+        contention=float(rng.uniform(0.1, 2.0)) if rng.random() < cfg.contention_prob else 0.0,
+        gamma=float(rng.uniform(1.0, 4.0)) if rng.random() < cfg.overlap_prob else 1.0,
+        data_s=float(_logu(rng, 2e-5, 1e-3)), data_s_per_sample=float(beta.min() * rng.uniform(0.0, 0.3)),
+        optimizer_s=float(_logu(rng, 5e-5, 2e-3)), jitter=float(rng.uniform(*cfg.jitter)), drift=drift,
+        phi_start=phi0, phi_end=phi0 * float(_logu(rng, *fam["phi_growth"])),
+        grad_sq_start=1.0, grad_sq_end=float(_logu(rng, 0.01, 0.3)),
+        loss_start=loss0 * float(rng.uniform(0.8, 1.2)), loss_end=loss1 * float(rng.uniform(0.5, 1.5)),
+        spike_coef=float(rng.uniform(*fam["spike"])), target_progress=target, dataset_size=dataset,
+        total_epochs=epochs, steps_per_decision=steps_per_decision,
+        max_batch=cfg.max_batch, name=fam_name)

@@ -1,0 +1,73 @@
+"""Worker: float64 training with a Checkpointer; optionally SIGTERM one rank at a given step.
+
+Prints RESUMED-FROM <path> when it restarted from a checkpoint; writes rank<R>.json at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import dynamix_hvd as dx
+from dynamix_hvd.checkpoint import Checkpointer
+from dynamix_hvd.data import teacher_classification
+
+EPOCHS = 3
+
+
+class Indexed(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        return (i, *self.base[i])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--sigterm-at", type=int, default=-1, help="global step at which rank 1 gets SIGTERM")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    train, _ = teacher_classification(500, seed=0)
+    data = Indexed(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10))
+    loader = dx.AdaptiveLoader(data, dx.checkpoint.redistribute(32, world), rank, seed=4)
+    opt = dx.WeightedDistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model.named_parameters(),
+                                          loader)
+    controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static"))
+    ckpt = Checkpointer(args.ckpt, model, opt, loader, controller)
+    restored = ckpt.restore()
+    if restored is not None and rank == 0:
+        print(f"RESUMED-FROM {restored} epoch {loader.epoch} step {loader.step}", flush=True)
+    served, global_step = [], loader.epoch * 1000 + loader.step
+    for epoch in range(loader.epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        for idx, x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            served.append({"epoch": epoch, "indices": idx.tolist()})
+            if rank == 1 and epoch * 1000 + loader.step == args.sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({
+        "params": [p.detach().flatten().tolist() for p in model.parameters()], "served": served,
+        "decisions": len(controller.history)}))
+
+
+if __name__ == "__main__":
+    main()
