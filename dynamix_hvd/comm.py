@@ -110,6 +110,13 @@ class ControlChannel:
         self._wait([_BufferRequest(request)], list(range(self.size)), f"agreeing on the {what}")
         return bool(recv[0])
 
+    def rebind(self, rank: int, size: int) -> None:
+        """After an elastic reset (Horovod object collectives only: no MPI world there)."""
+        if self._comm is not None:
+            raise RuntimeError("an MPI control plane cannot change its world; restart from a checkpoint")
+        self.rank, self.size = rank, size
+        self._seq = 0  # collectives are matched by name; a newcomer starts counting at 0 too
+
     def close(self) -> None:
         if self._comm is not None:
             self._comm.Free()

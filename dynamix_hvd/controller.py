@@ -101,16 +101,24 @@ class DynamixController:
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
                                  f"{self.cfg.max_batch}]")
-        if self.rank == 0:
-            self.policy = _make_policy(self.cfg)
-            self.stats = GradientStatistics(self.cfg.stats)
-            self._ref_goodput = self._ref_tput = 0.0
-            self._prev_loss = math.nan
-            self._prev_sizes: list[int] | None = None
-            self._base_batch = loader.global_batch_size
+        # Every rank holds a policy, so that any rank can take over as rank 0 after an elastic reset;
+        # only rank 0's is consulted.
+        self.policy = _make_policy(self.cfg)
+        self.stats = GradientStatistics(self.cfg.stats)
+        self._ref_goodput = self._ref_tput = 0.0
+        self._prev_loss = math.nan
+        self._prev_sizes: list[int] | None = None
+        self._base_batch = loader.global_batch_size
         loader.step_end_callbacks.append(self._on_step_end)
         if hasattr(optimizer, "oom_handler"):
             optimizer.oom_handler = self._shrink_after_oom
+
+    def rebind(self, rank: int, world_size: int) -> None:
+        """Join a new world after an elastic reset (the loader is rebound by its own handler)."""
+        self.channel.rebind(rank, world_size)
+        self.rank = rank
+        if world_size != len(self.bounds.learned_max):
+            self.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch)
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
@@ -255,7 +263,7 @@ class DynamixController:
         same_world = state["world_size"] == self.loader.world_size
         if same_world:
             self.bounds.learned_max = list(state["learned_max"])
-        if self.rank == 0 and "root" in state:
+        if state.get("root") is not None:
             root = state["root"]
             self.policy.load_state_dict(root["policy"])
             if not same_world:

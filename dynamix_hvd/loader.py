@@ -166,8 +166,12 @@ class AdaptiveLoader:
         return {"epoch": self.epoch, "cursor": self._cursor, "step": self._step,
                 "batch_sizes": list(self._sizes), "seed": self.seed, "num_samples": self.num_samples}
 
-    def load_state_dict(self, state: dict[str, Any], batch_sizes: Sequence[int] | None = None) -> None:
-        """Resume mid-epoch; `batch_sizes` may give a new world's sizes (e.g. after a restart)."""
+    def load_state_dict(self, state: dict[str, Any], batch_sizes: Sequence[int] | None = None,
+                        rank: int | None = None) -> None:
+        """Resume mid-epoch; `batch_sizes` (and `rank`) may give a new world's sizes (after a restart
+        or an elastic reset)."""
+        if rank is not None:
+            self.rank = self.tracker.rank = int(rank)
         if state["num_samples"] != self.num_samples:
             raise ValueError(f"checkpoint was taken on {state['num_samples']} samples, this dataset has "
                              f"{self.num_samples}")

@@ -211,6 +211,8 @@ class WeightedDistributedOptimizer:
                              "per-step weighting; call loss.backward() before step()")
         tracker = self.loader.tracker
         tracker.step_started()
+        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
+            self._status = torch.zeros(self.loader.world_size, dtype=torch.float64)
         status = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
         self.synchronize()
         failed = [int(v) for v in hvd.synchronize(status).tolist()]

@@ -1,0 +1,88 @@
+"""Horovod elastic (``horovodrun --gloo --min-np/--max-np --host-discovery-script``) for dynamix_hvd.
+
+`ElasticState` is Horovod's ``TorchState`` plus two state handlers, so the loader position and the
+controller (policy and optimizer weights, rollout buffer, EMA statistics, current batch plan) are
+committed, rolled back and synchronised together with the model and optimizer.
+
+What happens on a world change (Horovod's order): on a failure every survivor rolls back to the last
+commit (`restore`), Horovod re-initialises with the new world, reset callbacks run, then `sync`
+broadcasts rank 0's state. Our handlers act in `sync`, when the new world is known: the loader
+continues its epoch from the committed cursor with the global batch split over the new ranks, and
+the controller rebinds to the new ranks with what it has learned. Steps after the last commit are
+redone (their updates were rolled back too), so no sample is lost or counted twice.
+
+The controller's root state lives on rank 0 only, and rank 0 may be the rank that fails; so every
+commit broadcasts it, and every rank keeps a copy.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import horovod.torch as hvd
+from horovod.torch.elastic.state import StateHandler, TorchState, get_handler_registry, set_handler_registry
+
+from .checkpoint import redistribute
+from .controller import DynamixController
+from .loader import AdaptiveLoader
+
+
+class LoaderStateHandler(StateHandler):
+    def __init__(self, loader: AdaptiveLoader) -> None:
+        super().__init__(loader)
+        self._saved = copy.deepcopy(loader.state_dict())
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        state = hvd.broadcast_object(self.value.state_dict(), root_rank=0, name="dx.elastic.loader")
+        world = hvd.size()
+        sizes = None
+        if len(state["batch_sizes"]) != world:
+            sizes = redistribute(sum(state["batch_sizes"]), world)
+        self.value.load_state_dict(state, batch_sizes=sizes, rank=hvd.rank())
+
+
+class ControllerStateHandler(StateHandler):
+    # No collective in __init__: a worker that joins later constructs its state while the others
+    # are already inside sync(), and a collective only it calls would deadlock the job.
+    def __init__(self, controller: DynamixController) -> None:
+        super().__init__(controller)
+        self._saved = copy.deepcopy(controller.state_dict())
+
+    def save(self) -> None:  # every rank commits together, so this broadcast is matched
+        state = self.value.state_dict()
+        state["root"] = hvd.broadcast_object(state.get("root"), root_rank=0, name="dx.elastic.controller")
+        self._saved = copy.deepcopy(state)
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        self.value.rebind(hvd.rank(), hvd.size())
+        self._saved = hvd.broadcast_object(self._saved, root_rank=0, name="dx.elastic.controller.sync")
+        self.value.load_state_dict(self._saved)
+
+
+set_handler_registry([(AdaptiveLoader, LoaderStateHandler), (DynamixController, ControllerStateHandler),
+                      *[entry for entry in get_handler_registry()
+                        if entry[0] not in (AdaptiveLoader, DynamixController)]])
+
+
+class ElasticState(TorchState):
+    """``TorchState`` over the model, the optimizer, the loader and the controller.
+
+    Pass the `WeightedDistributedOptimizer`; extra keyword arguments are committed like Horovod's.
+    Commit every few steps (``state.commit()``): it copies model and optimizer state to host memory.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, loader: AdaptiveLoader,
+                 controller: DynamixController | None = None, **kwargs: Any) -> None:
+        inner = getattr(optimizer, "_hvd", optimizer)  # Horovod's handler wants a torch.optim.Optimizer
+        extra = {"dx_loader": loader, **({"dx_controller": controller} if controller is not None else {})}
+        super().__init__(model=model, optimizer=inner, **extra, **kwargs)
+
