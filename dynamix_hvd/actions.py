@@ -7,6 +7,7 @@ against batch size (only on CUDA, where the allocator's peak is a per-step measu
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -19,7 +20,9 @@ class ActionSpace:
     """Factor applied to a rank's batch size by each action (must include 1.0 = keep)."""
 
     def __post_init__(self) -> None:
-        if 1.0 not in self.multipliers or any(not m > 0 for m in self.multipliers):
+        ok = all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0
+                 for m in self.multipliers)
+        if not ok or 1.0 not in self.multipliers:
             raise ValueError(f"multipliers {self.multipliers} must be positive and include 1.0 (keep)")
 
     @property

@@ -15,6 +15,7 @@ same number of steps, which is what keeps the collectives matched.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -63,13 +64,27 @@ class ControllerConfig:
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:
+        def integer(name: str, low: int) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ControllerConfig.{name}={value!r}; it must be an integer >= {low}")
+            return value
+
         if self.policy not in ("ppo", "static"):
-            raise ValueError(f"policy={self.policy!r}; choose 'ppo' or 'static'")
-        if isinstance(self.decide_every_steps, bool) or not isinstance(self.decide_every_steps, int) \
-                or self.decide_every_steps < 0:
-            raise ValueError(f"decide_every_steps={self.decide_every_steps!r}; use 0 (every epoch) or k >= 1")
-        if not 1 <= self.min_batch <= self.max_batch:
-            raise ValueError(f"impossible batch bounds: min_batch={self.min_batch}, max_batch={self.max_batch}")
+            raise ValueError(f"ControllerConfig.policy={self.policy!r}; choose 'ppo' or 'static'")
+        if self.policy_file is not None and not isinstance(self.policy_file, (str, os.PathLike)):
+            raise ValueError(f"ControllerConfig.policy_file={self.policy_file!r}; give a policy name, a path or None")
+        if not isinstance(self.learn, bool):
+            raise ValueError(f"ControllerConfig.learn={self.learn!r}; it must be True or False")
+        integer("decide_every_steps", 0)
+        if integer("min_batch", 1) > integer("max_batch", 1):
+            raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
+        if self.total_epochs is not None:
+            integer("total_epochs", 1)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"ControllerConfig.timeout_s={self.timeout_s!r}; it must be a positive number of seconds")
+        ActionSpace(tuple(self.multipliers))  # validates the action set
 
 
 def _make_policy(cfg: ControllerConfig) -> BatchSizePolicy:

@@ -83,7 +83,7 @@ def read_spec(name_or_path: str | os.PathLike, directory: Path | None = None) ->
         meta = json.loads(js.read_text())
     except FileNotFoundError:
         raise PolicyError(f"policy spec {js} not found (a policy is NAME.pt + NAME.json)") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError covers bad JSON and bytes that are not UTF-8
         raise PolicyError(f"policy spec {js} is unreadable: {exc}") from None
     if not isinstance(meta, dict):
         raise PolicyError(f"policy spec {js} must hold a JSON object, not {type(meta).__name__}")
@@ -130,7 +130,7 @@ def list_policies(directory: Path | None = None) -> list[dict[str, Any]]:
     for js in sorted(d.glob("*.json")):
         try:
             meta = json.loads(js.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError):
             meta = {"error": "unreadable"}
         out.append({"name": js.stem, "has_weights": js.with_suffix(".pt").exists(), **meta})
     return out
