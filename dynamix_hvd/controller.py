@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .actions import ActionSpace, BatchBounds
+from .baselines import BASELINES, make_baseline
 from .comm import ControlChannel
 from .loader import AdaptiveLoader
 from .metrics import StepRecord
@@ -37,10 +38,16 @@ from .reward import RewardConfig, compute_reward, global_throughput
 from .state import GlobalContext, RankReport, build_observation
 
 
+POLICY_NAMES = ("ppo", "static", *sorted(BASELINES))
+
+
 @dataclass
 class ControllerConfig:
     policy: str = "ppo"
-    """Decision maker: "ppo" (DYNAMIX) or "static"."""
+    """Decision maker: "ppo" (DYNAMIX), "static", or a classic rule from `dynamix_hvd.baselines`
+    (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
+    policy_kwargs: dict = field(default_factory=dict)
+    """Parameters of a classic rule, e.g. {"end": 512, "ramp": 10} for linear-ramp."""
     policy_file: str | None = None
     """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy."""
     learn: bool = True
@@ -70,8 +77,10 @@ class ControllerConfig:
                 raise ValueError(f"ControllerConfig.{name}={value!r}; it must be an integer >= {low}")
             return value
 
-        if self.policy not in ("ppo", "static"):
-            raise ValueError(f"ControllerConfig.policy={self.policy!r}; choose 'ppo' or 'static'")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"ControllerConfig.policy={self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if not isinstance(self.policy_kwargs, dict):
+            raise ValueError(f"ControllerConfig.policy_kwargs={self.policy_kwargs!r}; it must be a dict")
         if self.policy_file is not None and not isinstance(self.policy_file, (str, os.PathLike)):
             raise ValueError(f"ControllerConfig.policy_file={self.policy_file!r}; give a policy name, a path or None")
         if not isinstance(self.learn, bool):
@@ -90,6 +99,8 @@ class ControllerConfig:
 def _make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     if cfg.policy == "static":
         return StaticPolicy()
+    if cfg.policy in BASELINES:
+        return make_baseline(cfg.policy, **cfg.policy_kwargs)
     actions = ActionSpace(tuple(cfg.multipliers))
     learner = load_policy(cfg.policy_file, actions)[0] if cfg.policy_file else None
     return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
