@@ -3,7 +3,8 @@
 Run: ``python bench/bench_sqnorm_gpu.py [--gib 1.0] [--tensors 160] [--reps 30]``. Builds ~160
 float32 tensors of transformer-like shapes (about 1 GiB) as views of one flat buffer and times, with
 CUDA events (median of ``--reps`` after warm-up): the raw segment kernel on the flat buffer,
-:func:`segment_sq_norms` (the wrapper: offsets cache, output allocation, launch), ``torch._foreach_norm``
+:func:`segment_sq_norms` (the wrapper: offsets cache, output allocation, launch), the prepared
+:class:`SegmentSqNorms`, :func:`multi_tensor_sq_norms` on the views, ``torch._foreach_norm``
 over the views, and ``torch.linalg.vector_norm`` of the flat buffer. Prints TB/s of bytes read and
 the relative error of the total squared norm against a float64 reference. Without a CUDA GPU it
 prints "no CUDA GPU available" and exits 0.
@@ -127,6 +128,7 @@ def main(argv: List[str] | None = None) -> int:
     else:
         print("numba-cuda unusable here (see the debug log); timing torch only")
     cands["segment_sq_norms"] = lambda: sqnorm.segment_sq_norms(flat, offsets)
+    cands["SegmentSqNorms (prepared)"] = sqnorm.SegmentSqNorms(flat, offsets)
     cands["multi_tensor_sq_norms"] = lambda: sqnorm.multi_tensor_sq_norms(views)
     cands["torch._foreach_norm"] = lambda: torch.stack(torch._foreach_norm(views)).double().square()
     cands["vector_norm (flat)"] = lambda: torch.linalg.vector_norm(flat).double().square().reshape(1)

@@ -239,10 +239,10 @@ class StatsConfig:
 
 #: Keys of :meth:`GradientStatistics.snapshot`, all floats; NaN until the quantity is known.
 SNAPSHOT_FIELDS: Dict[str, str] = {
-    "steps": "update() calls accepted (finite inputs)",
+    "steps": "steps recorded (update()/record()) with finite norms and some data",
     "gns_steps": "steps that produced a noise estimate (some rank with 0 < b_i < B)",
-    "skipped_nonfinite": "update() calls ignored because a squared norm was NaN/Inf",
-    "global_batch": "B = sum(b_i) of the last update",
+    "skipped_nonfinite": "steps ignored because a squared norm was NaN/Inf",
+    "global_batch": "B = sum(b_i) of the last step",
     "base_batch": "B0 used for gain and efficiency",
     "grad_sq_global": "last measured |G_B|^2 (biased upward by tr(Sigma)/B)",
     "grad_sq": "smoothed unbiased |G|^2",

@@ -29,7 +29,7 @@ import torch
 
 from .loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, lr_factor
-from .sqnorm import backend_for, segment_sq_norms
+from .sqnorm import SegmentSqNorms, backend_for
 
 
 class FlatGradients:
@@ -54,6 +54,8 @@ class FlatGradients:
             self.buffers.append(buf)
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
             self.members.append(members)
+        # Prepared once per buffer: each call is then a single compiled pass over the buffer.
+        self._norms = [SegmentSqNorms(buf, off) for buf, off in zip(self.buffers, self.offsets)]
         self.attach()
 
     def attach(self) -> None:
@@ -68,8 +70,8 @@ class FlatGradients:
     def sq_norms(self) -> torch.Tensor:
         """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
         out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
-        for buf, offsets, members in zip(self.buffers, self.offsets, self.members):
-            out[members] = segment_sq_norms(buf, offsets).to(out.device)
+        for norms, members in zip(self._norms, self.members):
+            out[members] = norms().to(out.device)
         return out
 
     def zero(self) -> None:

@@ -20,7 +20,6 @@ The data plane keeps every parameter's gradient as a view into one contiguous fl
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple

@@ -86,7 +86,8 @@ _dx_setup() {
   [ -x "$_dx_venv/bin/python" ] || { _dx_log "creating venv $_dx_venv"; python3 -m venv "$_dx_venv"; }
   _dx_log "installing Python dependencies"
   _dx_pip install -q "$_dx_torch" 'numpy<2.5' setuptools wheel \
-    'cmake>=3.13' mpi4py numba numba-cuda pandas h5py psutil pyyaml cloudpickle packaging \
+    'cmake>=3.13' mpi4py numba numba-cuda 'nvidia-cuda-nvrtc==13.*' 'nvidia-nvvm==13.*' \
+    pandas h5py psutil pyyaml cloudpickle packaging \
     pytest pytest-timeout hypothesis
   local torch_v py_v wheel_dir
   torch_v=$("$_dx_venv/bin/python" -c 'import torch; print(torch.__version__)')
