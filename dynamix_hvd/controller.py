@@ -39,6 +39,7 @@ from .state import GlobalContext, RankReport, build_observation
 
 
 POLICY_NAMES = ("ppo", "static", *sorted(BASELINES))
+_BROADCAST_KEYS = ("decision", "epoch", "sizes", "previous_sizes", "lr_gain")
 
 
 @dataclass
@@ -64,6 +65,9 @@ class ControllerConfig:
     """Training budget in epochs, for the progress feature (None: progress stays 0)."""
     timeout_s: float = 120.0
     """Deadline of every control-plane collective."""
+    resource_period_s: float = 1.0
+    """How often a background thread samples CPU, memory and network counters (0: at each decision).
+    Reading them costs milliseconds in some sandboxes, which would otherwise delay every decision."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=lambda: PPOConfig(gamma=0.9, rollout_length=16))
     """PPO settings. gamma 0.9: rewards are O(1) log-ratios per decision, and a shorter horizon keeps
@@ -93,6 +97,9 @@ class ControllerConfig:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
                 or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"ControllerConfig.timeout_s={self.timeout_s!r}; it must be a positive number of seconds")
+        if isinstance(self.resource_period_s, bool) or not isinstance(self.resource_period_s, (int, float)) \
+                or not math.isfinite(self.resource_period_s) or self.resource_period_s < 0:
+            raise ValueError(f"ControllerConfig.resource_period_s={self.resource_period_s!r}; use seconds >= 0")
         ActionSpace(tuple(self.multipliers))  # validates the action set
 
 
@@ -118,7 +125,7 @@ class DynamixController:
             raise ValueError(f"control plane has {self.channel.size} ranks but the loader plans "
                              f"{loader.world_size} (batch_sizes={list(loader.batch_sizes)})")
         self.rank = self.channel.rank
-        self.resources = ResourceSampler(device)
+        self.resources = ResourceSampler(device, background_period_s=self.cfg.resource_period_s)
         self.history: list[dict[str, Any]] = []   # every decision, kept on every rank
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
@@ -167,25 +174,28 @@ class DynamixController:
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:
+        """One decision on every rank; returns this rank's record of it (rank 0's is the full one)."""
         t0 = time.perf_counter()
         payload = self._report(self.loader.tracker.drain())
         gathered = self.channel.gather(payload, what="metrics")
-        decision = self._decide_on_root(gathered) if self.rank == 0 else None
-        decision = self.channel.broadcast(decision, what="batch-size decision")
-        self.loader.set_batch_sizes(decision["sizes"])
+        record = self._decide_on_root(gathered) if self.rank == 0 else None
+        # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
+        compact = None if record is None else {k: record[k] for k in _BROADCAST_KEYS}
+        compact = self.channel.broadcast(compact, what="batch-size decision")
+        self.loader.set_batch_sizes(compact["sizes"])
         if hasattr(self.optimizer, "lr_gain"):
-            self.optimizer.lr_gain = decision["lr_gain"]
-        decision = dict(decision, overhead_s=time.perf_counter() - t0)
+            self.optimizer.lr_gain = compact["lr_gain"]
+        record = dict(record or compact, overhead_s=time.perf_counter() - t0)
         if self.rank == 0:
             t1 = time.perf_counter()
             update = self.policy.after_decision()  # learning runs after the others got the decision
             if update:
-                decision.update(ppo_update=update, learn_s=time.perf_counter() - t1)
-        self.history.append(decision)
-        return decision
+                record.update(ppo_update=update, learn_s=time.perf_counter() - t1)
+        self.history.append(record)
+        return record
 
     def _report(self, records: list[StepRecord]) -> dict[str, Any]:
-        res = self.resources.sample()
+        res = self.resources.latest()
         losses = torch.stack(self._losses).tolist() if self._losses else []
         finite_losses = [l for l in losses if math.isfinite(l)]  # a NaN step must not poison the mean
         self._losses.clear()

@@ -7,6 +7,7 @@ previous sample.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,15 +74,33 @@ def _gpu_util(device: torch.device | None) -> float:
 
 
 class ResourceSampler:
-    """Samples resource use of this process since the previous call."""
+    """Samples resource use of this process since the previous sample.
 
-    def __init__(self, device: torch.device | None = None) -> None:
+    With `background_period_s` > 0 a daemon thread samples periodically and `latest()` returns the
+    newest sample without touching the kernel, so a decision never waits for /proc reads.
+    """
+
+    def __init__(self, device: torch.device | None = None, background_period_s: float = 0.0) -> None:
         self.device = device
         self._proc = psutil.Process()
         self._t = time.monotonic()
         self._cpu = self._cpu_seconds()
         self._net = read_net_bytes()
         self._retrans = read_tcp_retransmits()
+        self._latest: ResourceSample | None = None
+        if background_period_s > 0:
+            self._latest = self.sample()
+            threading.Thread(target=self._loop, args=(background_period_s,), daemon=True,
+                             name="dynamix-resources").start()
+
+    def _loop(self, period_s: float) -> None:
+        while True:
+            time.sleep(period_s)
+            self._latest = self.sample()
+
+    def latest(self) -> ResourceSample:
+        """The newest background sample, or a fresh one when no thread runs."""
+        return self._latest if self._latest is not None else self.sample()
 
     def _cpu_seconds(self) -> float:
         times = self._proc.cpu_times()

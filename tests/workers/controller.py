@@ -63,7 +63,7 @@ def main() -> None:
             loss.backward()
             opt.step()
             controller.record_loss(loss)
-    history = [{k: d[k] for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s")}
+    history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s")}
                for d in controller.history]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "history": history, "backend": controller.channel.backend,

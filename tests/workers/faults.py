@@ -68,7 +68,7 @@ def main() -> None:
         "params_finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         "bound_rank1": controller.bounds.upper(1), "final_sizes": list(loader.batch_sizes),
         "noise_scale": controller.stats.noise_scale if rank == 0 else None,
-        "decision_losses": [d["loss"] for d in controller.history]}))
+        "decision_losses": [d["loss"] for d in controller.history] if rank == 0 else []}))
 
 
 if __name__ == "__main__":
