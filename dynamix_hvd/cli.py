@@ -2,7 +2,7 @@
 
     dynamix-hvd run --np 2 --launcher mpirun --batch-sizes 16,48 --epochs 3 --out runs/mlp
     dynamix-hvd check --np 4 --launcher mpirun          # only the launch checks
-    dynamix-hvd policy list | inspect NAME | validate NAME
+    dynamix-hvd policy list | inspect NAME | validate NAME | compare NAME OTHER
     dynamix-hvd summarize runs/mlp
     dynamix-hvd plot runs/mlp [-o report.png]
     dynamix-hvd bench decision_overhead -- --ranks 2,4
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import launchcheck
+from .controller import POLICY_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO / "bench"
@@ -79,6 +80,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     job += [a for a in args.extra if a != "--"]
     env = dict(os.environ, **plan.env, DYNAMIX_LAUNCHER=args.launcher)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if sys.stderr.isatty():  # ranks cannot tell (Open MPI gives them a pty anyway): ask for the bar
+        env.setdefault("DYNAMIX_PROGRESS", "bar")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     if os.sep in args.mpirun:  # horovodrun --mpi looks mpirun up on PATH
         env["PATH"] = os.pathsep.join([str(Path(args.mpirun).parent), env.get("PATH", "")])
@@ -95,37 +98,51 @@ def _policy_dir(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    from . import policy_store
-    from .actions import ActionSpace
-    from .controller import ControllerConfig
-
+    """list / inspect / validate / compare through `policy_tools` (`policy_store` when it is absent)."""
     directory = _policy_dir(args)
     try:
+        from . import policy_tools as tools
+    except ImportError:  # older tree without policy_tools: the essentials from policy_store
+        return _policy_fallback(args, directory)
+    from .policy_store import PolicyError
+
+    try:
         if args.action == "list":
-            policies = policy_store.list_policies(directory)
-            where = directory or policy_store.default_policy_dir()
-            if not policies:
-                print(f"no policies in {where} (a policy is NAME.pt + NAME.json)")
-                return 0
-            print(f"policies in {where}:")
-            for p in policies:
-                prov = p.get("provenance", {})
-                print(f"  {p['name']:<24} {'weights' if p['has_weights'] else 'NO WEIGHTS':<10} "
-                      f"{prov.get('created', '?'):<26} {p.get('error', '')}")
-            return 0
-        if args.action == "inspect":
-            meta = policy_store.read_spec(args.name, directory)
-            pt, js = policy_store.resolve(args.name, directory)
-            print(json.dumps({"weights": str(pt), "weights_bytes": pt.stat().st_size if pt.exists() else None,
-                              "spec": str(js), **meta}, indent=2, default=str))
-            return 0
-        actions = ActionSpace(tuple(ControllerConfig().multipliers))
-        learner, meta = policy_store.load_policy(args.name, actions, directory)
-        print(f"OK: policy {args.name} fits this dynamix_hvd ({learner.obs_dim_rank} rank features, "
-              f"{learner.obs_dim_global} global features, {learner.n_actions} actions)")
-        return 0
+            result: Any = tools.list_policy_summaries(directory)
+        elif args.action == "inspect":
+            result = tools.inspect_policy(args.name, directory)
+        elif args.action == "validate":
+            result = tools.validate_policy(args.name, directory)
+        else:
+            if not args.other:
+                return _fail("policy compare needs two policies: NAME OTHER")
+            result = tools.compare_policies(args.name, args.other, directory=directory)
+    except PolicyError as exc:
+        return _fail(str(exc), 1)
+    print(json.dumps(result, indent=2, default=str) if args.json else tools.format_result(result))
+    failed = args.action == "validate" and not result.get("ok")
+    failed |= args.action == "inspect" and ("error" in result or "load_error" in result)
+    return 1 if failed else 0
+
+
+def _policy_fallback(args: argparse.Namespace, directory: Path | None) -> int:
+    from . import policy_store
+    from .actions import ActionSpace
+
+    try:
+        if args.action == "list":
+            result: Any = policy_store.list_policies(directory)
+        elif args.action == "inspect":
+            result = policy_store.read_spec(args.name, directory)
+        elif args.action == "validate":
+            policy_store.load_policy(args.name, ActionSpace(), directory)
+            result = {"name": args.name, "ok": True}
+        else:
+            return _fail("policy compare needs dynamix_hvd.policy_tools")
     except policy_store.PolicyError as exc:
         return _fail(str(exc), 1)
+    print(json.dumps(result, indent=2, default=str))
+    return 0
 
 
 # --- runs --------------------------------------------------------------------------------------------
@@ -192,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default=None, help="local batch size per rank, e.g. 16,48 (default 32 each)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--samples", type=int, default=8192, help="generated training samples (default 8192)")
-    p.add_argument("--policy", default="ppo", choices=["ppo", "static"], help="batch-size policy (default ppo)")
+    p.add_argument("--policy", default="ppo", choices=POLICY_NAMES,
+                   help="batch-size policy: ppo (DYNAMIX, default), static or a classic rule")
     p.add_argument("--policy-file", default=None, help="PPO policy to start from: name in policies/ or path")
     p.add_argument("--out", default="runs/mlp", help="run directory for records and report (default runs/mlp)")
     p.add_argument("--dry-run", action="store_true", help="check and print the command without running it")
@@ -204,12 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(p)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("policy", help="list, inspect or validate stored PPO policies")
-    p.add_argument("action", choices=["list", "inspect", "validate"],
-                   help="list: policies in the directory; inspect: print NAME's spec; "
-                        "validate: load NAME and check it fits this code")
-    p.add_argument("name", nargs="?", help="policy name in the directory, or a path (inspect/validate)")
+    p = sub.add_parser("policy", help="list, inspect, validate or compare stored PPO policies")
+    p.add_argument("action", choices=["list", "inspect", "validate", "compare"],
+                   help="list: policies in the directory; inspect: NAME's spec, provenance and size; "
+                        "validate: run every check on NAME (exit 1 if one fails); "
+                        "compare: action distributions of NAME and OTHER on the same simulated states")
+    p.add_argument("name", nargs="?", help="policy name in the directory, or a path (inspect/validate/compare)")
+    p.add_argument("other", nargs="?", help="the second policy (compare only)")
     p.add_argument("--dir", default=None, help="policy directory (default $DYNAMIX_POLICY_DIR or policies/)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(func=cmd_policy)
 
     p = sub.add_parser("summarize", help="table of a finished run, one row per epoch")

@@ -15,7 +15,6 @@ import argparse
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from typing import Mapping, Sequence
 
 LAUNCHERS = ("mpirun", "horovodrun", "horovodrun-gloo")
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-_LOCAL = {"localhost", "127.0.0.1", "::1"}
 
 
 class LaunchError(RuntimeError):
@@ -97,10 +95,6 @@ def parse_hosts(spec: str) -> list[tuple[str, int]]:
             raise LaunchError(f"HOSTS={spec}: slot count {n!r} of host {host!r} is not a number")
         out.append((host, int(n) if n else 1))
     return out
-
-
-def is_local(host: str) -> bool:
-    return host in _LOCAL or host in (socket.gethostname(), socket.gethostname().split(".")[0])
 
 
 def find_executable(name: str, env: Mapping[str, str]) -> str | None:

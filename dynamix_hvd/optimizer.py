@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 import horovod.torch as hvd
 import torch
@@ -256,6 +256,19 @@ class WeightedDistributedOptimizer:
         self.last_status = reason
         self.skipped_steps[reason] += 1
         tracker.step_finished(status=reason, grad_norm=grad_norm)
+
+    def set_local_gradients(self, grads: Mapping[str, torch.Tensor], local: Mapping[str, int],
+                            global_: Mapping[str, int]) -> None:
+        """Use gradients computed outside ``backward()`` (e.g. DBA's selected-subset means) as this
+        rank's contribution to the next ``step()``: ``grads[name]`` is this rank's mean gradient over
+        ``local[name]`` samples, and the update is the mean over ``global_[name]`` samples of all
+        ranks. No backward may run between this call and ``step()``."""
+        self.flat.attach()
+        for i, name in enumerate(self.param_names):
+            view = self.flat.views[i]
+            view.copy_(grads[name].reshape(view.shape) * (local[name] / global_[name]))
+            if self.track_grad_norms:
+                self._local_sq[i] = torch.linalg.vector_norm(grads[name], dtype=torch.float64).square()
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
         """Mean per-parameter squared norms (local, global) since the last call, then reset."""

@@ -2,22 +2,32 @@
 
 Modes (``DYNAMIX_PROGRESS`` or the `mode` argument):
 
-* ``bar``: a tqdm bar per epoch showing the step, every rank's batch size, throughput and loss;
-* ``epoch``: only one summary line per epoch (what logs and batch systems get);
+* ``bar``: a tqdm bar per epoch on stderr showing the step, every rank's batch size, throughput and loss;
+* ``epoch``: only one summary line per epoch on stdout (what logs and batch systems get);
 * ``off``: nothing;
-* ``auto`` (default): ``bar`` when rank 0's stream is a terminal and tqdm is installed, else ``epoch``.
+* ``auto`` (default): ``bar`` when stderr is a terminal and tqdm is installed, else ``epoch``. Under a
+  launcher (mpirun, horovodrun, srun) a rank cannot tell whether the user watches a terminal (Open MPI
+  gives ranks a pseudo-terminal even when its own output goes to a file), so ``auto`` means ``epoch``
+  there; ``launch/*.sh`` and ``dynamix-hvd run`` set ``DYNAMIX_PROGRESS=bar`` when they run in one.
 
 Only rank 0 prints; on other ranks every method is a no-op. Updating costs a time check per step:
 the loss (possibly a GPU tensor) is read only when the bar refreshes, so it does not sync every step.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
 from typing import Any, Sequence, TextIO
 
 MODES = ("auto", "bar", "epoch", "off")
+LAUNCHER_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK", "SLURM_STEP_ID")
+
+
+def under_launcher() -> bool:
+    """True in a rank started by mpirun, horovodrun or srun."""
+    return any(k in os.environ for k in LAUNCHER_ENV)
 
 
 def resolve_mode(mode: str | None, stream: TextIO, rank: int) -> str:
@@ -27,12 +37,10 @@ def resolve_mode(mode: str | None, stream: TextIO, rank: int) -> str:
         raise ValueError(f"progress mode {mode!r}; choose one of {', '.join(MODES)} (env DYNAMIX_PROGRESS)")
     if rank != 0 or mode == "off":
         return "off"
+    if mode in ("auto", "bar") and importlib.util.find_spec("tqdm") is None:
+        return "epoch"  # no bar without tqdm (pip install tqdm)
     if mode == "auto":
-        try:
-            import tqdm  # noqa: F401
-        except ImportError:
-            return "epoch"
-        return "bar" if stream.isatty() else "epoch"
+        return "bar" if stream.isatty() and not under_launcher() else "epoch"
     return mode
 
 
@@ -57,6 +65,7 @@ class Progress:
         self.refresh_s = refresh_s
         self._bar: Any = None
         self._last = 0.0
+        self._samples = 0
         self._t_epoch = time.perf_counter()
 
     @property
@@ -68,28 +77,34 @@ class Progress:
 
     def start_epoch(self, epoch: int, steps: int | None) -> None:
         """A new epoch of about `steps` steps (the count may change when sizes change mid-epoch)."""
-        self._t_epoch = time.perf_counter()
         if self.mode != "bar":
             return
         from tqdm import tqdm
 
         self.close()
+        self._last, self._samples = time.perf_counter(), 0
         self._bar = tqdm(total=steps, desc=self._epoch_label(epoch), unit="step", file=self.stream,
                          leave=False, dynamic_ncols=True, mininterval=self.refresh_s)
 
-    def update(self, step: int, total_steps: int | None, sizes: Sequence[int], samples_per_s: float,
+    def update(self, step: int, total_steps: int | None, sizes: Sequence[int], samples: int,
                loss: Any = None) -> None:
-        """After step `step` (0-based) of the epoch; `loss` may be a tensor, read only on refresh."""
+        """After step `step` (0-based) of the epoch, which processed `samples` samples on all ranks.
+
+        `loss` may be a tensor: it is read only when the bar refreshes.
+        """
         if self._bar is None:
             return
         self._bar.n = step + 1
+        self._samples += samples
         if total_steps is not None and total_steps != self._bar.total:
             self._bar.total = total_steps  # sizes changed mid-epoch: the plan has a new length
         now = time.perf_counter()
-        if now - self._last < self.refresh_s and step + 1 != total_steps:
+        if now - self._last < self.refresh_s and step + 1 != self._bar.total:
             return
-        self._last = now
-        post = {"sizes": format_sizes(sizes), "samples/s": f"{samples_per_s:,.0f}"}
+        post = {"sizes": format_sizes(sizes)}
+        if now > self._last:
+            post["samples/s"] = f"{self._samples / (now - self._last):,.0f}"
+        self._last, self._samples = now, 0
         if loss is not None:
             post["loss"] = f"{float(loss):.4f}"
         self._bar.set_postfix(post, refresh=False)
@@ -103,12 +118,14 @@ class Progress:
         parts.append(f"{samples_per_s:,.0f} samples/s")
         if sync_wait_ms:
             parts.append("allreduce wait ms " + "/".join(f"{w:.2f}" for w in sync_wait_ms))
-        parts.append(f"{time.perf_counter() - self._t_epoch:.1f} s")
+        now = time.perf_counter()
+        parts.append(f"{now - self._t_epoch:.1f} s")  # since the previous summary: includes evaluation
+        self._t_epoch = now
         line = " | ".join(parts)
         if self.mode == "off":
             return line
-        self.close()
-        print(line, file=self.line_stream, flush=True)
+        self.close()  # the bar clears its line first; the summary goes where the bar was (no interleaving)
+        print(line, file=self.stream if self.mode == "bar" else self.line_stream, flush=True)
         return line
 
     def close(self) -> None:

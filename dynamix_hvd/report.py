@@ -63,13 +63,10 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     colors = plt.get_cmap("tab10")
     smooth_n = max(1, len(steps) // max(1, len(ranks)) // 60)
     fig = plt.figure(figsize=(12, 9.5))
-    grid = fig.add_gridspec(3, 2, height_ratios=[0.42, 1, 1], hspace=0.45, wspace=0.22,
-                            left=0.07, right=0.93, top=0.97, bottom=0.07)
-    head = fig.add_subplot(grid[0, :])
-    head.axis("off")
-    head.text(0.0, 1.0, header_text(run), va="top", ha="left", family="monospace", fontsize=9.5)
+    fig.text(0.07, 0.985, header_text(run), va="top", ha="left", family="monospace", fontsize=9.5)
+    grid = fig.add_gridspec(2, 2, hspace=0.3, wspace=0.22, left=0.07, right=0.93, top=0.86, bottom=0.06)
 
-    ax = fig.add_subplot(grid[1, 0])
+    ax = fig.add_subplot(grid[0, 0])
     nominal = nominal_steps(steps)
     for r in ranks:
         s = nominal[nominal["rank"] == r]
@@ -81,7 +78,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     ax.set(title="local batch size per rank (grey: decisions)", xlabel="wall time (s)", ylabel="samples per step")
     ax.legend(fontsize=8, loc="best")
 
-    ax = fig.add_subplot(grid[1, 1])
+    ax = fig.add_subplot(grid[0, 1])
     if len(steps):
         per_step = steps.assign(w=steps.loss * steps.local_batch).groupby(["epoch", "step"]).agg(
             wall_s=("wall_s", "max"), w=("w", "sum"), n=("local_batch", "sum")).sort_values("wall_s")
@@ -99,7 +96,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
         lines2 = ax2.get_legend_handles_labels()
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
 
-    ax = fig.add_subplot(grid[2, 0])
+    ax = fig.add_subplot(grid[1, 0])
     for r in ranks:
         s = steps[steps["rank"] == r]
         ax.plot(s.wall_s, _smooth(s.sync_wait_s * 1e3, smooth_n), color=colors(r % 10), lw=1,
@@ -107,7 +104,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     ax.set(title="allreduce wait per rank (time in synchronize())", xlabel="wall time (s)", ylabel="ms per step")
     ax.legend(fontsize=8, loc="best")
 
-    ax = fig.add_subplot(grid[2, 1])
+    ax = fig.add_subplot(grid[1, 1])
     for r in ranks:
         s = steps[steps["rank"] == r]
         ax.plot(s.wall_s, _smooth(s.samples_per_s, smooth_n), color=colors(r % 10), lw=1, label=f"rank {r}")
@@ -121,7 +118,8 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
 
 
 def summary_table(run: RunData) -> pd.DataFrame:
-    """One row per epoch: wall time, sizes per rank, loss, accuracy, throughput, allreduce wait per rank."""
+    """One row per epoch: wall time at its end, each rank's median batch size in it, loss (mean over the
+    epoch's steps, sample-weighted), test accuracy, throughput (sum over ranks), allreduce wait per rank."""
     rows: list[dict[str, Any]] = []
     for epoch, e in run.epochs.sort_values(["epoch", "rank"]).groupby("epoch"):
         weighted = e.dropna(subset=["loss_mean"])

@@ -7,8 +7,11 @@ rank's per-step records to rank 0 (``hvd.allgather_object``) which writes ``OUT/
 * ``trace.h5``: ``/steps`` (every StepRecord field of every rank, plus ``wall_s`` and ``loss``),
   ``/epochs``, ``/decisions`` (``sizes``/``previous_sizes``/``reward`` as decisions x ranks arrays,
   ``noise_scale``, ``efficiency``, ``throughput``, ``lr_gain``, ``wall_s``, ... and the whole
-  controller history as JSON), run metadata in the root's ``meta`` attribute;
-* ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time).
+  controller history as JSON in ``/decisions/history_json``), run metadata in the root's ``meta``
+  attribute;
+* ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
+* ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
+  decisions as plain CSV (what `dynamix_hvd.calibrate` reads).
 
 `read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.report`).
 ``wall_s`` is seconds since the earliest rank started its RunLog (ranks on one clock).
@@ -46,19 +49,28 @@ def _float(value: Any) -> float:
 
 
 class RunLog:
-    """Per-step and per-epoch records of one rank; rank 0 writes the run directory in `finish`."""
+    """Per-step and per-epoch records of one rank; rank 0 writes the run directory in `finish`.
+
+    Call `step` after each optimizer step, `end_epoch` and `finish` on every rank (both are
+    collectives). The trace keeps the first `max_trace_steps` steps of each rank (``meta.json`` counts
+    the dropped ones); the epoch rows always cover every step.
+    """
 
     def __init__(self, out_dir: str | os.PathLike, loader: Any, *, controller: Any = None,
                  meta: dict[str, Any] | None = None, progress: Progress | None = None,
-                 gather: Callable[[Any], list[Any]] | None = None) -> None:
+                 gather: Callable[[Any], list[Any]] | None = None, max_trace_steps: int = 500_000) -> None:
         self.out = Path(out_dir)
         self.loader, self.controller, self.progress = loader, controller, progress
         self.rank, self.world_size = loader.rank, loader.world_size
         self.meta = dict(meta or {})
         self._gather = gather
         self.t_start = time.time()
-        self._steps: list[tuple[StepRecord, float, Any]] = []  # (record, unix time at step end, loss)
-        self._epoch_start = 0
+        # [record, unix time at step end, loss]; one list object shared by the trace and the epoch
+        self._steps: list[list[Any]] = []   # the trace: the first `max_trace_steps` steps
+        self._epoch: list[list[Any]] = []   # the current epoch's steps
+        self.max_trace_steps = max_trace_steps
+        self.trace_steps_dropped = 0
+        self._last_rec: StepRecord | None = None
         self._pending_loss: Any = None
         self._seen_decisions = len(controller.history) if controller is not None else 0
         self._decision_times: dict[int, float] = {}
@@ -81,10 +93,16 @@ class RunLog:
     def _on_step_end(self, loader: Any, epoch_end: bool) -> None:
         records = loader.tracker.records
         rec = records[-1] if records else None
-        if rec is None or (self._steps and self._steps[-1][0] is rec):
+        if rec is None or rec is self._last_rec:
             return  # the optimizer did not step: nothing measured
+        self._last_rec = rec
         loss, self._pending_loss = self._pending_loss, None
-        self._steps.append((rec, time.time(), loss))
+        item = [rec, time.time(), loss]
+        self._epoch.append(item)
+        if len(self._steps) < self.max_trace_steps:
+            self._steps.append(item)
+        else:
+            self.trace_steps_dropped += 1
         if self.controller is not None and len(self.controller.history) > self._seen_decisions:
             for d in self.controller.history[self._seen_decisions:]:
                 self._decision_times[int(d.get("decision", len(self._decision_times)))] = time.time()
@@ -98,21 +116,20 @@ class RunLog:
         if sizes != self._sizes_seen and not epoch_end:
             total = rec.step + 1 + len(loader.remaining_steps())
         self._sizes_seen = sizes
-        tput = rec.global_batch / rec.step_s if rec.step_s > 0 else math.nan
-        self.progress.update(rec.step, total, sizes, tput, loss)
+        self.progress.update(rec.step, total, sizes, rec.global_batch, loss)
 
-    def _losses_to_float(self, start: int) -> None:
-        for i in range(start, len(self._steps)):
-            rec, t, loss = self._steps[i]
+    @staticmethod
+    def _losses_to_float(items: list[list[Any]]) -> None:
+        for item in items:
+            loss = item[2]
             if loss is not None and not isinstance(loss, float):
-                self._steps[i] = (rec, t, _float(loss.item() if hasattr(loss, "item") else loss))
+                item[2] = _float(loss.item() if hasattr(loss, "item") else loss)
 
     # --- per epoch (collective) -----------------------------------------------------------------------
     def end_epoch(self, **metrics: float) -> list[dict[str, Any]]:
         """Close the epoch on every rank (a collective): one row per rank; rank 0 prints the summary."""
-        self._losses_to_float(self._epoch_start)
-        steps = self._steps[self._epoch_start:]
-        self._epoch_start = len(self._steps)
+        steps, self._epoch = self._epoch, []
+        self._losses_to_float(steps)
         recs = [r for r, _, _ in steps]
         losses = [l for _, _, l in steps if l is not None and math.isfinite(l)]
         time_s = sum(r.step_s for r in recs)
@@ -145,7 +162,7 @@ class RunLog:
     # --- end of run (collective) -----------------------------------------------------------------------
     def finish(self, history: Sequence[dict[str, Any]] | None = None, report: bool = False) -> Path | None:
         """Gather every rank's steps to rank 0 and write the run directory (returned on rank 0)."""
-        self._losses_to_float(0)
+        self._losses_to_float(self._steps)
         cols: dict[str, list[Any]] = {k: [getattr(r, k) for r, _, _ in self._steps] for k in STEP_FIELDS}
         cols["time_unix"] = [t for _, t, _ in self._steps]
         cols["loss"] = [math.nan if l is None else l for _, _, l in self._steps]
@@ -166,14 +183,19 @@ class RunLog:
         meta = {"created": _dt.datetime.fromtimestamp(t0, _dt.timezone.utc).isoformat(timespec="seconds"),
                 "world_size": self.world_size, "hosts": sorted({e["host"] for e in everything}),
                 "wall_time_s": time.time() - t0, "epochs": int(epochs.epoch.max()) + 1 if len(epochs) else 0,
-                "decisions": len(history or []), **_environment(), **self.meta}
+                "decisions": len(history or []), "trace_steps_dropped": self.trace_steps_dropped,
+                **_environment(), **self.meta}
         if len(epochs) and "accuracy" in epochs:
             meta["final_accuracy"] = float(epochs[epochs.epoch == epochs.epoch.max()].accuracy.mean())
         write_run(self.out, meta, steps, epochs, decisions, history or [])
         if report:
-            from .report import write_report
+            if importlib.util.find_spec("matplotlib") is None:
+                print(f"dynamix_hvd: matplotlib is not installed: no {self.out}/report.png "
+                      "(pip install matplotlib, then dynamix-hvd plot RUN_DIR)", flush=True)
+            else:
+                from .report import write_report
 
-            write_report(self.out)
+                write_report(self.out)
         return self.out
 
 
@@ -214,11 +236,16 @@ def decision_arrays(history: Sequence[dict[str, Any]], world_size: int,
 
 def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.DataFrame,
               decisions: dict[str, np.ndarray], history: Sequence[dict[str, Any]]) -> None:
-    """Write epochs.csv (+ .parquet), trace.h5 and meta.json into `out`."""
+    """Write epochs.csv (+ .parquet), steps_rank*.csv, decisions.csv, trace.h5 and meta.json into `out`."""
     import h5py
 
     out.mkdir(parents=True, exist_ok=True)
     epochs.to_csv(out / "epochs.csv", index=False)
+    # the earlier per-rank CSVs, still read by dynamix_hvd.calibrate and other tools
+    for r, frame in steps.groupby("rank"):
+        frame.to_csv(out / f"steps_rank{r}.csv", index=False)
+    pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info")} for d in history]
+                 ).to_csv(out / "decisions.csv", index=False)
     if importlib.util.find_spec("pyarrow") is not None:
         epochs.to_parquet(out / "epochs.parquet", index=False)
     tmp = out / f".trace.h5.tmp{os.getpid()}"
@@ -234,7 +261,9 @@ def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.D
         g = h5.create_group("decisions")
         for k, v in decisions.items():
             g.create_dataset(k, data=v)
-        g.attrs["history_json"] = json.dumps(list(history), default=_jsonable)
+        # a dataset, not an attribute: attributes are limited to 64 KiB and long runs have many decisions
+        g.create_dataset("history_json", data=json.dumps(list(history), default=_jsonable),
+                         dtype=h5py.string_dtype())
     os.replace(tmp, out / "trace.h5")
     (out / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
@@ -273,7 +302,8 @@ def read_run(run_dir: str | os.PathLike) -> RunData:
         for name in ("steps", "epochs"):
             frames[name] = pd.DataFrame({k: (v[()].astype(str) if v.dtype.kind in "OS" else v[()])
                                          for k, v in h5[name].items()})
-        decisions = {k: v[()] for k, v in h5["decisions"].items()}
-        history = json.loads(h5["decisions"].attrs["history_json"])
+        decisions = {k: v[()] for k, v in h5["decisions"].items() if k != "history_json"}
+        raw = h5["decisions"]["history_json"][()]
+        history = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     epochs = pd.read_csv(path / "epochs.csv") if (path / "epochs.csv").is_file() else frames["epochs"]
     return RunData(path, meta, frames["steps"], epochs, decisions, history)

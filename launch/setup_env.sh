@@ -87,7 +87,7 @@ _dx_setup() {
   _dx_log "installing Python dependencies"
   _dx_pip install -q "$_dx_torch" 'numpy<2.5' setuptools wheel \
     'cmake>=3.13' mpi4py numba numba-cuda 'nvidia-cuda-nvrtc==13.*' 'nvidia-nvvm==13.*' \
-    pandas h5py psutil pyyaml cloudpickle packaging \
+    pandas h5py psutil pyyaml cloudpickle packaging tqdm matplotlib 'mlxtend==0.25.0' \
     pytest pytest-timeout hypothesis
   local torch_v py_v wheel_dir
   torch_v=$("$_dx_venv/bin/python" -c 'import torch; print(torch.__version__)')

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import horovod.torch as hvd
 import torch
 from torch import nn
 
 import dynamix_hvd as dx
+from dynamix_hvd.controller import POLICY_NAMES
 from dynamix_hvd.data import teacher_classification
 from dynamix_hvd.progress import Progress
 from dynamix_hvd.runlog import RunLog
@@ -30,8 +30,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.05, help="learning rate at the base global batch")
     ap.add_argument("--lr-rule", default="sqrt", choices=["none", "linear", "sqrt", "adascale"],
                     help="how the LR follows the global batch")
-    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=["ppo", "static"],
-                    help="batch-size policy (env POLICY)")
+    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
+                    help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
     ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE") or None,
                     help="PPO policy to start from: name in policies/ or path (env POLICY_FILE)")
     ap.add_argument("--decide-every", type=int, default=0,
@@ -87,7 +87,7 @@ def main() -> None:
         run.end_epoch(accuracy=acc)                                             # dx: collective
     out = run.finish(report=not args.no_report)                                 # dx: collective
     if out is not None:
-        print(f"run records: {out}/epochs.csv, {out}/trace.h5, {out}/meta.json"
+        print(f"run records: {out}/epochs.csv, {out}/trace.h5, {out}/meta.json, {out}/steps_rank*.csv"
               f"{'' if args.no_report else f', {out}/report.png'} (dynamix-hvd summarize {out})", flush=True)
 
 

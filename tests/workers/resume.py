@@ -54,7 +54,7 @@ def main() -> None:
     restored = ckpt.restore()
     if restored is not None and rank == 0:
         print(f"RESUMED-FROM {restored} epoch {loader.epoch} step {loader.step}", flush=True)
-    served, global_step = [], loader.epoch * 1000 + loader.step
+    served = []
     for epoch in range(loader.epoch, EPOCHS):
         loader.set_epoch(epoch)
         for idx, x, y in loader:

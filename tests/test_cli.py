@@ -1,0 +1,242 @@
+"""``dynamix-hvd``: a real 2-rank run and what it leaves behind (records, traces, summary, PNG report),
+policies, benchmarks, help texts, and the progress display."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from dynamix_hvd.actions import ActionSpace
+from dynamix_hvd.cli import build_parser, main
+from dynamix_hvd.policy_store import save_policy
+from dynamix_hvd.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.progress import Progress, resolve_mode
+from dynamix_hvd.report import nominal_steps
+from dynamix_hvd.runlog import read_run
+from dynamix_hvd.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = 1024
+
+
+def dx(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The installed console script (falls back to python -m dynamix_hvd when it is not installed)."""
+    exe = shutil.which("dynamix-hvd", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = [exe] if exe else [sys.executable, "-m", "dynamix_hvd"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def dx_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (cheaper than a new interpreter importing torch again)."""
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    proc = dx("run", "--np", "2", "--epochs", "2", "--samples", str(SAMPLES), "--batch-sizes", "16,48",
+              "--out", str(out), "--", "--decide-every", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "epoch 2/2" in proc.stdout, proc.stdout
+    return out
+
+
+def test_run_writes_records_and_traces(run_dir: Path):
+    files = {p.name for p in run_dir.iterdir()}
+    assert {"epochs.csv", "trace.h5", "meta.json", "report.png", "steps_rank0.csv", "steps_rank1.csv",
+            "decisions.csv"} <= files, files
+    from dynamix_hvd.calibrate import load_run  # the per-rank CSVs still serve the calibration tool
+
+    csv_steps, csv_decisions = load_run(run_dir)
+    assert len(csv_steps) == len(read_run(run_dir).steps) and len(csv_decisions) > 2
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["launcher"] == "mpirun" and meta["decisions"] > 2
+    epochs = pd.read_csv(run_dir / "epochs.csv")
+    assert sorted(zip(epochs.epoch, epochs["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (epochs.groupby("epoch").samples.sum() == SAMPLES).all()
+    assert epochs.accuracy.between(0, 1).all() and (epochs.sync_wait_s >= 0).all()
+
+    run = read_run(run_dir)
+    steps = run.steps
+    assert sorted(steps["rank"].unique()) == [0, 1]
+    assert (steps.groupby("epoch").local_batch.sum() == SAMPLES).all()  # every sample exactly once
+    assert steps.groupby("rank").size().nunique() == 1                  # ranks ran the same steps
+    assert np.isfinite(steps.loss).all() and (np.diff(steps[steps["rank"] == 0].wall_s) >= 0).all()
+    d = run.decisions
+    n = meta["decisions"]
+    assert d["sizes"].shape == (n, 2) and d["reward"].shape == (n, 2) and len(run.history) == n
+    assert list(d["previous_sizes"][0]) == [16, 48]
+    assert np.isfinite(d["wall_s"]).all() and (np.diff(d["wall_s"]) >= 0).all()
+    assert "noise_scale" in d and np.isfinite(d["reward"][1:]).all()
+    # the sizes the steps ran with are the initial ones or ones the controller decided
+    for r in (0, 1):
+        s = steps[steps["rank"] == r]
+        inner = s[s.step < s.groupby("epoch").step.transform("max")]
+        assert set(inner.local_batch) <= {(16, 48)[r], *d["sizes"][:, r].astype(int)}, r
+    assert len(nominal_steps(steps)) >= len(steps) - 2 * 2 * 2
+    with h5py.File(run_dir / "trace.h5") as h5:
+        assert json.loads(h5.attrs["meta"])["world_size"] == 2
+        assert {"sync_wait_s", "samples_per_s", "local_grad_sq", "global_grad_sq"} <= set(h5["steps"])
+
+
+def test_summarize_and_plot(run_dir: Path, tmp_path: Path, capsys):
+    proc = dx("summarize", str(run_dir))  # the console script once; then in-process
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "2 ranks on" in proc.stdout and "via mpirun" in proc.stdout
+    table = lines[lines.index("") + 1:]
+    assert table[0].split()[:3] == ["epoch", "wall_s", "sizes"] and len(table) == 3
+    epochs = pd.read_csv(run_dir / "epochs.csv").sort_values(["epoch", "rank"])
+    for row, (epoch, e) in zip(table[1:], epochs.groupby("epoch")):
+        assert row.split()[0] == str(epoch) and row.split()[2] == "/".join(str(b) for b in e.batch_size), row
+
+    png = tmp_path / "r.png"
+    proc = dx_here(capsys, "plot", str(run_dir), "-o", str(png))
+    assert proc.returncode == 0 and proc.stdout.strip() == str(png), proc.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1320, 1045)
+
+    missing = dx_here(capsys, "summarize", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr
+
+
+def _learner() -> PPOLearner:
+    learner = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n, PPOConfig(rollout_length=2, seed=3))
+    learner.act(torch.randn(2, OBS_DIM, generator=torch.Generator().manual_seed(0)))
+    return learner
+
+
+def test_policy_list_inspect_validate(tmp_path: Path, capsys):
+    empty = dx_here(capsys, "policy", "list", "--dir", str(tmp_path), "--json")
+    assert empty.returncode == 0 and json.loads(empty.stdout) == []
+    save_policy(_learner(), ActionSpace(), "good", {"trained_on": "test"}, directory=tmp_path)
+    save_policy(PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), 3), ActionSpace((0.5, 1.0, 2.0)), "other",
+                directory=tmp_path)
+    listing = dx_here(capsys, "policy", "list", "--dir", str(tmp_path))
+    assert listing.returncode == 0 and "good" in listing.stdout and "other" in listing.stdout
+    inspect = dx_here(capsys, "policy", "inspect", "good", "--dir", str(tmp_path), "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["provenance"]["trained_on"] == "test"
+    ok = dx_here(capsys, "policy", "validate", "good", "--dir", str(tmp_path))
+    assert ok.returncode == 0 and ok.stdout.startswith("policy good: OK"), ok.stdout + ok.stderr
+    spec = tmp_path / "other.json"
+    spec.write_text(json.dumps(json.loads(spec.read_text()) | {"rank_features": ["made_up"]}))
+    bad = dx_here(capsys, "policy", "validate", "other", "--dir", str(tmp_path))
+    assert bad.returncode == 1 and "[FAIL] spec matches this dynamix_hvd" in bad.stdout, bad.stdout
+    assert "'rank_features'" in bad.stdout
+    weights = tmp_path / "good.pt"
+    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
+    corrupt = dx_here(capsys, "policy", "validate", str(weights))
+    assert corrupt.returncode == 1 and "[FAIL] checksum" in corrupt.stdout, corrupt.stdout
+    assert dx_here(capsys, "policy", "validate").returncode == 2
+
+
+def test_bench(tmp_path: Path, capsys):
+    listing = dx_here(capsys, "bench", "--list")
+    assert listing.returncode == 0 and "decision_overhead" in listing.stdout
+    unknown = dx_here(capsys, "bench", "nope")
+    assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
+    proc = dx("bench", "decision_overhead", "--", "--ranks", "2", "--decisions", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[1].split()[0] == "2", proc.stdout
+
+
+def test_every_option_is_explained(capsys):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert set(sub.choices) == {"run", "check", "policy", "summarize", "plot", "bench"}
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if action.dest != "help":
+                assert action.help and len(action.help) > 10, f"{name} {action.dest} has no help"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    proc = subprocess.CompletedProcess([], exit_info.value.code, capsys.readouterr().out, "")
+    assert proc.returncode == 0 and "--oversubscribe" in proc.stdout and "--batch-sizes" in proc.stdout
+
+
+# --- progress display (in-process) -------------------------------------------------------------------
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_mode_follows_terminal_rank_and_launcher(monkeypatch):
+    pytest.importorskip("tqdm")
+    for var in ("DYNAMIX_PROGRESS", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK", "SLURM_STEP_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert resolve_mode(None, _Tty(), rank=0) == "bar"
+    assert resolve_mode(None, io.StringIO(), rank=0) == "epoch"
+    assert resolve_mode("bar", _Tty(), rank=1) == "off"
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # a rank's pty says nothing under mpirun
+    assert resolve_mode(None, _Tty(), rank=0) == "epoch"
+    monkeypatch.setenv("DYNAMIX_PROGRESS", "bar")
+    assert resolve_mode(None, io.StringIO(), rank=0) == "bar"
+    with pytest.raises(ValueError, match="'fancy'"):
+        resolve_mode("fancy", io.StringIO(), rank=0)
+
+
+def test_progress_bar_and_epoch_lines():
+    pytest.importorskip("tqdm")
+    bar, lines = _Tty(), io.StringIO()
+    p = Progress(3, mode="bar", stream=bar, line_stream=lines, refresh_s=0.0)
+    p.start_epoch(0, 4)
+    for step in range(4):
+        p.update(step, None, [16, 48], 64, loss=torch.tensor(0.5))
+    line = p.end_epoch(0, sizes=[16, 48], loss=0.5, samples_per_s=1234.0, sync_wait_ms=[0.1, 2.5], accuracy=0.9)
+    assert "sizes=16/48" in bar.getvalue() and "loss=0.5000" in bar.getvalue() and "4/4" in bar.getvalue()
+    assert line.startswith("epoch 1/3 | sizes 16/48 | loss 0.5000 | accuracy 0.9000 | 1,234 samples/s")
+    assert "allreduce wait ms 0.10/2.50" in line and line in bar.getvalue() and lines.getvalue() == ""
+    quiet_bar, quiet_lines = io.StringIO(), io.StringIO()
+    q = Progress(2, mode="epoch", stream=quiet_bar, line_stream=quiet_lines)
+    q.start_epoch(0, 4)
+    q.update(0, None, [8], 8, loss=1.0)
+    q.end_epoch(0, sizes=[8], loss=1.0, samples_per_s=10.0)
+    assert quiet_bar.getvalue() == "" and quiet_lines.getvalue().startswith("epoch 1/2 | sizes 8 | loss 1.0000")
+
+
+def test_runlog_single_process_trace_cap_and_missing_losses(tmp_path: Path):
+    """One rank without Horovod (gather is the identity): real loader and tracker, optimizer hooks by hand."""
+    from dynamix_hvd.data import teacher_classification
+    from dynamix_hvd.loader import AdaptiveLoader
+    from dynamix_hvd.runlog import RunLog
+
+    train, _ = teacher_classification(100, seed=0)
+    loader = AdaptiveLoader(train, [10], rank=0)
+    run = RunLog(tmp_path, loader, gather=lambda o: [o], max_trace_steps=15, meta={"policy": "none"})
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for i, _ in enumerate(loader):
+            if i == 3:
+                continue  # no optimizer step: nothing is recorded for this batch
+            loader.tracker.step_started()
+            loader.tracker.synchronized()
+            loader.tracker.step_finished(lr=0.1)
+            if i % 2 == 0:
+                run.step(torch.tensor(float(i)))
+        rows = run.end_epoch(accuracy=0.5)
+        assert rows[0]["steps"] == 9 and rows[0]["loss_mean"] == pytest.approx((0 + 2 + 4 + 6 + 8) / 5)
+    run.finish()
+    data = read_run(tmp_path)
+    assert len(data.steps) == 15 and data.meta["trace_steps_dropped"] == 3 and data.meta["policy"] == "none"
+    assert data.steps.loss.isna().sum() > 0 and len(data.epochs) == 2 and data.decisions["sizes"].shape == (0, 1)
+    from dynamix_hvd.report import write_report
+
+    assert write_report(tmp_path).read_bytes()[:4] == b"\x89PNG"  # no decisions, one rank: still a report
