@@ -35,8 +35,11 @@ class _BufferRequest:
     def test(self):
         return self._request.Test(), None
 
-    def Cancel(self) -> None:  # collectives cannot be cancelled; the error is raised regardless
-        pass
+
+# Requests given up on after a timeout. MPI may still write into their buffers, so they must outlive
+# the error. They are not cancelled: cancelling mpi4py's pickled irecv crashed the process (SIGSEGV),
+# and sends and collectives cannot be cancelled at all.
+_ABANDONED: list = []
 
 
 def launched_under_mpi() -> bool:
@@ -138,8 +141,7 @@ class ControlChannel:
             if not pending:
                 break
             if time.monotonic() > deadline:
-                for i in pending:
-                    requests[i].Cancel()
+                _ABANDONED.extend(requests[i] for i in pending)
                 missing = sorted(peers[i] for i in pending)
                 raise ControlPlaneTimeout(
                     f"rank {self.rank}: timed out after {self.timeout_s:.0f} s {doing} "
