@@ -18,7 +18,7 @@ from .plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptiveLoader", "Checkpointer", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
+__all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 
 

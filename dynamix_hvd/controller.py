@@ -18,6 +18,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ from .loader import AdaptiveLoader
 from .metrics import StepRecord
 from .noise_scale import GradientStatistics, StatsConfig, pooled_estimate
 from .policy import BatchSizePolicy, DecisionInput, PPOPolicy, StaticPolicy
-from .policy_store import load_policy
+from .policy_store import DEFAULT_POLICY, default_policy_dir, load_policy, resolve
 from .ppo import PPOConfig
 from .resources import ResourceSampler
 from .reward import RewardConfig, compute_reward, global_throughput
@@ -49,10 +50,13 @@ class ControllerConfig:
     (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_kwargs: dict = field(default_factory=dict)
     """Parameters of a classic rule, e.g. {"end": 512, "ramp": 10} for linear-ramp."""
-    policy_file: str | None = None
-    """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy."""
-    learn: bool = True
-    """Keep training the PPO policy online from this job's transitions (False: act greedily)."""
+    policy_file: str | None = DEFAULT_POLICY
+    """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy. The
+    shipped default (pretrained in the simulator, see policies/default.md) is used unless told otherwise."""
+    learn: bool = False
+    """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
+    False acts greedily with the loaded policy, which did better for the shipped policy in the
+    simulator (1.50x vs 1.42x faster than static); a fresh policy should learn (True)."""
     decide_every_steps: int = 0
     """Decide every k optimizer steps; 0 decides at the end of every epoch."""
     min_batch: int = 1
@@ -109,7 +113,12 @@ def _make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     if cfg.policy in BASELINES:
         return make_baseline(cfg.policy, **cfg.policy_kwargs)
     actions = ActionSpace(tuple(cfg.multipliers))
-    learner = load_policy(cfg.policy_file, actions)[0] if cfg.policy_file else None
+    learner = None
+    if cfg.policy_file == DEFAULT_POLICY and not resolve(DEFAULT_POLICY)[0].exists():
+        warnings.warn(f"the default policy is missing from {default_policy_dir()}; starting from a fresh "
+                      "policy (set learn=True so it can learn)", stacklevel=3)
+    elif cfg.policy_file:
+        learner = load_policy(cfg.policy_file, actions)[0]
     return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
 
 

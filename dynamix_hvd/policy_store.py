@@ -21,6 +21,8 @@ from .ppo import PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
 FORMAT_VERSION = 1
+DEFAULT_POLICY = "default"
+"""The policy shipped in policies/ and used by the controller unless told otherwise."""
 POLICY_DIR_ENV = "DYNAMIX_POLICY_DIR"
 
 

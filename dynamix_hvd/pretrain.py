@@ -27,7 +27,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,13 +36,12 @@ import torch
 
 from .actions import ActionSpace
 from .policy import PPOPolicy, StaticPolicy
-from .policy_store import load_policy, save_policy
+from .policy_store import DEFAULT_POLICY, load_policy, resolve, save_policy
 from .ppo import PPOConfig, PPOLearner
 from .reward import RewardConfig
-from .simulator import ClusterSimulator, ClusterSpec, ScenarioConfig, sample_cluster
+from .simulator import ClusterSimulator, ClusterSpec, EpisodeResult, ScenarioConfig, sample_cluster
 from .state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, GlobalContext, RankReport, build_observation
 
-DEFAULT_POLICY = "default"
 """Name of the shipped policy in ``policies/`` (``policies/default.pt`` + ``default.json`` + ``default.md``)."""
 
 H5_FORMAT_VERSION = 1
@@ -58,7 +57,7 @@ class PretrainConfig:
     """Directory for the policy files; empty: the policy store's default (policies/ or $DYNAMIX_POLICY_DIR)."""
     seed: int = 0
     """Seed of the simulator draws and of the learner (weights, sampling, minibatches)."""
-    updates: int = 200
+    updates: int = 600
     """PPO updates; each is one rollout of `horizon` decisions on `clusters_per_update` jobs."""
     clusters_per_update: int = 8
     """Simulated jobs per rollout (their ranks are stacked into one batch)."""
@@ -66,7 +65,7 @@ class PretrainConfig:
     """Decisions per rollout (PPO rollout length)."""
     families: str = "mlp,cnn"
     """Comma-separated workload families to train on (mlp, cnn, transformer)."""
-    world_sizes: str = "1,2,2,3,4,4,8,16,32"
+    world_sizes: str = "2,2,3,4,4,8,16,32"
     """Comma-separated world sizes drawn uniformly (repeat one to weight it)."""
     calibration: str = ""
     """A calibration JSON (python -m dynamix_hvd.calibrate): also train on jobs perturbed around it."""
@@ -94,8 +93,8 @@ class PretrainConfig:
     """Evaluate the greedy policy on fixed simulated windows every this many updates (learning curve)."""
     eval_clusters: int = 24
     """Simulated jobs of the final evaluation (full runs to the target: policy vs static vs optimum)."""
-    curve: str = "runs/pretrain/NAME_curve.csv"
-    """Learning-curve CSV (NAME is replaced by the policy name); a PNG is written next to it if matplotlib is installed."""
+    curve: str = ""
+    """Learning-curve CSV; empty: NAME_curve.csv next to the policy files. A PNG is written next to it if matplotlib is installed."""
     online_learning_rate: float = 1e-4
     """Adam step size stored with the policy for online learning in live jobs (smaller than pretraining's)."""
     online_rollout_length: int = 16
@@ -205,21 +204,22 @@ def rollout(learner: PPOLearner, sims: Sequence[ClusterSimulator], starts: Seque
 
 
 def evaluate(learner: PPOLearner, specs: Sequence[ClusterSpec], seed: int = 1234,
-             stochastic: bool = False) -> dict[str, Any]:
-    """Full simulated runs to the target: the policy (greedy, and sampled if ``stochastic``) vs the static
-    sizes vs the per-decision goodput optimum. Speed-ups are geometric means of static / policy time."""
+             online: Optional[PPOLearner] = None) -> dict[str, Any]:
+    """Full simulated runs to the target: the policy acting greedily (``learn=False``) vs the static sizes
+    vs the per-decision goodput optimum; with ``online`` (the learner as it would be saved), also the
+    policy as a live job runs it with ``learn=True`` (sampled actions, PPO updates with the stored online
+    settings). Speed-ups are geometric means of static / policy time."""
     rows = []
     for i, spec in enumerate(specs):
         sim = ClusterSimulator(spec, seed=seed + i)
         static = sim.run_policy(StaticPolicy(), track_optimum=False)
         greedy = sim.run_policy(PPOPolicy(_frozen_copy(learner), learn=False), track_optimum=False)
         oracle = sim.run_oracle()
-        row = dict(job=i, family=spec.name, world_size=spec.world_size, static_s=static.time_to_target_s,
-                   policy_s=greedy.time_to_target_s, optimum_s=oracle.time_to_target_s,
-                   policy_reward=greedy.mean_reward, static_reward=static.mean_reward)
-        if stochastic:
-            row["sampled_s"] = sim.run_policy(PPOPolicy(_frozen_copy(learner), learn=True),
-                                              track_optimum=False).time_to_target_s
+        row = dict(job=i, family=spec.name, world_size=spec.world_size, static_s=_time(static),
+                   policy_s=_time(greedy), optimum_s=_time(oracle), policy_reward=greedy.mean_reward,
+                   static_reward=static.mean_reward, unreached=int(not greedy.reached) + int(not static.reached))
+        if online is not None:
+            row["online_s"] = _time(sim.run_policy(PPOPolicy(_frozen_copy(online), learn=True), track_optimum=False))
         rows.append(row)
 
     def gmean(a: str, b: str) -> float:
@@ -230,17 +230,23 @@ def evaluate(learner: PPOLearner, specs: Sequence[ClusterSpec], seed: int = 1234
                                optimum_speedup_vs_static=gmean("static_s", "optimum_s"),
                                policy_time_vs_optimum=gmean("policy_s", "optimum_s"),
                                policy_beats_static=float(np.mean([x["policy_s"] < x["static_s"] for x in rows])),
+                               unreached_runs=int(sum(x["unreached"] for x in rows)),
                                mean_policy_reward=float(np.mean([x["policy_reward"] for x in rows])),
                                mean_static_reward=float(np.mean([x["static_reward"] for x in rows])))
-    if stochastic:
-        out["sampled_speedup_vs_static"] = gmean("static_s", "sampled_s")
+    if online is not None:
+        out["online_speedup_vs_static"] = gmean("static_s", "online_s")
     out["per_job"] = rows
     return out
 
 
+def _time(result: EpisodeResult) -> float:
+    """Time to target; a run that hit the decision budget first counts with its whole (censored) time."""
+    return result.time_to_target_s if result.reached else result.wall_s
+
+
 def _frozen_copy(learner: PPOLearner) -> PPOLearner:
     copy = PPOLearner(learner.obs_dim_rank, learner.obs_dim_global, learner.n_actions,
-                      PPOConfig(**{**asdict(learner.config), "seed": 99}))
+                      PPOConfig(**{**asdict(learner.config), "seed": 99}))  # fresh Adam, own sampling stream
     copy.net.load_state_dict(learner.net.state_dict())
     return copy
 
@@ -382,7 +388,7 @@ def finetune_on_transitions(learner: PPOLearner, runs: Sequence[dict[str, np.nda
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
         opt.step()
-        stats = {"policy_loss": float(pg), "kl": float(kl), "value_loss": float(v_loss)}
+        stats = {"policy_loss": pg.item(), "kl": kl.item(), "value_loss": v_loss.item()}
     return stats | {"transitions": float(len(obs))}
 
 
@@ -395,8 +401,16 @@ def pretrain(cfg: PretrainConfig, log: Any = print) -> tuple[PPOLearner, list[di
     learner = make_learner(cfg)
     eval_rng = np.random.default_rng(cfg.seed + 10_000)
     window_specs = [sampler(eval_rng) for _ in range(8)]
-    curve: list[dict[str, float]] = []
     t0 = time.perf_counter()
+
+    def eval_windows() -> float:
+        sims = [ClusterSimulator(s, seed=77 + i) for i, s in enumerate(window_specs)]
+        return rollout(learner, sims, [0.0] * len(sims), cfg.horizon, deterministic=True)
+
+    curve: list[dict[str, float]] = [dict(update=0, elapsed_s=0.0, train_reward=math.nan, entropy=math.nan,
+                                          approx_kl=math.nan, value_loss=math.nan, explained_variance=math.nan,
+                                          eval_reward=eval_windows())]
+    log(f"before training: eval reward (greedy) {curve[0]['eval_reward']:+.3f}")
     for u in range(1, cfg.updates + 1):
         sims = [ClusterSimulator(sampler(rng), seed=int(rng.integers(2**31))) for _ in range(cfg.clusters_per_update)]
         train_reward = rollout(learner, sims, rng.uniform(0.0, 0.8, len(sims)).tolist(), cfg.horizon)
@@ -404,9 +418,8 @@ def pretrain(cfg: PretrainConfig, log: Any = print) -> tuple[PPOLearner, list[di
         row = dict(update=u, elapsed_s=time.perf_counter() - t0, train_reward=train_reward,
                    entropy=stats["entropy"], approx_kl=stats["approx_kl"], value_loss=stats["value_loss"],
                    explained_variance=stats["explained_variance"], eval_reward=math.nan)
-        if u == 1 or u % cfg.eval_every == 0 or u == cfg.updates:
-            sims = [ClusterSimulator(s, seed=77 + i) for i, s in enumerate(window_specs)]
-            row["eval_reward"] = rollout(learner, sims, [0.0] * len(sims), cfg.horizon, deterministic=True)
+        if u % cfg.eval_every == 0 or u == cfg.updates:
+            row["eval_reward"] = eval_windows()
             log(f"update {u}/{cfg.updates} {row['elapsed_s']:.0f}s train reward {train_reward:+.3f} "
                 f"eval reward (greedy) {row['eval_reward']:+.3f} entropy {row['entropy']:.3f}")
         curve.append(row)
@@ -415,9 +428,11 @@ def pretrain(cfg: PretrainConfig, log: Any = print) -> tuple[PPOLearner, list[di
                                      cfg.finetune_epochs, cfg.finetune_kl, seed=cfg.seed)
         log(f"fine-tuned on logged transitions: {ft}")
     specs = [sampler(eval_rng) for _ in range(cfg.eval_clusters)]
-    evaluation = evaluate(learner, specs, stochastic=True)
+    if not specs:
+        return learner, curve, {}
+    evaluation = evaluate(learner, specs, online=online_learner(learner, cfg))
     log(f"evaluation on {cfg.eval_clusters} simulated runs: speed-up vs static "
-        f"{evaluation['speedup_vs_static']:.3f} (sampled {evaluation['sampled_speedup_vs_static']:.3f}), "
+        f"{evaluation['speedup_vs_static']:.3f} (learning online {evaluation['online_speedup_vs_static']:.3f}), "
         f"optimum {evaluation['optimum_speedup_vs_static']:.3f}, beats static in "
         f"{100 * evaluation['policy_beats_static']:.0f}% of runs")
     return learner, curve, evaluation
@@ -448,9 +463,9 @@ def write_curve(rows: Sequence[dict[str, float]], path: Path) -> list[Path]:
         return written
     df = pd.DataFrame(rows)
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(df.update, df.train_reward.rolling(10, min_periods=1).mean(), label="train reward (sampled, 10-update mean)")
+    ax.plot(df["update"], df["train_reward"].rolling(10, min_periods=1).mean(), label="train reward (sampled, 10-update mean)")
     ev = df.dropna(subset=["eval_reward"])
-    ax.plot(ev.update, ev.eval_reward, "o-", label="eval reward (greedy, fixed jobs)")
+    ax.plot(ev["update"], ev["eval_reward"], "o-", label="eval reward (greedy, fixed jobs)")
     ax.axhline(0.0, color="grey", lw=0.8, ls="--", label="static sizes = 0")
     ax.set_xlabel("PPO update")
     ax.set_ylabel("reward per decision and rank")
@@ -463,7 +478,7 @@ def write_curve(rows: Sequence[dict[str, float]], path: Path) -> list[Path]:
 
 
 def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[dict[str, float]],
-               evaluation: dict[str, Any], elapsed_s: float) -> None:
+               evaluation: dict[str, Any], elapsed_s: float, curve_files: Sequence[Path] = ()) -> None:
     """A markdown policy card: training data, method, command, evaluation in the simulator."""
     ev = evaluation
     first = next(r["eval_reward"] for r in curve if math.isfinite(r["eval_reward"]))
@@ -479,7 +494,7 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
              f"world_sizes={list(_ints(cfg.world_sizes))})`: heterogeneous speeds, stragglers, mid-run slow-downs, "
              "ring allreduce with latency/bandwidth/contention and Pollux overlap, memory limits (OOM or fitted bounds), "
              "noise-scale trajectories growing with progress, loss with LR-jump spikes.",
-             f"- Reward: the live controller's `RewardConfig()` defaults (log2 goodput vs the first interval, loss-spike, "
+             "- Reward: the live controller's `RewardConfig()` defaults (log2 goodput vs the first interval, loss-spike, "
              "switching and idle penalties).",
              f"- PPO: {cfg.updates} updates x {cfg.clusters_per_update} jobs x {cfg.horizon} decisions, gamma {cfg.gamma}, "
              f"lr {cfg.learning_rate}, entropy {cfg.ent_coef}, seed {cfg.seed}; {elapsed_s / 60:.1f} min on this machine "
@@ -489,15 +504,19 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
              f"- Reproduce: `{command}`", "",
              "## Evaluation in the simulator", "",
              f"Greedy-policy reward on 8 fixed simulated windows: {first:+.3f} before training, {last:+.3f} after "
-             "(0 = as good as the static sizes).", "",
+             "(0 = as good as the static sizes). Learning curve: "
+             + ", ".join(f"`{Path(p).name}`" for p in curve_files) + ".", "",
+             *[line for p in curve_files if str(p).endswith(".png") for line in (f"![learning curve]({Path(p).name})", "")],
              f"Full runs to the statistical target on {ev['jobs']} unseen simulated jobs (same distribution), "
              "time-to-target, geometric means:", "",
              "| | speed-up vs static |", "|---|---|",
              f"| policy, greedy (`learn=False`) | {ev['speedup_vs_static']:.3f} |",
-             f"| policy, sampled (`learn=True`, no updates) | {ev.get('sampled_speedup_vs_static', math.nan):.3f} |",
+             f"| policy, learning online (`learn=True`: sampled actions + PPO updates, stored online settings) | "
+             f"{ev.get('online_speedup_vs_static', math.nan):.3f} |",
              f"| goodput optimum at every decision (oracle) | {ev['optimum_speedup_vs_static']:.3f} |", "",
              f"The policy is faster than static in {100 * ev['policy_beats_static']:.0f}% of the runs; its time is "
-             f"{ev['policy_time_vs_optimum']:.3f}x the oracle's. Per family:", "",
+             f"{ev['policy_time_vs_optimum']:.3f}x the oracle's. Runs that hit the decision budget before the target "
+             f"(counted with their whole time): {ev['unreached_runs']}. Per family:", "",
              "| family | jobs | speed-up vs static | oracle speed-up |", "|---|---|---|---|"]
     for name, rows in sorted(fam.items()):
         sp = [r["static_s"] / r["policy_s"] for r in rows if math.isfinite(r["static_s"] / r["policy_s"])]
@@ -519,7 +538,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     t0 = time.perf_counter()
     learner, curve, evaluation = pretrain(cfg)
     elapsed = time.perf_counter() - t0
-    curve_path = Path(cfg.curve.replace("NAME", Path(cfg.name).name))
+    directory = Path(cfg.out_dir) if cfg.out_dir else None
+    pt, _ = resolve(cfg.name, directory)
+    curve_path = Path(cfg.curve) if cfg.curve else pt.with_name(f"{pt.stem}_curve.csv")
     written = write_curve(curve, curve_path)
     provenance = {"command": command, "seed": cfg.seed, "pretrain_config": asdict(cfg),
                   "simulator": {"scenario": asdict(JobSampler(cfg).scenario), "reward": asdict(RewardConfig())},
@@ -527,9 +548,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   "evaluation": {k: v for k, v in evaluation.items() if k != "per_job"},
                   "learning_curve": {"first_eval_reward": curve[0]["eval_reward"],
                                      "last_eval_reward": curve[-1]["eval_reward"]}}
-    directory = Path(cfg.out_dir) if cfg.out_dir else None
     pt, js = save_policy(online_learner(learner, cfg), ActionSpace(), cfg.name, provenance, directory)
-    write_card(pt.with_suffix(".md"), cfg, command, curve, evaluation, elapsed)
+    write_card(pt.with_suffix(".md"), cfg, command, curve, evaluation, elapsed, written)
     print(f"saved {pt}, {js}, {pt.with_suffix('.md')}; learning curve {', '.join(map(str, written))}")
 
 

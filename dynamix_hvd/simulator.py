@@ -191,8 +191,12 @@ class ClusterSimulator:
     """One simulated job; ``reset()`` then ``step(actions)`` (PPO) or :meth:`run_policy` (any policy)."""
 
     def __init__(self, spec: ClusterSpec, reward: Optional[RewardConfig] = None,
-                 actions: Optional[ActionSpace] = None, stats: Optional[StatsConfig] = None, seed: int = 0) -> None:
+                 actions: Optional[ActionSpace] = None, stats: Optional[StatsConfig] = None, seed: int = 0,
+                 log_steps: bool = False) -> None:
         self.spec = spec
+        self.log_steps = log_steps
+        self.step_log: list[dict[str, Any]] = []
+        """Per-step records in the StepRecord format of real runs (when ``log_steps``)."""
         self.reward_cfg = reward or RewardConfig()
         self.actions = actions or ActionSpace()
         self.stats_cfg = stats or StatsConfig()
@@ -279,6 +283,8 @@ class ClusterSimulator:
         self.sizes = [self.bounds.clip(r, b) for r, b in enumerate(s.initial_batch)]
         self.base_batch = sum(self.sizes)
         self.wall_s, self.decisions, self.ooms = 0.0, 0, 0
+        self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
+        self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
         self._load = s.contention
@@ -327,6 +333,10 @@ class ClusterSimulator:
         step_loss = losses @ w
         for j in range(k):
             record(batches, local_sq[j], global_sq[j], float(step_loss[j]))
+        self.last_steps = {"batches": batches, "local_sq": local_sq, "global_sq": global_sq, "losses": losses,
+                           "compute": compute, "data": data, "wait": wait, "step_s": step_s}
+        if self.log_steps:
+            self._log_steps(B)
         # clocks and progress
         self.wall_s += float(step_s.sum()) + self._oom_time
         if math.isinf(self.time_to_target) and self.progress + dprog.sum() >= s.target_progress:
@@ -356,6 +366,45 @@ class ClusterSimulator:
             loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r])
             for r in range(R)]
         self._decide_state()
+
+    def _log_steps(self, B: float) -> None:
+        """Append the last interval's steps as StepRecord-like rows (one per rank and step)."""
+        d, s = self.last_steps, self.spec
+        lr0 = 1.0
+        for j in range(len(d["step_s"])):
+            epoch = int((self.samples_seen + j * B) // s.dataset_size)
+            if epoch != self._epoch:
+                self._epoch, self._epoch_step = epoch, 0
+            lr = lr0 * lr_factor(s.lr_rule if s.lr_rule != "adascale" else "none", int(B), int(self.base_batch))
+            for r in range(self.R):
+                self.step_log.append(dict(
+                    epoch=epoch, step=self._epoch_step, rank=r, local_batch=d["batches"][r], global_batch=int(B),
+                    data_wait_s=float(d["data"][j, r]), compute_s=float(d["compute"][j, r]),
+                    sync_wait_s=float(d["wait"][j, r]), optimizer_s=s.optimizer_s, step_s=float(d["step_s"][j]),
+                    samples_per_s=d["batches"][r] / float(d["step_s"][j]), status="ok", lr=lr,
+                    local_grad_sq=float(d["local_sq"][j, r]), global_grad_sq=float(d["global_sq"][j]),
+                    memory_kind="cuda" if s.gpu else "rss"))
+            self._epoch_step += 1
+
+    def step_log_frame(self) -> Any:
+        """The logged steps as a pandas DataFrame (the columns :mod:`dynamix_hvd.calibrate` reads)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.step_log)
+
+    def gathered(self) -> list[dict[str, Any]]:
+        """The last interval as the payloads the controller's ranks send to rank 0 (``_report``'s format)."""
+        d = self.last_steps
+        kind = "cuda" if self.spec.gpu else "rss"
+        k = len(d["step_s"])
+        return [{"report": rep, "steps": {"local_batch": [d["batches"][r]] * k, "local_sq": d["local_sq"][:, r].tolist(),
+                                          "global_sq": d["global_sq"].tolist(), "memory_kind": kind},
+                 "losses": d["losses"][:, r].tolist(), "layers": None} for r, rep in enumerate(self.reports)]
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed (the loader's epoch counter at this decision)."""
+        return int(self.samples_seen // self.spec.dataset_size)
 
     def _grad_norms(self, b: np.ndarray, phi_t: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-step squared norms of each rank's local mean gradient ``[k, R]`` and of the global one ``[k]``."""
@@ -400,8 +449,7 @@ class ClusterSimulator:
         weighted = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
         loss = sum(l * b for l, b in weighted) / sum(b for _, b in weighted) if weighted else math.nan
         loss_change = (loss - self.prev_loss) / abs(self.prev_loss) if self.prev_loss else math.nan
-        epochs_done = int(self.samples_seen // s.dataset_size)
-        progress = min(1.0, epochs_done / self.total_epochs)
+        progress = min(1.0, self.epoch / self.total_epochs)
         self.ctx = GlobalContext(global_batch=B, base_batch=self.base_batch, noise_scale=self.stats.noise_scale,
                                  efficiency=efficiency, loss_trend=loss_change, progress=progress, world_size=len(sizes))
         tput = global_throughput(reports)

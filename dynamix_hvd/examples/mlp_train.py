@@ -32,8 +32,9 @@ def parse_args() -> argparse.Namespace:
                     help="how the LR follows the global batch")
     ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
                     help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
-    ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE") or None,
-                    help="PPO policy to start from: name in policies/ or path (env POLICY_FILE)")
+    ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
+                    help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
+    ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
     ap.add_argument("--decide-every", type=int, default=0,
                     help="decide every k steps (0: at the end of every epoch)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
@@ -63,7 +64,8 @@ def main() -> None:
     optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                 lr_rule=args.lr_rule)          # dx
     controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(                # dx
-        policy=args.policy, policy_file=args.policy_file, total_epochs=args.epochs,
+        policy=args.policy, policy_file=None if args.policy_file == "none" else args.policy_file,
+        learn=bool(args.learn), total_epochs=args.epochs,
         decide_every_steps=args.decide_every, ppo=dx.PPOConfig(seed=args.seed, rollout_length=8)))
     run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp_train", **vars(args)},  # dx
                  progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
