@@ -1,0 +1,244 @@
+"""Cluster conditions for the benchmark matrix: rank count, a slowed rank, and a shaped network.
+
+* Heterogeneity: one rank computes `slow_factor` times slower (it busy-waits; see the workloads'
+  ``--slow-*`` flags), constant or following `slow_schedule` ("SECONDS:FACTOR,...").
+* Network: every rank runs in its own network namespace (``ip netns``), joined to a bridge in the
+  root namespace by a veth pair, with addresses from 198.18.0.0/15 (the benchmarking range) only.
+  Each rank's link is shaped by the kernel (``tc qdisc ... tbf rate``); `rate_schedule`
+  ("SECONDS:MBIT,...") changes the rate while the job runs. Ranks start through ``ip netns exec`` in
+  an MPMD ``mpirun`` line; Open MPI is told to use TCP over that subnet only (``btl tcp,self``,
+  ``btl_tcp_if_include``, ``oob_tcp_if_include``), and PMIx (the rank <-> mpirun channel, TCP in
+  PMIx 4) to listen on the bridge address, since a rank in another namespace cannot reach mpirun's
+  loopback.
+
+``netem`` (added delay, loss) needs the kernel's ``sch_netem``; where ``tc qdisc add ... netem`` says
+"Specified qdisc kind is unknown" (e.g. this project's VM: CONFIG_NET_SCH_NETEM is not set and there
+are no loadable modules), `netem_available` is False and delay conditions are refused with that reason.
+Needs root (CAP_NET_ADMIN) and iproute2 (``apt-get install iproute2``).
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+BENCH_NET = ipaddress.ip_network("198.18.0.0/15")
+# Waiting ranks yield the CPU instead of spinning: on 2 shared cores Horovod's spinning background
+# threads otherwise steal the cores from the ranks still computing (measured on a 2-core VM: median
+# allreduce wait per step 40-50 ms without, 8-13 ms with, for a 4 ms compute step).
+MPIRUN_COMMON = ("--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One cluster condition of the matrix."""
+
+    name: str
+    ranks: int = 2
+    slow_rank: int = -1
+    """Rank that is slowed (-1: none)."""
+    slow_factor: float = 1.0
+    """That rank computes this many times slower (2.0: half speed)."""
+    slow_schedule: str = ""
+    """Slowdown changing over time, "SECONDS:FACTOR,..." (after `slow_factor` until the first entry)."""
+    rate_mbit: float | None = None
+    """Bandwidth cap of every rank's link (None: no namespaces, Open MPI's default transports)."""
+    rate_schedule: str = ""
+    """Bandwidth changing over time, "SECONDS:MBIT,...", applied by the driver while the job runs."""
+    delay_ms: float = 0.0
+    """Added one-way delay (needs sch_netem)."""
+
+    @property
+    def networked(self) -> bool:
+        return self.rate_mbit is not None or self.delay_ms > 0
+
+    def describe(self) -> str:
+        parts = [f"{self.ranks} ranks"]
+        if self.slow_rank >= 0:
+            parts.append(f"rank {self.slow_rank} x{self.slow_factor:g} slower"
+                         + (f" then {self.slow_schedule} (s:factor)" if self.slow_schedule else ""))
+        if self.rate_mbit is not None:
+            parts.append(f"netns+tbf {self.rate_mbit:g} Mbit/s"
+                         + (f" then {self.rate_schedule} (s:Mbit)" if self.rate_schedule else ""))
+        if self.delay_ms:
+            parts.append(f"netem delay {self.delay_ms:g} ms")
+        return ", ".join(parts)
+
+
+def parse_pairs(text: str) -> list[tuple[float, float]]:
+    """'0:2,15:1' -> [(0.0, 2.0), (15.0, 1.0)] sorted by time."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        t, v = part.split(":")
+        pairs.append((float(t), float(v)))
+    return sorted(pairs)
+
+
+def slow_args(cond: Condition, factor_flags: bool, ms_per_step: float) -> list[str] | None:
+    """Workload flags for the condition's slowdown; None when the workload cannot express it.
+
+    `factor_flags`: the workload has ``--slow-factor``/``--slow-schedule`` (a slowdown proportional to
+    its own compute). Otherwise the factor becomes a constant ``--slow-ms`` = (factor - 1) x
+    `ms_per_step` (its measured step time at the default batch), and schedules are not expressible.
+    """
+    if cond.slow_rank < 0:
+        return []
+    if factor_flags:
+        out = ["--slow-rank", str(cond.slow_rank), "--slow-factor", str(cond.slow_factor)]
+        return out + (["--slow-schedule", cond.slow_schedule] if cond.slow_schedule else [])
+    if cond.slow_schedule:
+        return None
+    return ["--slow-rank", str(cond.slow_rank), "--slow-ms", f"{(cond.slow_factor - 1) * ms_per_step:.2f}"]
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+def netem_available() -> tuple[bool, str]:
+    """Can this kernel add a netem qdisc? (tries it on the loopback of a throw-away namespace)."""
+    ns = f"dxprobe{os.getpid() % 100000}"
+    try:
+        _run("ip", "netns", "add", ns)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return False, f"ip netns add failed: {getattr(exc, 'stderr', exc)}"
+    try:
+        _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        res = _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem",
+                   "delay", "1ms", check=False)
+        return res.returncode == 0, (res.stderr.strip() or "ok")
+    finally:
+        _run("ip", "netns", "del", ns, check=False)
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 inside 198.18.0.0/15 that no interface on this machine uses yet."""
+    used = _run("ip", "-o", "-4", "addr", "show").stdout
+    for k in range(1, 255):
+        net = ipaddress.ip_network(f"198.18.{k}.0/24")
+        if f" 198.18.{k}." not in used:
+            assert net.subnet_of(BENCH_NET)
+            return net
+    raise RuntimeError("no free /24 in 198.18.0.0/15")
+
+
+class NetworkNamespaces:
+    """A bridge plus one namespace and veth per rank, shaped with tbf; a context manager.
+
+    Everything it creates is named ``dx<tag>...`` and removed on exit, even after errors.
+    """
+
+    def __init__(self, ranks: int, rate_mbit: float | None, delay_ms: float = 0.0) -> None:
+        self.ranks, self.rate, self.delay = ranks, rate_mbit, delay_ms
+        self.tag = f"{os.getpid() % 10000}"
+        self.bridge = f"dx{self.tag}br"
+        self.namespaces = [f"dx{self.tag}n{r}" for r in range(ranks)]
+        self.links = [f"dx{self.tag}r{r}" for r in range(ranks)]   # rank side, inside its namespace
+        self.subnet: ipaddress.IPv4Network | None = None
+
+    def __enter__(self) -> "NetworkNamespaces":
+        if self.delay:
+            ok, why = netem_available()
+            if not ok:
+                raise RuntimeError(f"netem delay requested but this kernel has no netem qdisc: {why}")
+        try:
+            self.subnet = _free_subnet()
+            hosts = list(self.subnet.hosts())
+            _run("ip", "link", "add", self.bridge, "type", "bridge")
+            _run("ip", "addr", "add", f"{hosts[-1]}/24", "dev", self.bridge)
+            _run("ip", "link", "set", self.bridge, "up")
+            for r, (ns, link) in enumerate(zip(self.namespaces, self.links)):
+                peer = f"dx{self.tag}h{r}"
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", peer, "type", "veth", "peer", "name", link)
+                _run("ip", "link", "set", link, "netns", ns)
+                _run("ip", "link", "set", peer, "master", self.bridge)
+                _run("ip", "link", "set", peer, "up")
+                _run("ip", "-n", ns, "addr", "add", f"{hosts[r]}/24", "dev", link)
+                _run("ip", "-n", ns, "link", "set", link, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                self._shape(r, "add")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _qdisc(self) -> list[str]:
+        if self.delay:
+            spec = ["netem", "delay", f"{self.delay}ms"]
+            return spec + (["rate", f"{self.rate}mbit"] if self.rate else [])
+        if self.rate is None:
+            return []
+        # burst: at least a few MTUs; latency: queue up to 200 ms before dropping
+        burst = max(16_000, int(self.rate * 1e6 / 8 / 250))
+        return ["tbf", "rate", f"{self.rate}mbit", "burst", str(burst), "latency", "200ms"]
+
+    def _shape(self, rank: int, verb: str) -> None:
+        spec = self._qdisc()
+        if spec:
+            _run("ip", "netns", "exec", self.namespaces[rank], "tc", "qdisc", verb, "dev",
+                 self.links[rank], "root", *spec)
+
+    def set_rate(self, mbit: float) -> None:
+        """Change every link's bandwidth cap now (the job keeps running)."""
+        self.rate = mbit
+        for r in range(self.ranks):
+            self._shape(r, "change")
+
+    def stats(self) -> list[str]:
+        """``tc -s qdisc`` of every rank's link (bytes sent, drops, overlimits)."""
+        return [_run("ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", link, check=False).stdout
+                for ns, link in zip(self.namespaces, self.links)]
+
+    def __exit__(self, *exc: object) -> None:
+        for r, ns in enumerate(self.namespaces):
+            _run("ip", "link", "del", f"dx{self.tag}h{r}", check=False)
+            _run("ip", "netns", "del", ns, check=False)
+        _run("ip", "link", "del", self.bridge, check=False)
+
+    # --- launching ------------------------------------------------------------------------------
+    def mpirun(self, argv: Sequence[str], env_keys: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+        """MPMD mpirun line starting rank r inside namespace r, and the environment it needs."""
+        assert self.subnet is not None, "use inside `with NetworkNamespaces(...)`"
+        net = str(self.subnet)
+        cmd = ["mpirun", *MPIRUN_COMMON, "--mca", "btl", "tcp,self",
+               "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net]
+        for key in env_keys:
+            cmd += ["-x", key]
+        for r, ns in enumerate(self.namespaces):
+            cmd += [*([":"] if r else []), "-np", "1", "ip", "netns", "exec", ns, *argv]
+        env = {"PMIX_MCA_ptl_tcp_if_include": net, "PMIX_MCA_ptl_tcp_remote_connections": "1"}
+        return cmd, env
+
+
+def plain_mpirun(ranks: int, argv: Sequence[str], env_keys: Sequence[str] = ()) -> list[str]:
+    """The ordinary single-host line (shared memory between ranks)."""
+    cmd = ["mpirun", *MPIRUN_COMMON, "-np", str(ranks)]
+    for key in env_keys:
+        cmd += ["-x", key]
+    return cmd + list(argv)
+
+
+class RateSchedule(threading.Thread):
+    """Applies `Condition.rate_schedule` to a running job: at t seconds, set every link to MBIT."""
+
+    def __init__(self, net: NetworkNamespaces, schedule: str) -> None:
+        super().__init__(daemon=True)
+        self.net, self.pairs = net, parse_pairs(schedule)
+        self.t0 = time.monotonic()
+        self.applied: list[tuple[float, float]] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        for t, mbit in self.pairs:
+            if self._stop_event.wait(max(0.0, self.t0 + t - time.monotonic())):
+                return
+            self.net.set_rate(mbit)
+            self.applied.append((round(time.monotonic() - self.t0, 2), mbit))
+
+    def stop(self) -> None:
+        self._stop_event.set()
