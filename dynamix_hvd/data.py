@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 
 def teacher_classification(num_train: int, num_test: int = 0, num_features: int = 32,
@@ -28,3 +28,16 @@ def teacher_classification(num_train: int, num_test: int = 0, num_features: int 
     flip[num_train:] = False
     y[flip] = torch.randint(0, num_classes, (int(flip.sum()),), generator=g)
     return TensorDataset(x[:num_train], y[:num_train]), TensorDataset(x[num_train:], y[num_train:])
+
+
+class WithIndex(Dataset):
+    """Wraps a dataset so that every item starts with its own index: for sample accounting."""
+
+    def __init__(self, base: Dataset) -> None:
+        self.base = base
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        return (i, *self.base[i])

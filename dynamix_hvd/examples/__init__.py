@@ -1,0 +1,11 @@
+"""Example training jobs (MLP, CNN, char-level transformer) and what they share."""
+from __future__ import annotations
+
+import time
+
+
+def busy_wait(seconds: float) -> None:
+    """Burn CPU like a slower device would (sleeping would free the core for the other ranks)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

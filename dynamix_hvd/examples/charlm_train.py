@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
+from dynamix_hvd.examples import busy_wait
 from dynamix_hvd.controller import POLICY_NAMES
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
@@ -129,7 +130,7 @@ def main() -> None:
         for x, y in loader:
             optimizer.zero_grad()
             if hvd.rank() == args.slow_rank:
-                _busy_wait(args.slow_ms / 1000.0)
+                busy_wait(args.slow_ms / 1000.0)
             loss = loss_fn(model(x).reshape(-1, 128), y.reshape(-1))
             loss.backward()
             optimizer.step()
@@ -169,12 +170,6 @@ def main() -> None:
         print(f"time_to_target_s {summary['time_to_target_s']:.2f} reached {reached} steps {steps} "
               f"val loss {val_loss:.4f}", flush=True)
 
-
-def _busy_wait(seconds: float) -> None:
-    """Burn CPU like a slower device would (sleeping would free the core for the other ranks)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
+from dynamix_hvd.examples import busy_wait
 from dynamix_hvd.controller import POLICY_NAMES
 from dynamix_hvd.progress import Progress
 from dynamix_hvd.runlog import RunLog
@@ -105,7 +106,7 @@ class Slowdown:
     def before_compute(self, batch: int) -> None:
         if not self.active:
             return
-        _busy_wait(self.slow_s)
+        busy_wait(self.slow_s)
         if self.per_sample is not None:
             extra = (self.factor_at(time.perf_counter() - self.t_start) - 1.0) * self.per_sample * batch
             end = time.thread_time() + extra
@@ -228,12 +229,6 @@ def main(argv: list[str] | None = None) -> None:
               f"(without evaluation {run.meta['train_time_to_target_s']:.2f} s); final accuracy {acc:.4f}; "
               f"records: {out}/epochs.csv, evals.csv, trace.h5, meta.json", flush=True)
 
-
-def _busy_wait(seconds: float) -> None:
-    """Burn CPU like a slower device would (sleeping would free the core for the other ranks)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 if __name__ == "__main__":

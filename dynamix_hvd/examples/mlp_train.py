@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
+from dynamix_hvd.examples import busy_wait
 from dynamix_hvd.controller import POLICY_NAMES
 from dynamix_hvd.data import teacher_classification
 from dynamix_hvd.progress import Progress
@@ -77,7 +78,7 @@ def main() -> None:
         for x, y in loader:
             optimizer.zero_grad()
             if hvd.rank() == args.slow_rank:
-                _busy_wait(args.slow_ms / 1000.0)
+                busy_wait(args.slow_ms / 1000.0)
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
@@ -92,14 +93,6 @@ def main() -> None:
         print(f"run records: {out}/epochs.csv, {out}/trace.h5, {out}/meta.json, {out}/steps_rank*.csv"
               f"{'' if args.no_report else f', {out}/report.png'} (dynamix-hvd summarize {out})", flush=True)
 
-
-def _busy_wait(seconds: float) -> None:
-    """Burn CPU like a slower device would (sleeping would free the core for the other ranks)."""
-    import time
-
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 if __name__ == "__main__":

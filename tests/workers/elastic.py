@@ -18,22 +18,12 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.data import WithIndex, teacher_classification
 from dynamix_hvd.elastic import ElasticState
 
 MIN_EPOCHS, MAX_EPOCHS = 3, 30  # train on until the victim's host has rejoined (or MAX_EPOCHS)
 SAMPLES = 480
 
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        return (i, *self.base[i])
 
 
 def main() -> None:
@@ -50,7 +40,7 @@ def main() -> None:
     train_set, _ = teacher_classification(SAMPLES, seed=0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10))
-    loader = dx.AdaptiveLoader(Indexed(train_set), dx.checkpoint.redistribute(24, hvd.size()), hvd.rank(), seed=2)
+    loader = dx.AdaptiveLoader(WithIndex(train_set), dx.checkpoint.redistribute(24, hvd.size()), hvd.rank(), seed=2)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="ppo", decide_every_steps=6,

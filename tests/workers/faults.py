@@ -14,18 +14,8 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.data import WithIndex, teacher_classification
 
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        return (i, *self.base[i])
 
 
 def main() -> None:
@@ -39,7 +29,7 @@ def main() -> None:
     rank = hvd.rank()
     train, _ = teacher_classification(600, seed=0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-    loader = dx.AdaptiveLoader(Indexed(train), [8, 24], rank, seed=1)
+    loader = dx.AdaptiveLoader(WithIndex(train), [8, 24], rank, seed=1)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static", max_batch=64))

@@ -16,20 +16,10 @@ from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.checkpoint import Checkpointer
-from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.data import WithIndex, teacher_classification
 
 EPOCHS = 3
 
-
-class Indexed(torch.utils.data.Dataset):
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self):
-        return len(self.base)
-
-    def __getitem__(self, i):
-        return (i, *self.base[i])
 
 
 def main() -> None:
@@ -43,7 +33,7 @@ def main() -> None:
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
     train, _ = teacher_classification(500, seed=0)
-    data = Indexed(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
+    data = WithIndex(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 10))
     loader = dx.AdaptiveLoader(data, dx.checkpoint.redistribute(32, world), rank, seed=4)
