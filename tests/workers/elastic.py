@@ -29,7 +29,7 @@ SAMPLES = 480
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--victim", default="runsc", help="host name whose worker dies once")
+    ap.add_argument("--victim", required=True, help="host name whose worker dies once")
     ap.add_argument("--kill-at", type=int, default=4, help="step of epoch 1 at which it dies")
     ap.add_argument("--step-sleep", type=float, default=0.15)
     args = ap.parse_args()
