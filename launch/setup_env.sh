@@ -28,6 +28,13 @@ _dx_pip() { "$_dx_venv/bin/pip" --disable-pip-version-check "$@" 2>&1 | { grep -
 _dx_log() { printf '[setup_env] %s\n' "$*" >&2; }
 _dx_die() { printf '[setup_env] ERROR: %s\n' "$*" >&2; exit 1; }
 
+_dx_ensure_iproute2() {  # the benchmark's network conditions (ip netns, tc) and their tests
+  if command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then return; fi
+  if [ "$(id -u)" != 0 ]; then _dx_log "iproute2 missing and not root: network-condition benchmarks unavailable"; return; fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null
+}
+
 _dx_ensure_mpi() {
   if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then return; fi
   if [ -x "$_dx_venv/bin/mpicc" ]; then return; fi
@@ -83,6 +90,7 @@ _dx_setup() {
     return  # already set up with these exact inputs
   fi
   _dx_ensure_mpi
+  _dx_ensure_iproute2
   [ -x "$_dx_venv/bin/python" ] || { _dx_log "creating venv $_dx_venv"; python3 -m venv "$_dx_venv"; }
   _dx_log "installing Python dependencies"
   _dx_pip install -q "$_dx_torch" 'numpy<2.5' setuptools wheel \
