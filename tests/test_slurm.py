@@ -35,7 +35,7 @@ def cluster():
     try:
         c.start()
     except SlurmUnavailable as exc:
-        pytest.skip(str(exc))
+        pytest.fail(f"a real single-node Slurm could not be started: {exc}")
     pids = {name: p.pid for name, p in c.procs.items()}
     yield c
     c.stop()
