@@ -12,7 +12,7 @@ the 400 validation images (mean over seeds) and DBA's subset search sees only tr
 Model: the paper's shape, one fully connected hidden layer (784-H-10, ReLU; H=128 by default).
 Methods, each with the same 3-point LR grid, the same epochs and batch size: SGD (momentum 0.9),
 Adam, DBA on top of the same SGD with the paper's variance metric and with the inverse-SNR metric
-(`dynamix_hvd.dba`, greedy search, default minimum subset). Reported: test accuracy mean +- std over
+(`dynamix_hvd.dba.selection`, greedy search, default minimum subset). Reported: test accuracy mean +- std over
 seeds at the LR picked on validation, relative error reduction of DBA vs SGD and vs Adam, the
 paper's figures, and the cost of a DBA step against a plain one.
 """
@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dynamix_hvd.dba import (DBAConfig, DynamicBatchAdaptation, gram_matrices,  # noqa: E402
+from dynamix_hvd.dba.selection import (DBAConfig, DynamicBatchAdaptation, gram_matrices,  # noqa: E402
                              per_sample_grads, select_subsets)
 
 PAPER = {"1pct": (97.79, 81.78), "10pc": (97.44, 88.07)}  # DBA test accuracy, error reduction (%)

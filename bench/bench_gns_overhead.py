@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dynamix_hvd.noise_scale import GradientStatistics, StatsConfig  # noqa: E402
-from dynamix_hvd.sqnorm import SegmentSqNorms, backend_for  # noqa: E402
+from dynamix_hvd.stats.noise_scale import GradientStatistics, StatsConfig  # noqa: E402
+from dynamix_hvd.stats.sqnorm import SegmentSqNorms, backend_for  # noqa: E402
 
 RANK_BATCHES = (3, 7, 12)
 

@@ -7,7 +7,7 @@ validation loss is below ``--target-loss``. Compared, by wall-clock time-to-targ
 (c) static   the configured sizes, never changed;
 (a) default  the shipped policy (``policies/default``, trained only on simulated MLP/CNN-like jobs), greedy;
 (b) tuned    the default policy fine-tuned for this target: the simulator is calibrated on run (a)'s
-             per-step log (``dynamix_hvd.calibrate``), the policy is trained further in simulated jobs
+             per-step log (``dynamix_hvd.rl.calibrate``), the policy is trained further in simulated jobs
              around that calibrated cluster (transformer-like workloads), then on run (a)'s logged
              transitions (HDF5), and run greedily.
 
@@ -31,9 +31,9 @@ from typing import Any, Optional, Sequence
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dynamix_hvd.calibrate import calibrate, load_run  # noqa: E402
-from dynamix_hvd.pretrain import DEFAULT_POLICY, dataclass_parser  # noqa: E402
-from dynamix_hvd.pretrain import main as pretrain_main  # noqa: E402
+from dynamix_hvd.rl.calibrate import calibrate, load_run  # noqa: E402
+from dynamix_hvd.rl.pretrain import DEFAULT_POLICY, dataclass_parser  # noqa: E402
+from dynamix_hvd.rl.pretrain import main as pretrain_main  # noqa: E402
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.data.synthetic import teacher_classification
 
 
 def main() -> None:

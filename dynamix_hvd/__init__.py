@@ -1,30 +1,46 @@
 """dynamix_hvd: adaptive per-rank batch sizes for Horovod + PyTorch.
 
-Only re-exports; each concern lives in its own module. Importing the package does not import Horovod
-or MPI: the modules that need them (`optimizer`) are loaded on first use.
+Only re-exports. The package is organised by plane, each a subpackage whose docstring says what it
+owns and what it may import:
+
+- `data`: epoch plan, loader, per-step metrics, resource sampling, generated data;
+- `optim`: the weighted distributed optimizer and LR rules (the only code that touches gradients);
+- `stats`: fused squared norms, gradient noise scale, efficiency;
+- `control`: state, reward, actions, policies and rules, policy files, the live controller;
+- `comm`: every control-plane collective (the only module that imports mpi4py);
+- `rl`: PPO, the cluster simulator, calibration and pretraining;
+- `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs and
+  reports; `tools`: the CLI, launch checks and progress display.
+
+Importing the package imports neither Horovod nor MPI: `WeightedDistributedOptimizer` (which needs
+`horovod.torch`) is loaded on first use.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from . import checkpoint
-from .checkpoint import Checkpointer
-from .controller import ControllerConfig, DynamixController
-from .loader import AdaptiveLoader
-from .lr_scaling import lr_factor
-from .metrics import StepRecord, StepTracker
-from .ppo import PPOConfig
-from .plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
+from . import _compat
+from .control.controller import ControllerConfig, DynamixController
+from .data.loader import AdaptiveLoader
+from .data.metrics import StepRecord, StepTracker
+from .data.plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
+from .optim.lr_scaling import lr_factor
+from .resilience import checkpoint
+from .resilience.checkpoint import Checkpointer
+from .rl.ppo import PPOConfig
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig", "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer",
-           "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
+__all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig",
+           "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "epoch_permutation",
+           "lr_factor", "plan_steps", "split_proportional"]
+
+_compat.install()  # old flat import paths (dynamix_hvd.controller, ...) for one release
 
 
 def __getattr__(name: str) -> Any:
     if name == "WeightedDistributedOptimizer":  # needs horovod.torch: import on first use
-        from .optimizer import WeightedDistributedOptimizer
+        from .optim.weighted import WeightedDistributedOptimizer
 
         return WeightedDistributedOptimizer
     raise AttributeError(f"module 'dynamix_hvd' has no attribute {name!r}")

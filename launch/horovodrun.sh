@@ -33,7 +33,7 @@ if [ -t 2 ]; then export DYNAMIX_PROGRESS=${DYNAMIX_PROGRESS:-bar}; fi
 if [ "$(id -u)" = 0 ] && [ "$ALLOW_RUN_AS_ROOT" = 1 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI refuses root otherwise
 fi
-"$PYTHON" -m dynamix_hvd.launchcheck --launcher "$launcher" --np "$NP" --hostfile "$HOSTFILE" --hosts "$HOSTS" \
+"$PYTHON" -m dynamix_hvd.tools.launchcheck --launcher "$launcher" --np "$NP" --hostfile "$HOSTFILE" --hosts "$HOSTS" \
   --oversubscribe "$OVERSUBSCRIBE" --allow-root "$ALLOW_RUN_AS_ROOT" --mpirun "$MPIRUN" || exit $?
 
 cmd=(horovodrun "$mode" -np "$NP")

@@ -15,7 +15,7 @@
 # The example also reads EPOCHS, BATCH_SIZES, OUT, POLICY, POLICY_FILE; they are forwarded to every rank.
 # Examples:  NP=4 OVERSUBSCRIBE=1 bash launch/mpirun.sh --epochs 2
 #            NP=8 HOSTFILE=hostfile bash launch/mpirun.sh --batch-sizes 16,16,32,32,64,64,64,64
-# Checks run first (python -m dynamix_hvd.launchcheck) and stop a misconfigured launch with exit 2.
+# Checks run first (python -m dynamix_hvd.tools.launchcheck) and stop a misconfigured launch with exit 2.
 set -euo pipefail
 # Relative paths (HOSTFILE, SCRIPT, the example's --out) are taken from the directory you call it from.
 . "$(dirname "${BASH_SOURCE[0]}")/setup_env.sh"
@@ -31,7 +31,7 @@ if [ -t 2 ]; then export DYNAMIX_PROGRESS=${DYNAMIX_PROGRESS:-bar}; fi
 if [ "$(id -u)" = 0 ] && [ "$ALLOW_RUN_AS_ROOT" = 1 ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # Open MPI refuses root otherwise
 fi
-"$PYTHON" -m dynamix_hvd.launchcheck --launcher mpirun --np "$NP" --hostfile "$HOSTFILE" --hosts "$HOSTS" \
+"$PYTHON" -m dynamix_hvd.tools.launchcheck --launcher mpirun --np "$NP" --hostfile "$HOSTFILE" --hosts "$HOSTS" \
   --oversubscribe "$OVERSUBSCRIBE" --allow-root "$ALLOW_RUN_AS_ROOT" --mpirun "$MPIRUN" || exit $?
 
 cmd=("$MPIRUN" -np "$NP" --bind-to none)

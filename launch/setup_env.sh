@@ -107,7 +107,7 @@ _dx_setup() {
   _dx_log "installing Horovod from cached wheel $wheel_dir"
   _dx_pip install -q --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
   _dx_pip install -q --no-deps --no-build-isolation -e "$_dx_root"
-  "$_dx_venv/bin/python" -m dynamix_hvd.buildcheck \
+  "$_dx_venv/bin/python" -m dynamix_hvd.tools.buildcheck \
     || _dx_die "Horovod is installed but lacks PyTorch/MPI/Gloo support (see above)"
   printf '%s' "$key" >"$stamp"
 }

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamix_hvd.actions import ActionSpace
-from dynamix_hvd.controller import ControllerConfig
-from dynamix_hvd.policy_store import PolicyError, load_policy
-from dynamix_hvd.ppo import PPOConfig
-from dynamix_hvd.reward import RewardConfig
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.controller import ControllerConfig
+from dynamix_hvd.control.policy_store import PolicyError, load_policy
+from dynamix_hvd.rl.ppo import PPOConfig
+from dynamix_hvd.control.reward import RewardConfig
 from launching import launch
 
 FUZZ_EXAMPLES = 400

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from dynamix_hvd.actions import BatchBounds
-from dynamix_hvd.baselines import BASELINES, make_baseline
-from dynamix_hvd.policy import DecisionInput
-from dynamix_hvd.state import GlobalContext, RankReport
+from dynamix_hvd.control.actions import BatchBounds
+from dynamix_hvd.control.rules import BASELINES, make_baseline
+from dynamix_hvd.control.policy import DecisionInput
+from dynamix_hvd.control.state import GlobalContext, RankReport
 
 
 def report(rank, batch, per_sample, overhead=0.002, wait=0.0, alpha=0.001):

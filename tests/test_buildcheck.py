@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from dynamix_hvd.buildcheck import missing_horovod_features
+from dynamix_hvd.tools.buildcheck import missing_horovod_features
 
 
 def test_horovodrun_check_build_lists_pytorch_mpi_and_gloo():

@@ -17,14 +17,14 @@ import pandas as pd
 import pytest
 import torch
 
-from dynamix_hvd.actions import ActionSpace
-from dynamix_hvd.cli import build_parser, main
-from dynamix_hvd.policy_store import save_policy
-from dynamix_hvd.ppo import PPOConfig, PPOLearner
-from dynamix_hvd.progress import Progress, resolve_mode
-from dynamix_hvd.report import nominal_steps
-from dynamix_hvd.runlog import read_run
-from dynamix_hvd.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.tools.cli import build_parser, main
+from dynamix_hvd.control.policy_store import save_policy
+from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.tools.progress import Progress, resolve_mode
+from dynamix_hvd.runs.report import nominal_steps
+from dynamix_hvd.runs.runlog import read_run
+from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = 1024
@@ -60,7 +60,7 @@ def test_run_writes_records_and_traces(run_dir: Path):
     files = {p.name for p in run_dir.iterdir()}
     assert {"epochs.csv", "trace.h5", "meta.json", "report.png", "steps_rank0.csv", "steps_rank1.csv",
             "decisions.csv"} <= files, files
-    from dynamix_hvd.calibrate import load_run  # the per-rank CSVs still serve the calibration tool
+    from dynamix_hvd.rl.calibrate import load_run  # the per-rank CSVs still serve the calibration tool
 
     csv_steps, csv_decisions = load_run(run_dir)
     assert len(csv_steps) == len(read_run(run_dir).steps) and len(csv_decisions) > 2
@@ -214,9 +214,9 @@ def test_progress_bar_and_epoch_lines():
 
 def test_runlog_single_process_trace_cap_and_missing_losses(tmp_path: Path):
     """One rank without Horovod (gather is the identity): real loader and tracker, optimizer hooks by hand."""
-    from dynamix_hvd.data import teacher_classification
-    from dynamix_hvd.loader import AdaptiveLoader
-    from dynamix_hvd.runlog import RunLog
+    from dynamix_hvd.data.synthetic import teacher_classification
+    from dynamix_hvd.data.loader import AdaptiveLoader
+    from dynamix_hvd.runs.runlog import RunLog
 
     train, _ = teacher_classification(100, seed=0)
     loader = AdaptiveLoader(train, [10], rank=0)
@@ -237,6 +237,6 @@ def test_runlog_single_process_trace_cap_and_missing_losses(tmp_path: Path):
     data = read_run(tmp_path)
     assert len(data.steps) == 15 and data.meta["trace_steps_dropped"] == 3 and data.meta["policy"] == "none"
     assert data.steps.loss.isna().sum() > 0 and len(data.epochs) == 2 and data.decisions["sizes"].shape == (0, 1)
-    from dynamix_hvd.report import write_report
+    from dynamix_hvd.runs.report import write_report
 
     assert write_report(tmp_path).read_bytes()[:4] == b"\x89PNG"  # no decisions, one rank: still a report

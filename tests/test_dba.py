@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from dynamix_hvd.dba import (DBAConfig, DynamicBatchAdaptation, gram_matrices, layer_groups,
+from dynamix_hvd.dba.selection import (DBAConfig, DynamicBatchAdaptation, gram_matrices, layer_groups,
                              per_sample_grads, select_subsets, subset_metric)
 
 

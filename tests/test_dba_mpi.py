@@ -18,7 +18,7 @@ from launching import launch
 from workers.dataplane import IndexedData, make_model
 from workers.dba_worker import CONFIGS
 
-from dynamix_hvd.dba import DynamicBatchAdaptation
+from dynamix_hvd.dba.selection import DynamicBatchAdaptation
 
 SAMPLES = 61
 CASES = [  # (ranks, sizes, extra worker arguments)

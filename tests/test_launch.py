@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamix_hvd.launchcheck import local_cores, parse_hostfile
+from dynamix_hvd.tools.launchcheck import local_cores, parse_hostfile
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = os.geteuid() == 0
@@ -152,7 +152,7 @@ def _horovod_without(tmp_path: Path, missing: str) -> str:
     """A Horovod that reports a build without `missing` ("mpi" or "gloo"), shadowing the real one.
 
     Building a second real Horovod takes 12 minutes, so this package stands in for one: it answers
-    the same two questions (`mpi_built`, `gloo_built`) that `dynamix_hvd.buildcheck` asks.
+    the same two questions (`mpi_built`, `gloo_built`) that `dynamix_hvd.tools.buildcheck` asks.
     """
     pkg = tmp_path / "fake_horovod" / "horovod"
     (pkg / "torch").mkdir(parents=True)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch.func import functional_call, grad, vmap
 
-from dynamix_hvd.noise_scale import (SNAPSHOT_FIELDS, BiasCorrectedEMA, GradientStatistics, LossStatistics,
+from dynamix_hvd.stats.noise_scale import (SNAPSHOT_FIELDS, BiasCorrectedEMA, GradientStatistics, LossStatistics,
                                      StatsConfig, adascale_gain, noise_scale, pooled_estimate, rank_estimate,
                                      statistical_efficiency)
-from dynamix_hvd.sqnorm import segment_sq_norms
+from dynamix_hvd.stats.sqnorm import segment_sq_norms
 
 RANK_BATCHES = (3, 7, 12)
 STEPS = 2000
@@ -256,7 +256,7 @@ def test_state_dict_round_trip_and_changing_layers():
 
 
 def test_module_never_imports_mpi_or_horovod():
-    code = ("import sys, dynamix_hvd.noise_scale as m; m.GradientStatistics().snapshot(); "
+    code = ("import sys, dynamix_hvd.stats.noise_scale as m; m.GradientStatistics().snapshot(); "
             "bad = [k for k in sys.modules if k.split('.')[0] in ('mpi4py', 'horovod')]; assert not bad, bad")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

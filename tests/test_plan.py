@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-from dynamix_hvd.loader import AdaptiveLoader
-from dynamix_hvd.plan import epoch_permutation, plan_steps, split_proportional, validate_batch_sizes
+from dynamix_hvd.data.loader import AdaptiveLoader
+from dynamix_hvd.data.plan import epoch_permutation, plan_steps, split_proportional, validate_batch_sizes
 
 sizes_st = st.lists(st.integers(1, 40), min_size=1, max_size=8)
 

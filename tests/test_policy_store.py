@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from dynamix_hvd.actions import ActionSpace
-from dynamix_hvd.policy_store import PolicyError, list_policies, load_policy, save_policy
-from dynamix_hvd.ppo import PPOConfig, PPOLearner
-from dynamix_hvd.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.policy_store import PolicyError, list_policies, load_policy, save_policy
+from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 
 def _trained_learner() -> PPOLearner:

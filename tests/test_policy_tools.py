@@ -1,4 +1,4 @@
-"""Policy tools (dynamix_hvd.policy_tools): list, inspect, validate, compare, on good and broken files."""
+"""Policy tools (dynamix_hvd.tools.policy_tools): list, inspect, validate, compare, on good and broken files."""
 from __future__ import annotations
 
 import json
@@ -9,13 +9,13 @@ from typing import Iterator
 import pytest
 import torch
 
-from dynamix_hvd.actions import ActionSpace
-from dynamix_hvd.policy_store import PolicyError, default_policy_dir, save_policy
-from dynamix_hvd.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.policy_store import PolicyError, default_policy_dir, save_policy
+from dynamix_hvd.tools.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
                                       sample_observations, validate_policy)
-from dynamix_hvd.ppo import PPOConfig, PPOLearner
-from dynamix_hvd.policy_store import DEFAULT_POLICY
-from dynamix_hvd.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
+from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.control.policy_store import DEFAULT_POLICY
+from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def test_list_and_inspect(store: Path) -> None:
     rows = list_policy_summaries(store)
     assert [r["name"] for r in rows] == [DEFAULT_POLICY, "fresh"]
     default = rows[0]
-    assert default["has_weights"] and default["command"].startswith("python -m dynamix_hvd.pretrain")
+    assert default["has_weights"] and default["command"].startswith("python -m dynamix_hvd.rl.pretrain")
     assert default["num_updates"] > 0 and default["speedup_vs_static"] > 1.0
     info = inspect_policy(DEFAULT_POLICY, store)
     assert info["parameters"] > 1000 and info["rank_features"] == list(RANK_FEATURES)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dynamix_hvd.plan import epoch_permutation
+from dynamix_hvd.data.plan import epoch_permutation
 from launching import launch
 
 SAMPLES = 500

@@ -1,4 +1,4 @@
-"""Cluster simulator (dynamix_hvd.simulator): the live controller's interface, physics invariants, the
+"""Cluster simulator (dynamix_hvd.rl.simulator): the live controller's interface, physics invariants, the
 goodput optimum, statistics, and speed at 1024 ranks. One process, no MPI."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd.actions import ActionSpace, BatchBounds
-from dynamix_hvd.controller import ControllerConfig, DynamixController
-from dynamix_hvd.noise_scale import GradientStatistics
-from dynamix_hvd.policy import DecisionInput, DecisionOutput, StaticPolicy
-from dynamix_hvd.simulator import FAMILIES, ClusterSimulator, ClusterSpec, ScenarioConfig, sample_cluster
-from dynamix_hvd.state import OBS_DIM
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds
+from dynamix_hvd.control.controller import ControllerConfig, DynamixController
+from dynamix_hvd.stats.noise_scale import GradientStatistics
+from dynamix_hvd.control.policy import DecisionInput, DecisionOutput, StaticPolicy
+from dynamix_hvd.rl.simulator import FAMILIES, ClusterSimulator, ClusterSpec, ScenarioConfig, sample_cluster
+from dynamix_hvd.control.state import OBS_DIM
 
 
 @pytest.fixture(autouse=True)

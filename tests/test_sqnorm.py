@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynamix_hvd import sqnorm
-from dynamix_hvd.sqnorm import backend_for, multi_tensor_sq_norms, segment_sq_norms
+from dynamix_hvd.stats.sqnorm import backend_for, multi_tensor_sq_norms, segment_sq_norms
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -111,7 +111,7 @@ def test_torch_fallback_and_backend_choice(monkeypatch, caplog):
     flat = torch.randn(22, dtype=torch.float64)
     assert_close(sqnorm._segment_torch(flat, off.numpy()), reference(flat, off))
     sqnorm._LOGGED.clear()
-    with caplog.at_level(logging.DEBUG, logger="dynamix_hvd.sqnorm"):
+    with caplog.at_level(logging.DEBUG, logger="dynamix_hvd.stats.sqnorm"):
         assert backend_for(flat) == "numba-cpu"
         backend_for(flat)
     assert sum("numba-cpu backend" in r.getMessage() for r in caplog.records) == 1
@@ -145,7 +145,7 @@ def test_failing_cuda_backend_falls_back_to_torch(monkeypatch, caplog):
     monkeypatch.setattr(sqnorm, "_CUDA_OK", True)
     off = offsets_for([3, 4])
     flat = torch.randn(7, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="dynamix_hvd.sqnorm"):
+    with caplog.at_level(logging.WARNING, logger="dynamix_hvd.stats.sqnorm"):
         assert_close(segment_sq_norms(flat, off), reference(flat, off))
     assert sqnorm._CUDA_OK is False and "libnvvm not found" in caplog.text
 
@@ -184,7 +184,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 def test_cpu_use_never_imports_numba_cuda_and_env_forces_torch():
     res = run_python("""
-        import importlib, os, sys, torch, dynamix_hvd, dynamix_hvd.sqnorm as s
+        import importlib, os, sys, torch, dynamix_hvd, dynamix_hvd.stats.sqnorm as s
         s.segment_sq_norms(torch.ones(4), torch.tensor([0, 4]))
         s.SegmentSqNorms(torch.ones(4), torch.tensor([0, 4]))()
         s.multi_tensor_sq_norms([torch.ones(3), torch.ones(2).t()])

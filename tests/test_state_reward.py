@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from dynamix_hvd.actions import ActionSpace, BatchBounds, apply_actions
-from dynamix_hvd.reward import RewardConfig, compute_reward, global_throughput
-from dynamix_hvd.state import OBS_DIM, GlobalContext, RankReport, build_observation
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds, apply_actions
+from dynamix_hvd.control.reward import RewardConfig, compute_reward, global_throughput
+from dynamix_hvd.control.state import OBS_DIM, GlobalContext, RankReport, build_observation
 
 
 def report(rank: int, batch: int, compute: float, wait: float, **kw) -> RankReport:

@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
 from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.controller import POLICY_NAMES
+from dynamix_hvd.control.controller import POLICY_NAMES
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
                 "bisect.py", "calendar.py", "shlex.py", "glob.py", "fnmatch.py", "statistics.py")
@@ -163,7 +163,7 @@ def main() -> None:
                    "policy_file": args.policy_file, "decisions": len(controller.history)}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if args.transitions and len(controller.history) > 1:
-            from dynamix_hvd.pretrain import transitions_from_history, write_transitions_h5
+            from dynamix_hvd.rl.pretrain import transitions_from_history, write_transitions_h5
 
             obs, acts, rews = transitions_from_history(controller.history, args.epochs)
             write_transitions_h5(args.transitions, obs, acts, rews, attrs={"source": "charlm_train"})

@@ -14,10 +14,10 @@ from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.controller import POLICY_NAMES
-from dynamix_hvd.data import teacher_classification
-from dynamix_hvd.progress import Progress
-from dynamix_hvd.runlog import RunLog
+from dynamix_hvd.control.controller import POLICY_NAMES
+from dynamix_hvd.data.synthetic import teacher_classification
+from dynamix_hvd.tools.progress import Progress
+from dynamix_hvd.runs.runlog import RunLog
 
 
 def parse_args() -> argparse.Namespace:

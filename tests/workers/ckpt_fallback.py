@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.checkpoint import CheckpointError, Checkpointer
+from dynamix_hvd.resilience.checkpoint import CheckpointError, Checkpointer
 
 
 def build(ckpt: str):

@@ -18,7 +18,7 @@ from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.comm import ControlPlaneTimeout
-from dynamix_hvd.data import teacher_classification
+from dynamix_hvd.data.synthetic import teacher_classification
 
 
 def main() -> None:

@@ -17,9 +17,9 @@ import torch
 from torch.nn import functional as F
 
 import dynamix_hvd as dx
-from dynamix_hvd.dba import DBAConfig
-from dynamix_hvd.dba_distributed import DistributedDBA
-from dynamix_hvd.optimizer import WeightedDistributedOptimizer
+from dynamix_hvd.dba.selection import DBAConfig
+from dynamix_hvd.dba.distributed import DistributedDBA
+from dynamix_hvd.optim.weighted import WeightedDistributedOptimizer
 
 try:
     from workers.dataplane import IndexedData, make_model

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import WithIndex, teacher_classification
-from dynamix_hvd.elastic import ElasticState
+from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
+from dynamix_hvd.resilience.elastic import ElasticState
 
 MIN_EPOCHS, MAX_EPOCHS = 3, 30  # train on until the victim's host has rejoined (or MAX_EPOCHS)
 SAMPLES = 480

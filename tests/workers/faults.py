@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import WithIndex, teacher_classification
+from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 
 
 

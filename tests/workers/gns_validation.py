@@ -16,8 +16,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import dynamix_hvd as dx
-from dynamix_hvd.data import teacher_classification
-from dynamix_hvd.noise_scale import StatsConfig
+from dynamix_hvd.data.synthetic import teacher_classification
+from dynamix_hvd.stats.noise_scale import StatsConfig
 
 
 def truth(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.checkpoint import Checkpointer
-from dynamix_hvd.data import WithIndex, teacher_classification
+from dynamix_hvd.resilience.checkpoint import Checkpointer
+from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 
 EPOCHS = 3
 

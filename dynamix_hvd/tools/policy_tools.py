@@ -17,9 +17,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .actions import ActionSpace
-from .policy_store import PolicyError, list_policies, load_policy, read_spec, resolve
-from .state import OBS_DIM
+from ..control.actions import ActionSpace
+from ..control.policy_store import PolicyError, list_policies, load_policy, read_spec, resolve
+from ..control.state import OBS_DIM
 
 
 def _space(meta: Optional[dict[str, Any]] = None) -> ActionSpace:
@@ -66,7 +66,7 @@ def inspect_policy(name_or_path: str | os.PathLike, directory: Optional[Path] = 
 def sample_observations(n: int = 256, seed: int = 0) -> torch.Tensor:
     """``[n, OBS_DIM]`` realistic observations: simulated jobs (random clusters and workloads) driven by
     random actions, so states away from the static configuration are covered too."""
-    from .simulator import ClusterSimulator, ScenarioConfig, sample_cluster
+    from ..rl.simulator import ClusterSimulator, ScenarioConfig, sample_cluster
 
     rng = np.random.default_rng(seed)
     scenario = ScenarioConfig(families=("mlp", "cnn", "transformer"), world_sizes=(1, 2, 3, 4, 8))
@@ -99,7 +99,7 @@ def validate_policy(name_or_path: str | os.PathLike, directory: Optional[Path] =
         check("spec readable", False, str(exc))
         return out | {"ok": False}
     space = _space(meta)
-    from .policy_store import check_spec
+    from ..control.policy_store import check_spec
     try:
         check_spec(meta, space, str(js))
         check("spec matches this dynamix_hvd", True)

@@ -1,7 +1,7 @@
 """A data loader whose per-rank batch sizes can differ and change between steps.
 
 Wraps ``torch.utils.data.DataLoader`` (collation, workers, pinning stay PyTorch's) with a batch
-sampler built from the shared epoch plan (`dynamix_hvd.plan`): every rank runs the same number of
+sampler built from the shared epoch plan (`dynamix_hvd.data.plan`): every rank runs the same number of
 steps, rank i reads b_i samples per step, and the epoch covers every sample exactly once.
 
 Ordering hazard: a DataLoader with workers prefetches batches. When sizes change mid-epoch, batches
@@ -29,7 +29,7 @@ class AdaptiveLoader:
         rank: this process's rank (``hvd.rank()``).
         seed: shuffling seed, the same on every rank.
         shuffle: reshuffle every epoch (deterministically from seed and epoch).
-        last_step: end-of-epoch policy, see `dynamix_hvd.plan` ("partial" keeps every sample).
+        last_step: end-of-epoch policy, see `dynamix_hvd.data.plan` ("partial" keeps every sample).
         loader_kwargs: passed to ``DataLoader`` (num_workers, collate_fn, pin_memory, ...).
     """
 

@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 import horovod.torch as hvd
 import torch
 
-from .loader import AdaptiveLoader
+from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, lr_factor
-from .sqnorm import SegmentSqNorms, backend_for
+from ..stats.sqnorm import SegmentSqNorms, backend_for
 
 
 class FlatGradients:

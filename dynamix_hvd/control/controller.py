@@ -26,15 +26,15 @@ import numpy as np
 import torch
 
 from .actions import ActionSpace, BatchBounds
-from .baselines import BASELINES, make_baseline
-from .comm import ControlChannel
-from .loader import AdaptiveLoader
-from .metrics import StepRecord
-from .noise_scale import GradientStatistics, StatsConfig, pooled_estimate
+from .rules import BASELINES, make_baseline
+from ..comm import ControlChannel
+from ..data.loader import AdaptiveLoader
+from ..data.metrics import StepRecord
+from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate
 from .policy import BatchSizePolicy, DecisionInput, PPOPolicy, StaticPolicy
 from .policy_store import DEFAULT_POLICY, default_policy_dir, load_policy, resolve
-from .ppo import PPOConfig
-from .resources import ResourceSampler
+from ..rl.ppo import PPOConfig
+from ..data.resources import ResourceSampler
 from .reward import RewardConfig, compute_reward, global_throughput
 from .state import GlobalContext, RankReport, build_observation
 
@@ -46,7 +46,7 @@ _BROADCAST_KEYS = ("decision", "epoch", "sizes", "previous_sizes", "lr_gain")
 @dataclass
 class ControllerConfig:
     policy: str = "ppo"
-    """Decision maker: "ppo" (DYNAMIX), "static", or a classic rule from `dynamix_hvd.baselines`
+    """Decision maker: "ppo" (DYNAMIX), "static", or a classic rule from `dynamix_hvd.control.rules`
     (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_kwargs: dict = field(default_factory=dict)
     """Parameters of a classic rule, e.g. {"end": 512, "ramp": 10} for linear-ramp."""

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .progress import format_sizes
+from ..tools.progress import format_sizes
 from .runlog import RunData, read_run
 
 

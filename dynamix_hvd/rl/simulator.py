@@ -1,12 +1,12 @@
 """A simulated synchronous data-parallel cluster with the live controller's exact interface.
 
 Pure NumPy/PyTorch: no MPI, no Horovod. The simulator produces, per decision interval, what the live
-controller (:mod:`dynamix_hvd.controller`) sees: one :class:`~dynamix_hvd.state.RankReport` per rank and
-a :class:`~dynamix_hvd.state.GlobalContext`; observations come from :func:`state.build_observation`,
+controller (:mod:`dynamix_hvd.control.controller`) sees: one :class:`~dynamix_hvd.control.state.RankReport` per rank and
+a :class:`~dynamix_hvd.control.state.GlobalContext`; observations come from :func:`state.build_observation`,
 rewards from :func:`reward.compute_reward` (reference = the first interval's goodput), the noise scale and
-efficiency from the same :class:`~dynamix_hvd.noise_scale.GradientStatistics` fed step by step with the
+efficiency from the same :class:`~dynamix_hvd.stats.noise_scale.GradientStatistics` fed step by step with the
 same per-step squared gradient norms, and actions go through :func:`actions.apply_actions` with
-:class:`~dynamix_hvd.actions.BatchBounds` (memory bounds learned from peak memory on "GPU" clusters, from
+:class:`~dynamix_hvd.control.actions.BatchBounds` (memory bounds learned from peak memory on "GPU" clusters, from
 out-of-memory failures on "CPU" ones). So a policy trained here sees the same numbers at run time.
 
 Models (all vectorised over ranks and steps; 1024 ranks are fine):
@@ -42,12 +42,12 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .actions import ActionSpace, BatchBounds, apply_actions
-from .lr_scaling import lr_factor
-from .noise_scale import GradientStatistics, StatsConfig
-from .policy import BatchSizePolicy, DecisionInput
-from .reward import RewardConfig, compute_reward, global_throughput
-from .state import GlobalContext, RankReport, build_observation
+from ..control.actions import ActionSpace, BatchBounds, apply_actions
+from ..optim.lr_scaling import lr_factor
+from ..stats.noise_scale import GradientStatistics, StatsConfig
+from ..control.policy import BatchSizePolicy, DecisionInput
+from ..control.reward import RewardConfig, compute_reward, global_throughput
+from ..control.state import GlobalContext, RankReport, build_observation
 
 
 @dataclass
@@ -113,7 +113,7 @@ class ClusterSpec:
     spike_progress_cost: float = 0.5
     """Fraction of a step's progress lost per unit of current spike (capped at 90%)."""
     lr_rule: str = "sqrt"
-    """How the learning rate follows the global batch (see :mod:`dynamix_hvd.lr_scaling`)."""
+    """How the learning rate follows the global batch (see :mod:`dynamix_hvd.optim.lr_scaling`)."""
     ref_batch: int = 0
     """B_ref of the progress unit; 0 = the initial global batch."""
     target_progress: float = 2e5
@@ -387,7 +387,7 @@ class ClusterSimulator:
             self._epoch_step += 1
 
     def step_log_frame(self) -> Any:
-        """The logged steps as a pandas DataFrame (the columns :mod:`dynamix_hvd.calibrate` reads)."""
+        """The logged steps as a pandas DataFrame (the columns :mod:`dynamix_hvd.rl.calibrate` reads)."""
         import pandas as pd
 
         return pd.DataFrame(self.step_log)

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .comm import ControlChannel
-from .loader import AdaptiveLoader
-from .plan import split_proportional
+from ..comm import ControlChannel
+from ..data.loader import AdaptiveLoader
+from ..data.plan import split_proportional
 
 
 class CheckpointError(RuntimeError):

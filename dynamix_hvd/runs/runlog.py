@@ -11,9 +11,9 @@ rank's per-step records to rank 0 (``hvd.allgather_object``) which writes ``OUT/
   attribute;
 * ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
-  decisions as plain CSV (what `dynamix_hvd.calibrate` reads).
+  decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads).
 
-`read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.report`).
+`read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.runs.report`).
 ``wall_s`` is seconds since the earliest rank started its RunLog (ranks on one clock).
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
-from .metrics import StepRecord
-from .progress import Progress
+from ..data.metrics import StepRecord
+from ..tools.progress import Progress
 
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
@@ -202,7 +202,7 @@ class RunLog:
 def _environment() -> dict[str, Any]:
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     env = {"launcher": os.environ.get("DYNAMIX_LAUNCHER", "unknown"), "dynamix_hvd": __version__,
            "torch": torch.__version__}
@@ -241,7 +241,7 @@ def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.D
 
     out.mkdir(parents=True, exist_ok=True)
     epochs.to_csv(out / "epochs.csv", index=False)
-    # the earlier per-rank CSVs, still read by dynamix_hvd.calibrate and other tools
+    # the earlier per-rank CSVs, still read by dynamix_hvd.rl.calibrate and other tools
     for r, frame in steps.groupby("rank"):
         frame.to_csv(out / f"steps_rank{r}.csv", index=False)
     pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info")} for d in history]

@@ -23,8 +23,8 @@ import horovod.torch as hvd
 from horovod.torch.elastic.state import StateHandler, TorchState, get_handler_registry, set_handler_registry
 
 from .checkpoint import redistribute
-from .controller import DynamixController
-from .loader import AdaptiveLoader
+from ..control.controller import DynamixController
+from ..data.loader import AdaptiveLoader
 
 
 class LoaderStateHandler(StateHandler):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .actions import ActionSpace
-from .ppo import PPOLearner
+from ..rl.ppo import PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
 FORMAT_VERSION = 1
@@ -32,7 +32,7 @@ class PolicyError(ValueError):
 
 def default_policy_dir() -> Path:
     """$DYNAMIX_POLICY_DIR, else the repository's ``policies/`` folder."""
-    return Path(os.environ.get(POLICY_DIR_ENV, Path(__file__).resolve().parents[1] / "policies"))
+    return Path(os.environ.get(POLICY_DIR_ENV, Path(__file__).resolve().parents[2] / "policies"))
 
 
 def current_spec(actions: ActionSpace) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 Used by the launch wrappers (``launch/mpirun.sh``, ``launch/horovodrun.sh``) and by ``dynamix-hvd run``.
 Checked: the launcher and its MPI are on PATH; Open MPI's refusal to run as root; the hostfile's slots
 cover the ranks; more ranks than cores on this host only with oversubscription allowed; Horovod built
-with the controller the launcher needs (`dynamix_hvd.buildcheck`).
+with the controller the launcher needs (`dynamix_hvd.tools.buildcheck`).
 
-    python -m dynamix_hvd.launchcheck --launcher mpirun --np 4 [--hostfile F] [--oversubscribe 1]
+    python -m dynamix_hvd.tools.launchcheck --launcher mpirun --np 4 [--hostfile F] [--oversubscribe 1]
 
 exits 2 and lists every problem, or prints one line describing the launch and exits 0.
 """
@@ -227,7 +227,7 @@ def _flag(value: str) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dynamix_hvd.launchcheck", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m dynamix_hvd.tools.launchcheck", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--launcher", default="mpirun", help=f"one of {', '.join(LAUNCHERS)}")
     ap.add_argument("--np", type=int, default=2, help="number of ranks")

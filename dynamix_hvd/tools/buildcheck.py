@@ -1,6 +1,6 @@
 """Check that Horovod was built with what dynamix_hvd needs: PyTorch, MPI and Gloo.
 
-Run as ``python -m dynamix_hvd.buildcheck``; exits non-zero naming what is missing.
+Run as ``python -m dynamix_hvd.tools.buildcheck``; exits non-zero naming what is missing.
 """
 from __future__ import annotations
 

@@ -249,7 +249,7 @@ class DynamicBatchAdaptation:
     """Runs DBA on a model: ``result = dba.compute(x, y)``; ``dba.apply(result)`` writes ``p.grad``.
 
     Single process: ``opt.zero_grad(); dba.step(x, y); opt.step()`` replaces ``loss.backward()``.
-    For several ranks use `dynamix_hvd.dba_distributed.DistributedDBA`.
+    For several ranks use `dynamix_hvd.dba.distributed.DistributedDBA`.
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, config: DBAConfig | None = None) -> None:

@@ -1,6 +1,6 @@
 """Dynamic Batch Adaptation across Horovod ranks, with an exact mean over all selected samples.
 
-Each rank runs the subset search (`dynamix_hvd.dba`) on its own local batch, so its *effective* batch
+Each rank runs the subset search (`dynamix_hvd.dba.selection`) on its own local batch, so its *effective* batch
 is the k_i samples it selected (per layer with ``granularity="layer"``). One allgather of the
 per-rank, per-layer selected counts per step gives K = sum_i k_i, and this rank's contribution
 
@@ -28,7 +28,7 @@ import horovod.torch as hvd
 import torch
 from torch import nn
 
-from .dba import DBAConfig, DBAResult, DynamicBatchAdaptation, LossFn
+from .selection import DBAConfig, DBAResult, DynamicBatchAdaptation, LossFn
 
 COUNTS_NAME = "dx.dba_counts"
 

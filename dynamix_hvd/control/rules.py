@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .actions import BatchBounds
-from .plan import split_proportional
+from ..data.plan import split_proportional
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
 

@@ -1,10 +1,10 @@
 """Pretrain the PPO batch-size policy in the cluster simulator, fine-tune it, save it.
 
-``python -m dynamix_hvd.pretrain --help`` lists every option (the fields of :class:`PretrainConfig`).
-The shipped default policy is reproduced by ``python -m dynamix_hvd.pretrain`` (all defaults).
+``python -m dynamix_hvd.rl.pretrain --help`` lists every option (the fields of :class:`PretrainConfig`).
+The shipped default policy is reproduced by ``python -m dynamix_hvd.rl.pretrain`` (all defaults).
 
 Training: each PPO update is one rollout of ``horizon`` decisions on ``clusters_per_update`` simulated
-jobs drawn from :class:`~dynamix_hvd.simulator.ScenarioConfig` (world sizes, speeds, stragglers, drifts,
+jobs drawn from :class:`~dynamix_hvd.rl.simulator.ScenarioConfig` (world sizes, speeds, stragglers, drifts,
 noise-scale trajectories, networks, memory), each starting at a random point of its training run. The
 jobs' ranks are stacked into one batch of rows (the shared policy acts on each rank independently, as
 in the live controller). The rollout ends by time limit, so its last reward is bootstrapped.
@@ -34,13 +34,13 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from .actions import ActionSpace
-from .policy import PPOPolicy, StaticPolicy
-from .policy_store import DEFAULT_POLICY, load_policy, resolve, save_policy
+from ..control.actions import ActionSpace
+from ..control.policy import PPOPolicy, StaticPolicy
+from ..control.policy_store import DEFAULT_POLICY, load_policy, resolve, save_policy
 from .ppo import PPOConfig, PPOLearner
-from .reward import RewardConfig
+from ..control.reward import RewardConfig
 from .simulator import ClusterSimulator, ClusterSpec, EpisodeResult, ScenarioConfig, sample_cluster
-from .state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, GlobalContext, RankReport, build_observation
+from ..control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, GlobalContext, RankReport, build_observation
 
 """Name of the shipped policy in ``policies/`` (``policies/default.pt`` + ``default.json`` + ``default.md``)."""
 
@@ -68,7 +68,7 @@ class PretrainConfig:
     world_sizes: str = "2,2,3,4,4,8,16,32"
     """Comma-separated world sizes drawn uniformly (repeat one to weight it)."""
     calibration: str = ""
-    """A calibration JSON (python -m dynamix_hvd.calibrate): also train on jobs perturbed around it."""
+    """A calibration JSON (python -m dynamix_hvd.rl.calibrate): also train on jobs perturbed around it."""
     calibration_mix: float = 0.5
     """Fraction of the jobs drawn around the calibrated cluster when `calibration` is set."""
     init_policy: str = ""
@@ -490,7 +490,7 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
              "PPO batch-size policy of dynamix_hvd (one shared actor-critic applied to every rank; actions = "
              "multipliers x0.5, x0.8, x1, x1.25, x2 of the rank's batch).", "",
              "## Training", "",
-             f"- Simulator: `dynamix_hvd.simulator` with jobs drawn from `ScenarioConfig(families={_names(cfg.families)}, "
+             f"- Simulator: `dynamix_hvd.rl.simulator` with jobs drawn from `ScenarioConfig(families={_names(cfg.families)}, "
              f"world_sizes={list(_ints(cfg.world_sizes))})`: heterogeneous speeds, stragglers, mid-run slow-downs, "
              "ring allreduce with latency/bandwidth/contention and Pollux overlap, memory limits (OOM or fitted bounds), "
              "noise-scale trajectories growing with progress, loss with LR-jump spikes.",
@@ -525,16 +525,16 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
     lines += ["", "## Limits", "",
               "- Trained only in simulation; the simulator's models (linear compute time, ring allreduce, "
               "geometric noise-scale growth) are approximations. Calibrate against a real log "
-              "(`python -m dynamix_hvd.calibrate`) and fine-tune for a specific target.",
+              "(`python -m dynamix_hvd.rl.calibrate`) and fine-tune for a specific target.",
               "- The oracle knows the true noise scale and speeds; the policy sees the controller's noisy estimates.", ""]
     path.write_text("\n".join(lines))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = dataclass_parser(PretrainConfig, (__doc__ or "").split("\n\n")[0], prog="python -m dynamix_hvd.pretrain")
+    ap = dataclass_parser(PretrainConfig, (__doc__ or "").split("\n\n")[0], prog="python -m dynamix_hvd.rl.pretrain")
     cfg = PretrainConfig(**vars(ap.parse_args(argv)))
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python -m dynamix_hvd.pretrain", *argv])
+    command = " ".join(["python -m dynamix_hvd.rl.pretrain", *argv])
     t0 = time.perf_counter()
     learner, curve, evaluation = pretrain(cfg)
     elapsed = time.perf_counter() - t0

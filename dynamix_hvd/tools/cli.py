@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import launchcheck
-from .controller import POLICY_NAMES
+from ..control.controller import POLICY_NAMES
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / "bench"
 EXAMPLE = "dynamix_hvd.examples.mlp_train"
 
@@ -104,7 +104,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
         from . import policy_tools as tools
     except ImportError:  # older tree without policy_tools: the essentials from policy_store
         return _policy_fallback(args, directory)
-    from .policy_store import PolicyError
+    from ..control.policy_store import PolicyError
 
     try:
         if args.action == "list":
@@ -126,8 +126,8 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def _policy_fallback(args: argparse.Namespace, directory: Path | None) -> int:
-    from . import policy_store
-    from .actions import ActionSpace
+    from ..control import policy_store
+    from ..control.actions import ActionSpace
 
     try:
         if args.action == "list":
@@ -138,7 +138,7 @@ def _policy_fallback(args: argparse.Namespace, directory: Path | None) -> int:
             policy_store.load_policy(args.name, ActionSpace(), directory)
             result = {"name": args.name, "ok": True}
         else:
-            return _fail("policy compare needs dynamix_hvd.policy_tools")
+            return _fail("policy compare needs dynamix_hvd.tools.policy_tools")
     except policy_store.PolicyError as exc:
         return _fail(str(exc), 1)
     print(json.dumps(result, indent=2, default=str))
@@ -147,8 +147,8 @@ def _policy_fallback(args: argparse.Namespace, directory: Path | None) -> int:
 
 # --- runs --------------------------------------------------------------------------------------------
 def cmd_summarize(args: argparse.Namespace) -> int:
-    from .report import header_text, summary_table
-    from .runlog import read_run
+    from ..runs.report import header_text, summary_table
+    from ..runs.runlog import read_run
 
     try:
         run = read_run(args.run_dir)
@@ -164,7 +164,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from ..runs.report import write_report
 
     try:
         out = write_report(args.run_dir, args.output)

@@ -12,7 +12,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from .actions import ActionSpace, BatchBounds, apply_actions
-from .ppo import PPOConfig, PPOLearner
+from ..rl.ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES, GlobalContext, RankReport
 
 

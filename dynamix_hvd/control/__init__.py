@@ -1,0 +1,9 @@
+"""The control plane: who gets which batch size next.
+
+Owns the controller's configuration, the typed per-rank reports and the observation built from
+them (`state`), the reward (`reward`), the discrete actions and batch bounds (`actions`), the policy
+interface with PPO and static (`policy`), the classic rules (`rules`), policy files (`policy_store`)
+and the live controller (`controller`), which only moves reports and decisions between ranks.
+Everything here except `controller` is pure: it never imports Horovod, mpi4py or `comm`, so the
+simulator can run the same decisions offline. `controller` reaches other ranks only through `comm`.
+"""
