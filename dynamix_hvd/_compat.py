@@ -4,13 +4,14 @@
 that now lives at ``dynamix_hvd.control.controller`` -- the same module object, so classes compare
 equal -- with a DeprecationWarning naming the new path. `dynamix_hvd.data` and `dynamix_hvd.dba`
 are packages now and serve their old names themselves. The finder answers only for the names in
-`MOVED`; every other import is untouched. `python -m` needs the new paths.
+`MOVED`; every other import is untouched. `python -m` with an old path runs the new module.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -41,6 +42,10 @@ class _Alias(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         pass  # already executed under its new name
+
+    def get_code(self, fullname: str):
+        # `python -m dynamix_hvd.OLD` (runpy) runs the code of the new module as __main__
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
