@@ -30,7 +30,7 @@ def results(tmp_path_factory):
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
-def replay(opt_factory, batches, lrs=None, max_grad_norm=None, skip=()):
+def replay(opt_factory, batches, lrs=None, max_grad_norm=None, skip=(), momenta=None):
     """Full-batch single-process training over `batches` (lists of sample indices)."""
     data = IndexedData(SAMPLES)
     model = make_model()
@@ -43,9 +43,11 @@ def replay(opt_factory, batches, lrs=None, max_grad_norm=None, skip=()):
             continue
         if max_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        if lrs is not None:
-            for g in opt.param_groups:
+        for g in opt.param_groups:
+            if lrs is not None:
                 g["lr"] = lrs[step]
+            if momenta is not None:
+                g["momentum"] = momenta[step]
         opt.step()
     return model
 
@@ -87,7 +89,8 @@ def test_scheduler_and_lr_rule_compose_without_compounding(results, name):
             plain.step()
             sched.step()
         assert base == want
-    model = replay(sgd, union([r["steps"] for r in runs]), lrs=[s["effective_lr"] for s in steps])
+    model = replay(sgd, union([r["steps"] for r in runs]), lrs=[s["effective_lr"] for s in steps],
+                   momenta=[s["momentum"] for s in steps])
     for run in runs:
         assert_params(model, run["params"])
 

@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from workers.dataplane import IndexedData, make_model
+try:
+    from workers.dataplane import IndexedData, make_model
+except ImportError:  # run as a script: tests/workers/ itself is on sys.path
+    from dataplane import IndexedData, make_model
 
 SAMPLES = 61
 B0 = 8
@@ -59,17 +62,17 @@ def run_scheduler(name: str, rank: int, world: int, lr_rule: str) -> dict[str, A
         loader.set_epoch(epoch)
         for i, (idx, x, y) in enumerate(loader):
             opt.zero_grad()
-            base_lr = opt.param_groups[0]["lr"]
+            base_lr, momentum = opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]
             if lr_rule == "adascale":
                 opt.lr_gain = 1.0 + 0.25 * (len(steps) % 3)  # what the controller would set
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
             rec = loader.tracker.records[-1]
-            steps.append(step_info(loader, idx) | {"base_lr": base_lr, "effective_lr": rec.lr,
+            steps.append(step_info(loader, idx) | {"base_lr": base_lr, "effective_lr": rec.lr, "momentum": momentum,
                                                    "gain": opt.lr_gain, "after_lr": opt.param_groups[0]["lr"]})
             if name == "plateau":
-                sched.step(float(loss))
+                sched.step(hvd.allreduce(loss.detach(), op=hvd.Average).item())  # the same on every rank
             else:
                 sched.step()
             if i == 2:
