@@ -101,6 +101,7 @@ def test_state_dict_and_broadcast_optimizer_state(results):
         assert s["is_optimizer"] and s["class"] == "WeightedDistributedAdam"
         assert s["initialised"] == 4, "broadcast_optimizer_state did not create the Adam state"
         assert s["roundtrip_same"]
+        assert len(s["refused"]) == 2 and all("pass the plain torch optimizer" in m for m in s["refused"])
     assert states[0]["exp_avg"] == states[1]["exp_avg"], "rank 1 kept its own optimizer state"
 
 

@@ -162,8 +162,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
         base = type(optimizer)
-        if isinstance(optimizer, WeightedDistributedOptimizer):
-            raise TypeError("optimizer is already a WeightedDistributedOptimizer; wrap the plain optimizer")
+        if isinstance(optimizer, WeightedDistributedOptimizer) or base.__module__ == hvd.DistributedOptimizer.__module__:
+            raise TypeError(f"optimizer is already distributed ({base.__name__} from {base.__module__}); "
+                            "pass the plain torch optimizer, not hvd.DistributedOptimizer(...)")
         if base not in _CLASSES:
             body = {k: v for k, v in WeightedDistributedOptimizer.__dict__.items()
                     if k not in ("__dict__", "__weakref__", "__new__")}

@@ -103,7 +103,14 @@ def run_state(rank: int, world: int) -> dict[str, Any]:
     opt.load_state_dict(sd)
     same = all(torch.equal(opt.state[p]["exp_avg"], torch.tensor(e, dtype=torch.float64).view_as(p))
                for p, e in zip(model.parameters(), exp_avg))
-    return {"initialised": initialised, "exp_avg": exp_avg, "roundtrip_same": same,
+    refused = []
+    for wrapped in (opt, hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  named_parameters=model.named_parameters())):
+        try:
+            dx.WeightedDistributedOptimizer(wrapped, model.named_parameters(), loader)
+        except TypeError as exc:
+            refused.append(str(exc))
+    return {"refused": refused, "initialised": initialised, "exp_avg": exp_avg, "roundtrip_same": same,
             "is_optimizer": isinstance(opt, torch.optim.Optimizer), "class": type(opt).__name__}
 
 
