@@ -114,11 +114,12 @@ def _make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
         return make_baseline(cfg.policy, **cfg.policy_kwargs)
     actions = ActionSpace(tuple(cfg.multipliers))
     learner = None
-    if cfg.policy_file == DEFAULT_POLICY and not resolve(DEFAULT_POLICY)[0].exists():
-        warnings.warn(f"the default policy is missing from {default_policy_dir()}; starting from a fresh "
-                      "policy (set learn=True so it can learn)", stacklevel=3)
-    elif cfg.policy_file:
-        learner = load_policy(cfg.policy_file, actions)[0]
+    if cfg.policy_file:
+        # A missing or unreadable policy (the default included) is an error saying how to fix it. The
+        # fields of cfg.ppo that differ from both defaults were set by the user: they override the
+        # stored config, or load_policy refuses them by name.
+        defaults = (PPOConfig(), ControllerConfig().ppo)
+        learner = load_policy(cfg.policy_file, actions, ppo=cfg.ppo, ppo_defaults=defaults)[0]
     return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
 
 

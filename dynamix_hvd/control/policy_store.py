@@ -3,27 +3,43 @@
 A policy only makes sense for the observation and action layout it was trained with, so the JSON
 records both, and loading refuses a policy whose spec differs from the running code's, naming the
 field. Files are written to a temporary name and renamed, so a crash never leaves half a policy.
+
+Where policies live: $DYNAMIX_POLICY_DIR if set; else the policies shipped inside the installed
+package (the top-level ``policies/`` folder is package data ``dynamix_hvd.policies`` in the wheel and
+the sdist, found with ``importlib.resources``); else, in a source checkout, the repository's
+``policies/``. A PPO config given by the user is applied on top of the stored one where that is
+possible and refused, naming the fields, where it is not (``load_policy(..., ppo=...)``).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import hashlib
+import importlib.resources
 import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from .actions import ActionSpace
-from ..rl.ppo import PPOLearner
+from ..rl.ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
 FORMAT_VERSION = 1
 DEFAULT_POLICY = "default"
 """The policy shipped in policies/ and used by the controller unless told otherwise."""
 POLICY_DIR_ENV = "DYNAMIX_POLICY_DIR"
+POLICY_PACKAGE = "dynamix_hvd.policies"
+"""The installed copy of the top-level policies/ folder (package data)."""
+FIXED_PPO_FIELDS = ("hidden_sizes",)
+"""PPOConfig fields a stored policy fixes (they shape its network); all others can be overridden."""
+_DEFAULT_FIX = ("Reinstall dynamix_hvd (its wheel and sdist ship policies/ as package data), set "
+                f"${POLICY_DIR_ENV} to a folder holding {DEFAULT_POLICY}.pt and {DEFAULT_POLICY}.json, pass "
+                "ControllerConfig(policy_file=PATH), or start an untrained policy on purpose with "
+                "ControllerConfig(policy_file=None, learn=True).")
 
 
 class PolicyError(ValueError):
@@ -31,8 +47,18 @@ class PolicyError(ValueError):
 
 
 def default_policy_dir() -> Path:
-    """$DYNAMIX_POLICY_DIR, else the repository's ``policies/`` folder."""
-    return Path(os.environ.get(POLICY_DIR_ENV, Path(__file__).resolve().parents[2] / "policies"))
+    """$DYNAMIX_POLICY_DIR, else the installed package data, else the repository's ``policies/``."""
+    env = os.environ.get(POLICY_DIR_ENV)
+    if env:
+        return Path(env)
+    try:
+        shipped = importlib.resources.files(POLICY_PACKAGE)
+    except ModuleNotFoundError:  # a source checkout: the package data is the repository's folder
+        return Path(__file__).resolve().parents[2] / "policies"
+    if not isinstance(shipped, Path):
+        raise PolicyError(f"the shipped policies ({POLICY_PACKAGE}) are not a folder on disk ({shipped!r}); "
+                          f"install dynamix_hvd unzipped or set ${POLICY_DIR_ENV}")
+    return shipped
 
 
 def current_spec(actions: ActionSpace) -> dict[str, Any]:
@@ -101,9 +127,52 @@ def check_spec(meta: dict[str, Any], actions: ActionSpace, source: str) -> None:
                               f"expected {want!r}. Retrain it, or use a policy made for this version.")
 
 
-def load_policy(name_or_path: str | os.PathLike, actions: ActionSpace,
-                directory: Path | None = None) -> tuple[PPOLearner, dict[str, Any]]:
-    """Load and validate a policy; returns the learner and its JSON metadata."""
+def load_policy(name_or_path: str | os.PathLike, actions: ActionSpace, directory: Path | None = None,
+                ppo: PPOConfig | None = None, ppo_defaults: Sequence[PPOConfig] | None = None
+                ) -> tuple[PPOLearner, dict[str, Any]]:
+    """Load and validate a policy; returns the learner and its JSON metadata.
+
+    `ppo` is the user's PPO config. The fields where it differs from every config in `ppo_defaults`
+    (the defaults a user may have started from; None: every field) count as given, so a field set
+    to a default value cannot be told from an unset one and the stored value applies. A given field
+    that differs from the stored config is applied to the learner, except the fields in
+    FIXED_PPO_FIELDS, which are refused (PolicyError naming them). The applied ones are listed in
+    ``meta["ppo_overrides"]``.
+    """
+    try:
+        learner, meta = _load(name_or_path, actions, directory)
+    except PolicyError as exc:
+        if str(name_or_path) == DEFAULT_POLICY:
+            raise PolicyError(f"the default policy cannot be used: {exc}. {_DEFAULT_FIX}") from None
+        raise
+    if ppo is not None:
+        meta["ppo_overrides"] = apply_ppo_overrides(learner, ppo, ppo_defaults, str(resolve(name_or_path, directory)[1]))
+    return learner, meta
+
+
+def apply_ppo_overrides(learner: PPOLearner, ppo: PPOConfig, ppo_defaults: Sequence[PPOConfig] | None,
+                        source: str) -> dict[str, Any]:
+    """Apply the given fields of `ppo` that differ from the learner's stored config; returns them."""
+    stored = learner.config
+    given = [f.name for f in dataclasses.fields(PPOConfig)
+             if all(getattr(ppo, f.name) != getattr(d, f.name) for d in ppo_defaults or ())]
+    changes = {k: getattr(ppo, k) for k in given if getattr(ppo, k) != getattr(stored, k)}
+    fixed = [k for k in changes if k in FIXED_PPO_FIELDS]
+    if fixed:
+        detail = ", ".join(f"{k}={changes[k]!r} (stored {getattr(stored, k)!r})" for k in fixed)
+        raise PolicyError(f"policy {source} was trained with a different network: {detail}. Drop "
+                          "these from ControllerConfig(ppo=...), or train a policy with them.")
+    if changes:
+        learner.config = dataclasses.replace(stored, **changes)
+        for group in learner.optimizer.param_groups:
+            group["lr"], group["eps"] = learner.config.learning_rate, learner.config.adam_eps
+        if "seed" in changes:
+            learner.generator.manual_seed(learner.config.seed)
+    return changes
+
+
+def _load(name_or_path: str | os.PathLike, actions: ActionSpace,
+          directory: Path | None) -> tuple[PPOLearner, dict[str, Any]]:
     pt, js = resolve(name_or_path, directory)
     meta = read_spec(name_or_path, directory)
     check_spec(meta, actions, str(js))

@@ -21,6 +21,7 @@ rewind the loader so the same samples are redone.
 from __future__ import annotations
 
 import math
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
@@ -80,8 +81,63 @@ class FlatGradients:
             buf.zero_()
 
 
-class WeightedDistributedOptimizer:
+_CLASSES: dict[type, type] = {}
+_HIDDEN_BY_SCALER = ("grad_scale", "found_inf")
+
+
+def _inner(obj: Any, name: str) -> Callable[..., Any]:
+    """The user's optimizer's method `name` (skipping this module's class in the MRO), unbound; for
+    ``step`` without torch's profiling/step-hook wrapper, since our own step already ran the hooks."""
+    for klass in type(obj).__mro__[1:]:
+        if klass is not WeightedDistributedOptimizer and name in vars(klass):
+            fn = vars(klass)[name]
+            return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+    raise AttributeError(name)
+
+
+class WeightedDistributedOptimizer(torch.optim.Optimizer):
     """Wrap a torch optimizer so each step applies the exact mean gradient over all ranks' samples.
+
+    The object returned is a real ``torch.optim.Optimizer`` of the user's class, like Horovod's
+    ``DistributedOptimizer``: a class built at run time whose bases are the user's optimizer class and
+    this one (``isinstance(opt, torch.optim.SGD)`` and ``isinstance(opt, WeightedDistributedOptimizer)``
+    both hold). It shares the user's ``param_groups`` and ``state``, so every LR scheduler,
+    ``state_dict``/``load_state_dict`` and ``hvd.broadcast_optimizer_state`` work on it.
+
+    Learning rate, in this order at every step: an LR scheduler (or the user) owns ``group["lr"]``, the
+    *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B and by
+    ``lr_gain`` (AdaScale), runs the inner optimizer, and restores ``group["lr"]``. So the effective LR
+    of a step is ``scheduler_lr * lr_factor(rule, B, base_batch_size, lr_gain)``, the scheduler never
+    sees (and never compounds) the factor, and ``state_dict()`` stores the base LR.
+
+    Mixed precision follows Horovod's pattern::
+
+        scaler = torch.amp.GradScaler(device)
+        opt = WeightedDistributedOptimizer(..., grad_scaler=scaler)
+        with torch.autocast(device, dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)                    # optional: needed only to clip yourself
+        torch.nn.utils.clip_grad_norm_(...)     # optional (or max_grad_norm=)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+
+    The gradient statistics are taken at ``synchronize()`` (before any user clipping) and divided by
+    the loss scale squared, so they describe unscaled gradients; ``max_grad_norm`` clips the unscaled
+    gradient. A step with a non-finite gradient (the scaler's inf check, or NaN/inf in fp32) is skipped
+    on every rank alike (the check reads the allreduced gradient) and feeds no statistics; the scaler
+    still backs off its scale. bf16 autocast needs no scaler and nothing else.
+
+    Gradient accumulation: with ``backward_passes_per_step=k`` every k loader steps (micro-batches,
+    one ``backward()`` each) make one optimizer step; call ``step()`` when ``should_step()`` says so.
+    Each micro-batch's local mean gradient is turned into a sum (times its local count), Horovod
+    allreduces the accumulated sums once, and ``synchronize()`` divides by the total sample count of the
+    k micro-steps of all ranks: the update is the exact mean over all of them. A rank's batch size in
+    the loader is its micro-batch size, which is what its memory bound limits. Seam for a controller
+    that picks micro-batch counts: ``set_backward_passes_per_step(k)`` between steps (the same k on
+    every rank, since one loader step is one micro-batch on every rank).
 
     Args:
         optimizer: any torch optimizer (SGD, Adam, AdamW, ...) over the model's parameters.
@@ -91,36 +147,69 @@ class WeightedDistributedOptimizer:
             "sum" if it is the sum.
         max_grad_norm: clip the synchronised gradient to this norm (identical on every rank).
         lr_rule: couple the learning rate to the global batch: none / linear / sqrt / adascale.
-        base_batch_size: global batch the learning rate was tuned for (default: the loader's first).
+        base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
+            times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
         track_grad_norms: record local and global gradient squared norms per step (cheap; the
             gradient-noise statistics need them).
+        backward_passes_per_step: micro-batches accumulated per optimizer step.
+        grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any.
     """
+
+    _step_supports_amp_scaling = True  # GradScaler then always calls step() and tells us found_inf
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> "WeightedDistributedOptimizer":
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        base = type(optimizer)
+        if isinstance(optimizer, WeightedDistributedOptimizer) or base.__module__ == hvd.DistributedOptimizer.__module__:
+            raise TypeError(f"optimizer is already distributed ({base.__name__} from {base.__module__}); "
+                            "pass the plain torch optimizer, not hvd.DistributedOptimizer(...)")
+        if base not in _CLASSES:
+            body = {k: v for k, v in WeightedDistributedOptimizer.__dict__.items()
+                    if k not in ("__dict__", "__weakref__", "__new__")}
+            # Horovod's broadcast_optimizer_state recognises its own wrappers by module and then steps
+            # only the inner optimizer (super(cls, opt).step()) to create state without an allreduce.
+            body["__module__"] = hvd.DistributedOptimizer.__module__
+            body["__qualname__"] = f"WeightedDistributed{base.__name__}"
+            _CLASSES[base] = type(f"WeightedDistributed{base.__name__}", (base, WeightedDistributedOptimizer), body)
+        return torch.optim.Optimizer.__new__(_CLASSES[base])
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
                  loss_reduction: Literal["mean", "sum"] = "mean", max_grad_norm: float | None = None,
                  lr_rule: str = "none", base_batch_size: int | None = None,
-                 compression: Any = None, track_grad_norms: bool = True) -> None:
+                 compression: Any = None, track_grad_norms: bool = True,
+                 backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r}; it must be a positive number or None")
         if lr_rule not in LR_RULES:
             raise ValueError(f"lr_rule={lr_rule!r}; choose one of {', '.join(LR_RULES)}")
+        _check_passes(backward_passes_per_step)
+        if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
+            raise ValueError(f"grad_scaler={grad_scaler!r}; pass a torch.amp.GradScaler or None")
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("named_parameters has no parameter that requires grad")
         if loader.world_size != hvd.size():
             raise ValueError(f"loader plans {loader.world_size} ranks (batch_sizes={list(loader.batch_sizes)}) "
                              f"but Horovod runs {hvd.size()}")
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.state = optimizer.state
+        for key, value in vars(optimizer).items():  # class-specific extras (e.g. LBFGS's _params)
+            if key not in vars(self) and not callable(value):
+                setattr(self, key, value)
         self.loader = loader
         self.loss_reduction = loss_reduction
         self.max_grad_norm = max_grad_norm
         self.lr_rule = lr_rule
-        self.base_batch_size = base_batch_size or loader.global_batch_size
+        self.backward_passes_per_step = backward_passes_per_step
+        self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
         self.lr_gain = 1.0  # AdaScale gain (or any extra factor) set by the controller
         self.track_grad_norms = track_grad_norms
+        self.grad_scaler = grad_scaler
         self.param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
@@ -130,14 +219,19 @@ class WeightedDistributedOptimizer:
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
         self._layer_steps = 0
         self.sqnorm_backend = backend_for(self.flat.buffers[0])
+        self._micro: list[Any] = []   # the loader steps (micro-batches) accumulated since the last step
+        self._group_t0 = 0.0
         self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
         # status[r] > 0: rank r ran out of memory this step with that many samples
         self._status = torch.zeros(loader.world_size, dtype=torch.float64)
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
         self.last_status = "ok"
         self.skipped_steps = {"nonfinite": 0, "oom": 0}
-        self._hvd = hvd.DistributedOptimizer(
-            optimizer, named_parameters=named, op=hvd.Sum,
+        self._synced: dict[str, Any] | None = None  # what synchronize() found, until step() uses it
+        self._should_synchronize = True
+        # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
+        self._engine = hvd.DistributedOptimizer(
+            optimizer, named_parameters=named, op=hvd.Sum, backward_passes_per_step=backward_passes_per_step,
             compression=compression if compression is not None else hvd.Compression.none)
         self.last_grad_norm = float("nan")
 
@@ -145,38 +239,56 @@ class WeightedDistributedOptimizer:
     def _make_weight_hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def weight(grad: torch.Tensor) -> torch.Tensor:
             step = self.loader.current_step
+            if not self._micro or step is not self._micro[-1]:
+                if not self._micro:
+                    self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
+                self._micro.append(step)
             local = step.counts[self.loader.rank]
-            scale = (local if self.loss_reduction == "mean" else 1.0) / step.global_count
-            if self.track_grad_norms:
-                # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
-                unit = 1.0 if self.loss_reduction == "mean" else 1.0 / local
-                sq = torch.linalg.vector_norm(grad, dtype=torch.float64).square() * unit**2
-                self._local_sq[index] = sq
-            return grad * scale
+            if self.backward_passes_per_step == 1:
+                scale = (local if self.loss_reduction == "mean" else 1.0) / step.global_count
+                if self.track_grad_norms:
+                    # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
+                    unit = 1.0 if self.loss_reduction == "mean" else 1.0 / local
+                    self._local_sq[index] = torch.linalg.vector_norm(grad, dtype=torch.float64).square() * unit**2
+                return grad * scale
+            # Accumulation: sums now, divided by the group's global count in synchronize().
+            out = grad * local if self.loss_reduction == "mean" else grad
+            if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
+                acc = out if len(self._micro) == 1 else out + self._params[index].grad
+                self._local_sq[index] = torch.linalg.vector_norm(acc, dtype=torch.float64).square()
+            return out
         return weight
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._hvd.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self._hvd.state
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._hvd.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._hvd.load_state_dict(state)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine = self._engine
+        engine._handles = {}
+        engine._synchronized = False
+        engine.set_backward_passes_per_step(self.backward_passes_per_step)
+        self._synced, self._micro = None, []
+        _inner(self, "load_state_dict")(self, state_dict)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
-        if self._hvd._handles:
+        if self._engine._handles:
             raise RuntimeError("zero_grad() called after backward() but before step(): the gradient "
-                               "allreduce is still running; call step() (or synchronize()) first")
+                               "allreduce is still running (or micro-batches are being accumulated); "
+                               "call step() (or synchronize()) first")
         self.flat.zero()
         self._local_sq.zero_()
+        self._micro = []
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Micro-batches per optimizer step from the next step on (same value on every rank)."""
+        _check_passes(passes)
+        if self._micro:
+            raise RuntimeError("set_backward_passes_per_step() between micro-batches; call it after step()")
+        self.backward_passes_per_step = passes
+        self._engine.set_backward_passes_per_step(passes)
+
+    def should_step(self) -> bool:
+        """True once this step's micro-batches are all in: k of them, or the epoch's last ones."""
+        return len(self._micro) >= self.backward_passes_per_step or not self.loader.remaining_steps()
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -190,14 +302,114 @@ class WeightedDistributedOptimizer:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block uses the preceding ``synchronize()`` (Horovod's AMP pattern)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
     def synchronize(self) -> None:
-        self._hvd.synchronize()
+        """Finish the allreduce and agree on failures; afterwards ``p.grad`` holds the global mean
+        gradient (still multiplied by the loss scale under a GradScaler). Idempotent until step()."""
+        if self._synced is not None:
+            return
+        tracker = self.loader.tracker
+        tracker.step_started()
+        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
+            self._status = torch.zeros(self.loader.world_size, dtype=torch.float64)
+        status = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
+        self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
+        failed = [int(v) for v in hvd.synchronize(status).tolist()]
+        self._status.zero_()
+        tracker.synchronized()
+        local_n = global_n = 0
+        if self.backward_passes_per_step > 1 and self._micro:
+            local_n = sum(s.counts[self.loader.rank] for s in self._micro)
+            global_n = sum(s.global_count for s in self._micro)
+            for buf in self.flat.buffers:
+                buf.mul_(1.0 / global_n)
+            self._local_sq.mul_(1.0 / local_n**2)
+        self._synced = {"failed": failed, "global_sq": self.flat.sq_norms(),
+                        "local_n": local_n, "global_n": global_n}
+
+    def _loss_scale(self) -> float:
+        called_by_scaler = "found_inf" in vars(self)
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            if called_by_scaler:
+                raise RuntimeError("a GradScaler is stepping this optimizer but it was not given one: pass "
+                                   "grad_scaler=scaler to WeightedDistributedOptimizer (the gradient "
+                                   "statistics must be unscaled)")
+            return 1.0
+        if not called_by_scaler:
+            raise RuntimeError("grad_scaler was given: step through scaler.step(optimizer), not optimizer.step()")
+        return float(self.grad_scaler.get_scale())
+
+    def step(self, closure: Callable | None = None) -> None:
+        if closure is not None:
+            raise ValueError("closures are not supported: they recompute gradients outside the "
+                             "per-step weighting; call loss.backward() before step()")
+        user_synced = self._synced is not None
+        if not user_synced:
+            if not self._should_synchronize:
+                raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
+            if "found_inf" in vars(self):
+                raise RuntimeError("the GradScaler looked at the gradients before the allreduce finished: "
+                                   "call optimizer.synchronize() before scaler.unscale_/scaler.step, then "
+                                   "scaler.step(optimizer) inside optimizer.skip_synchronize()")
+            self.synchronize()
+        synced, self._synced = self._synced, None
+        assert synced is not None
+        tracker = self.loader.tracker
+        scale = self._loss_scale()
+        global_sq = synced["global_sq"] / scale**2
+        grad_norm = float(global_sq.sum()) ** 0.5
+        if any(synced["failed"]):
+            self._skip("oom", tracker, grad_norm)
+            sizes = list(self.loader.batch_sizes)
+            self.loader.redo_current_step(self.oom_handler(sizes, synced["failed"]))
+            return
+        found_inf = vars(self).get("found_inf")
+        if not math.isfinite(grad_norm) or (found_inf is not None and float(found_inf) > 0):
+            self._skip("nonfinite", tracker, grad_norm)
+            return
+        if vars(self).get("grad_scale") is not None:  # the scaler left unscaling to us
+            for buf in self.flat.buffers:
+                buf.mul_(1.0 / scale)
+        local_sq = self._local_sq / scale**2
+        if self.track_grad_norms:
+            self._layer_sums[0] += local_sq
+            self._layer_sums[1] += global_sq
+            self._layer_steps += 1
+        if self.max_grad_norm is not None:
+            # The user may have clipped (or unscaled) between synchronize() and step(): measure again.
+            norm = float(self.flat.sq_norms().sum()) ** 0.5 if user_synced else grad_norm
+            clip = self.max_grad_norm / (norm + 1e-6)
+            if clip < 1.0:
+                for buf in self.flat.buffers:
+                    buf.mul_(clip)
+        with self._scaled_lr() as lr, self._scaler_hidden():
+            _inner(self, "step")(self)
+        self.last_grad_norm = grad_norm
+        self.last_status = "ok"
+        extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
+        if self.track_grad_norms:
+            extra["local_grad_sq"] = float(local_sq.sum())
+            extra["global_grad_sq"] = grad_norm**2
+        if synced["global_n"]:
+            step_s = time.perf_counter() - self._group_t0
+            extra.update(local_batch=synced["local_n"], global_batch=synced["global_n"], step_s=step_s,
+                         samples_per_s=synced["local_n"] / step_s if step_s > 0 else float("nan"))
+        self._micro = []
+        tracker.step_finished(**extra)
 
     @contextmanager
     def _scaled_lr(self) -> Iterator[float]:
-        factor = lr_factor(self.lr_rule, self.loader.global_batch_size, self.base_batch_size,
-                           gain=self.lr_gain)
+        factor = lr_factor(self.lr_rule, self.loader.global_batch_size * self.backward_passes_per_step,
+                           self.base_batch_size, gain=self.lr_gain)
         saved = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
@@ -207,52 +419,21 @@ class WeightedDistributedOptimizer:
             for g, lr in zip(self.param_groups, saved):
                 g["lr"] = lr
 
-    def step(self, closure: Callable | None = None) -> None:
-        if closure is not None:
-            raise ValueError("closures are not supported: they recompute gradients outside the "
-                             "per-step weighting; call loss.backward() before step()")
-        tracker = self.loader.tracker
-        tracker.step_started()
-        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
-            self._status = torch.zeros(self.loader.world_size, dtype=torch.float64)
-        status = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
-        self.synchronize()
-        failed = [int(v) for v in hvd.synchronize(status).tolist()]
-        self._status.zero_()
-        tracker.synchronized()
-        global_sq = self.flat.sq_norms()
-        grad_norm = float(global_sq.sum()) ** 0.5
-        if any(failed):
-            self._skip("oom", tracker, grad_norm)
-            sizes = list(self.loader.batch_sizes)
-            self.loader.redo_current_step(self.oom_handler(sizes, failed))
-            return
-        if not math.isfinite(grad_norm):
-            self._skip("nonfinite", tracker, grad_norm)
-            return
-        if self.track_grad_norms:
-            self._layer_sums[0] += self._local_sq
-            self._layer_sums[1] += global_sq
-            self._layer_steps += 1
-        if self.max_grad_norm is not None:
-            clip = self.max_grad_norm / (grad_norm + 1e-6)
-            if clip < 1.0:
-                for buf in self.flat.buffers:
-                    buf.mul_(clip)
-        with self._scaled_lr() as lr, self._hvd.skip_synchronize():
-            self._hvd.step()
-        self.last_grad_norm = grad_norm
-        self.last_status = "ok"
-        extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
-        if self.track_grad_norms:
-            extra["local_grad_sq"] = float(self._local_sq.sum())
-            extra["global_grad_sq"] = grad_norm**2
-        tracker.step_finished(**extra)
+    @contextmanager
+    def _scaler_hidden(self) -> Iterator[None]:
+        """The inner optimizer sees unscaled, finite gradients: hide the scaler's attributes from it
+        (a fused optimizer would otherwise unscale or skip a second time)."""
+        saved = {k: vars(self).pop(k) for k in _HIDDEN_BY_SCALER if k in vars(self)}
+        try:
+            yield
+        finally:
+            vars(self).update(saved)
 
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
         self.flat.zero()
         self._local_sq.zero_()
+        self._micro = []
         self.last_status = reason
         self.skipped_steps[reason] += 1
         tracker.step_finished(status=reason, grad_norm=grad_norm)
@@ -263,6 +444,9 @@ class WeightedDistributedOptimizer:
         rank's contribution to the next ``step()``: ``grads[name]`` is this rank's mean gradient over
         ``local[name]`` samples, and the update is the mean over ``global_[name]`` samples of all
         ranks. No backward may run between this call and ``step()``."""
+        if self.backward_passes_per_step != 1:
+            raise RuntimeError("set_local_gradients() needs backward_passes_per_step=1 "
+                               f"(it is {self.backward_passes_per_step})")
         self.flat.attach()
         for i, name in enumerate(self.param_names):
             view = self.flat.views[i]
@@ -283,6 +467,11 @@ class WeightedDistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _check_passes(passes: Any) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step={passes!r}; it must be an integer >= 1")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
