@@ -1,4 +1,1 @@
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/launching.py and tests/workers/
+"""Shared fixtures. setup.cfg's ``pythonpath`` puts the repository root and tests/ on sys.path."""

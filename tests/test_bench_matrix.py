@@ -15,12 +15,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-import bench_matrix  # noqa: E402
-from conditions import Condition, NetworkNamespaces, netem_available, parse_pairs, slow_args  # noqa: E402
-from dynamix_hvd.runs.runlog import read_run  # noqa: E402
+from bench import bench_matrix
+from bench.conditions import Condition, NetworkNamespaces, netem_available, parse_pairs, slow_args
+from dynamix_hvd.runs.runlog import read_run
 
 
 def test_tiny_matrix_outputs_and_ratios_come_from_the_same_run(tmp_path):
