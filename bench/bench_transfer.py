@@ -11,7 +11,7 @@ validation loss is below ``--target-loss``. Compared, by wall-clock time-to-targ
              around that calibrated cluster (transformer-like workloads), then on run (a)'s logged
              transitions (HDF5), and run greedily.
 
-``python bench/bench_transfer.py --help`` lists the options; the defaults take about 6-10 minutes on
+``python -m bench.bench_transfer --help`` lists the options; the defaults take about 6-10 minutes on
 2 cores. Results: a table on stdout and ``OUT/results.json``. Timings on a shared machine are noisy:
 use ``--seeds 0,1,2`` for repeated runs (each configuration runs once per seed, in rotating order);
 the table shows the load average during each run.
@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dynamix_hvd.rl.calibrate import calibrate, load_run
+from dynamix_hvd.rl.pretrain import DEFAULT_POLICY, dataclass_parser
+from dynamix_hvd.rl.pretrain import main as pretrain_main
+from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
-from dynamix_hvd.rl.calibrate import calibrate, load_run  # noqa: E402
-from dynamix_hvd.rl.pretrain import DEFAULT_POLICY, dataclass_parser  # noqa: E402
-from dynamix_hvd.rl.pretrain import main as pretrain_main  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -68,27 +68,21 @@ class BenchConfig:
     """Wall-clock limit of one training run."""
 
 
-def job_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"})
-    return env
-
-
 def run_job(cfg: BenchConfig, out: Path, seed: int, extra: Sequence[str]) -> dict[str, Any]:
     """One charlm training run under mpirun; returns its summary.json plus the launcher's wall time."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(cfg.np), sys.executable, "-m",
-           "dynamix_hvd.examples.charlm_train", "--batch-sizes", cfg.batch_sizes, "--epochs", str(cfg.max_epochs),
-           "--target-loss", str(cfg.target_loss), "--decide-every", str(cfg.decide_every), "--slow-rank",
-           str(cfg.slow_rank), "--slow-ms", str(cfg.slow_ms), "--seed", str(seed), "--out", str(out), *extra]
+    job = [sys.executable, "-m", "dynamix_hvd.examples.charlm_train", "--batch-sizes", cfg.batch_sizes,
+           "--epochs", str(cfg.max_epochs), "--target-loss", str(cfg.target_loss), "--decide-every",
+           str(cfg.decide_every), "--slow-rank", str(cfg.slow_rank), "--slow-ms", str(cfg.slow_ms),
+           "--seed", str(seed), "--out", str(out), *extra]
+    cmd = command(local_plan("mpirun", cfg.np), job, forward=())
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
-    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=cfg.run_timeout_s)
+    proc = subprocess.run(cmd, cwd=REPO, env=local_env(REPO), capture_output=True, text=True, timeout=cfg.run_timeout_s)
     (out / "stdout.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    return summary | {"launcher_s": time.perf_counter() - t0, "command": " ".join(cmd[6:]),
+    return summary | {"launcher_s": time.perf_counter() - t0, "command": " ".join(job[1:]),
                       "loadavg": round((load0 + os.getloadavg()[0]) / 2, 1)}
 
 
@@ -114,7 +108,7 @@ def fmt(x: float) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = dataclass_parser(BenchConfig, (__doc__ or "").split("\n\n")[0], prog="bench/bench_transfer.py")
+    ap = dataclass_parser(BenchConfig, (__doc__ or "").split("\n\n")[0], prog="python -m bench.bench_transfer")
     cfg = BenchConfig(**vars(ap.parse_args(argv)))
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

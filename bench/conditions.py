@@ -26,11 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from dynamix_hvd.tools.launchcheck import command, local_plan, mpmd_command
+
 BENCH_NET = ipaddress.ip_network("198.18.0.0/15")
 # Waiting ranks yield the CPU instead of spinning: on 2 shared cores Horovod's spinning background
 # threads otherwise steal the cores from the ranks still computing (measured on a 2-core VM: median
 # allreduce wait per step 40-50 ms without, 8-13 ms with, for a 4 ms compute step).
-MPIRUN_COMMON = ("--oversubscribe", "--bind-to", "none", "--mca", "mpi_yield_when_idle", "1")
+MPIRUN_OPTIONS = ("--mca", "mpi_yield_when_idle", "1")
 
 
 @dataclass(frozen=True)
@@ -205,22 +207,24 @@ class NetworkNamespaces:
         """MPMD mpirun line starting rank r inside namespace r, and the environment it needs."""
         assert self.subnet is not None, "use inside `with NetworkNamespaces(...)`"
         net = str(self.subnet)
-        cmd = ["mpirun", *MPIRUN_COMMON, "--mca", "btl", "tcp,self",
-               "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net]
-        for key in env_keys:
-            cmd += ["-x", key]
-        for r, ns in enumerate(self.namespaces):
-            cmd += [*([":"] if r else []), "-np", "1", "ip", "netns", "exec", ns, *argv]
+        options = [*MPIRUN_OPTIONS, "--mca", "btl", "tcp,self",
+                   "--mca", "btl_tcp_if_include", net, "--mca", "oob_tcp_if_include", net]
+        apps = [["ip", "netns", "exec", ns, *argv] for ns in self.namespaces]
+        cmd = mpmd_command(local_plan("mpirun", self.ranks), apps, env=_every(env_keys), forward=env_keys,
+                           options=options)
         env = {"PMIX_MCA_ptl_tcp_if_include": net, "PMIX_MCA_ptl_tcp_remote_connections": "1"}
         return cmd, env
 
 
 def plain_mpirun(ranks: int, argv: Sequence[str], env_keys: Sequence[str] = ()) -> list[str]:
     """The ordinary single-host line (shared memory between ranks)."""
-    cmd = ["mpirun", *MPIRUN_COMMON, "-np", str(ranks)]
-    for key in env_keys:
-        cmd += ["-x", key]
-    return cmd + list(argv)
+    return command(local_plan("mpirun", ranks), argv, env=_every(env_keys), forward=env_keys,
+                   options=MPIRUN_OPTIONS)
+
+
+def _every(keys: Sequence[str]) -> dict[str, str]:
+    """An environment in which all of `keys` count as set: each is forwarded (-x) whatever its value."""
+    return dict.fromkeys(keys, "")
 
 
 class RateSchedule(threading.Thread):

@@ -96,7 +96,7 @@ _dx_setup() {
   _dx_pip install -q "$_dx_torch" 'numpy<2.5' setuptools wheel \
     'cmake>=3.13' mpi4py numba numba-cuda 'nvidia-cuda-nvrtc==13.*' 'nvidia-nvvm==13.*' \
     pandas h5py psutil pyyaml cloudpickle packaging tqdm matplotlib 'mlxtend==0.25.0' \
-    pytest pytest-timeout hypothesis
+    pytest pytest-timeout hypothesis import-linter
   local torch_v py_v wheel_dir
   torch_v=$("$_dx_venv/bin/python" -c 'import torch; print(torch.__version__)')
   py_v=$("$_dx_venv/bin/python" -c 'import sys; print("%d%d" % sys.version_info[:2])')

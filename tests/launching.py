@@ -7,28 +7,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dynamix_hvd.tools.launchcheck import ROOT_ENV, local_plan
+from dynamix_hvd.tools.launchcheck import command as launch_command
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
-LAUNCHERS = ("mpirun", "horovodrun", "horovodrun-gloo")
 
 
 def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({
-        # CI and this machine run as root; Open MPI refuses root without these two.
-        "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        **ROOT_ENV,  # CI and this machine run as root; Open MPI refuses root without these two.
         "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}",
     })
     return env
 
 
 def command(launcher: str, np: int, argv: list[str]) -> list[str]:
-    if launcher == "mpirun":
-        return ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np), *argv]
-    if launcher in ("horovodrun", "horovodrun-gloo"):
-        gloo = ["--gloo"] if launcher == "horovodrun-gloo" else ["--mpi"]
-        return ["horovodrun", *gloo, "-np", str(np), "-H", f"localhost:{np}", *argv]
-    raise ValueError(f"unknown launcher {launcher!r}; choose one of {LAUNCHERS}")
+    """The launcher line `dynamix-hvd run` and the benchmarks use, on this host, oversubscribed."""
+    return launch_command(local_plan(launcher, np), argv, forward=())
 
 
 def launch(launcher: str, np: int, script: str, *args: str, timeout: float = 300,

@@ -1,17 +1,21 @@
 """Bad input: every loader of configuration, policies and checkpoints refuses it clearly, never crashes
-with anything but the documented error, and never leaves partial files. Fuzzed with hypothesis."""
+with anything but the documented error, and never leaves partial files. Fuzzed with hypothesis: any
+value either works or is refused naming its field, and clearly invalid values (generated per field)
+are always refused at construction."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynamix_hvd import ControllerConfig, PPOConfig
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.controller import ControllerConfig
+from dynamix_hvd.control.controller import POLICY_NAMES
 from dynamix_hvd.control.policy_store import PolicyError, load_policy
-from dynamix_hvd.rl.ppo import PPOConfig
 from dynamix_hvd.control.reward import RewardConfig
 from launching import launch
 
@@ -69,6 +73,81 @@ def test_policy_loader_fuzz(tmp_path, spec, weights):
     (tmp_path / "p.pt").write_bytes(weights)
     with pytest.raises(PolicyError):
         load_policy("p", ActionSpace(), directory=tmp_path)
+
+
+# --- clearly invalid values are rejected at construction, with an error naming the field ------------
+NOT_A_NUMBER = st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2), st.just({}))
+NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+NOT_POSITIVE = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(max_value=0.0, allow_nan=False),
+                         st.integers(max_value=0))
+NEGATIVE = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(max_value=-1e-9, allow_nan=False),
+                     st.integers(max_value=-1))
+OUTSIDE_UNIT = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0 + 1e-9, allow_infinity=False),
+                         st.floats(max_value=-1e-9, allow_infinity=False))
+
+
+def not_an_int(low: int) -> st.SearchStrategy:
+    return st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.integers(max_value=low - 1),
+                     st.floats(allow_nan=False, allow_infinity=False).filter(lambda f: f != int(f) or f >= low))
+
+
+NOT_A_BOOL = st.one_of(st.none(), st.integers(), st.floats(), st.text(max_size=4))
+BAD_PPO = {
+    "learning_rate": NOT_POSITIVE, "adam_eps": NOT_POSITIVE, "clip_coef": NOT_POSITIVE, "max_grad_norm": NOT_POSITIVE,
+    "gamma": OUTSIDE_UNIT, "gae_lambda": OUTSIDE_UNIT, "ent_coef": NEGATIVE, "vf_coef": NEGATIVE,
+    "rollout_length": not_an_int(1), "update_epochs": not_an_int(1), "num_minibatches": not_an_int(1),
+    "clip_vloss": NOT_A_BOOL, "norm_adv": NOT_A_BOOL,
+    "target_kl": NOT_POSITIVE.filter(lambda v: v is not None),
+    "hidden_sizes": st.one_of(st.just(()), st.integers(), st.text(min_size=1, max_size=3),
+                              st.lists(not_an_int(1), min_size=1, max_size=3).map(tuple)),
+    "seed": st.one_of(not_an_int(0), st.integers(min_value=2**63, max_value=2**70)),
+}
+# RewardConfig accepts True/False as 1/0 (bool is an int), so booleans are not generated for it.
+BAD_WEIGHT = st.one_of(NOT_A_NUMBER, NONFINITE, st.floats(max_value=-1e-9, allow_nan=False), st.integers(max_value=-1))
+BAD_CONTROLLER = {
+    "policy": st.one_of(st.text(max_size=8).filter(lambda t: t not in POLICY_NAMES), st.none(), st.integers()),
+    "policy_kwargs": st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2)),
+    "policy_file": st.one_of(st.integers(), st.floats(), st.lists(st.text(max_size=2), max_size=2)),
+    "learn": NOT_A_BOOL,
+    "decide_every_steps": not_an_int(0), "min_batch": not_an_int(1), "max_batch": not_an_int(1),
+    "total_epochs": not_an_int(1).filter(lambda v: v is not None),
+    "timeout_s": NOT_POSITIVE, "resource_period_s": NEGATIVE,
+    "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
+                             st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
+                             st.lists(st.text(max_size=2), min_size=1, max_size=3),
+                             st.just([1.0, math.nan]), st.just([1.0, math.inf])),
+}
+
+
+def test_every_field_has_bad_values():
+    """A field added to a config without a generator of bad values fails here."""
+    assert set(BAD_PPO) == {f.name for f in dataclasses.fields(PPOConfig)}
+    nested = {"reward", "ppo", "stats"}  # validated by their own configs
+    assert set(BAD_CONTROLLER) == {f.name for f in dataclasses.fields(ControllerConfig)} - nested
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_PPO)))
+def test_ppo_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_PPO[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        PPOConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(f.name for f in dataclasses.fields(RewardConfig))))
+def test_reward_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_WEIGHT, label=field)
+    with pytest.raises(ValueError, match=field):
+        RewardConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_CONTROLLER)))
+def test_controller_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_CONTROLLER[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        ControllerConfig(**{field: value})
 
 
 def test_report_fuzz_counts():

@@ -15,12 +15,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-import bench_matrix  # noqa: E402
-from conditions import Condition, NetworkNamespaces, netem_available, parse_pairs, slow_args  # noqa: E402
-from dynamix_hvd.runs.runlog import read_run  # noqa: E402
+from bench import bench_matrix
+from bench.conditions import Condition, NetworkNamespaces, netem_available, parse_pairs, slow_args
+from dynamix_hvd.runs.runlog import read_run
 
 
 def test_tiny_matrix_outputs_and_ratios_come_from_the_same_run(tmp_path):
@@ -105,16 +102,15 @@ open(f"{sys.argv[1]}/rank{c.rank}.txt", "w").write(f"{float(b[0])} {(time.perf_c
 
 
 @NEEDS_NETNS
-def test_ranks_in_namespaces_over_a_shaped_link(tmp_path):
+def test_ranks_in_namespaces_over_a_shaped_link(tmp_path, job_env):
     script = tmp_path / "allreduce.py"
     script.write_text(ALLREDUCE)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
     seconds = {}
     for rate in (None, 8.0):
         with NetworkNamespaces(2, rate) as net:
             assert net.subnet.subnet_of(ipaddress.ip_network("198.18.0.0/15"))
             cmd, extra = net.mpirun([sys.executable, str(script), str(tmp_path)], ["OMP_NUM_THREADS"])
-            res = subprocess.run(cmd, env={**env, **extra}, capture_output=True, text=True, timeout=120)
+            res = subprocess.run(cmd, env={**job_env, **extra}, capture_output=True, text=True, timeout=120)
             assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
             results = [[float(v) for v in (tmp_path / f"rank{r}.txt").read_text().split()] for r in (0, 1)]
             assert all(value == 2.0 for value, _ in results)  # the sum over both ranks arrived

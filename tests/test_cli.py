@@ -38,14 +38,6 @@ def dx(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
-def dx_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
-    """The CLI in this process (cheaper than a new interpreter importing torch again)."""
-    capsys.readouterr()
-    code = main(list(args))
-    out, err = capsys.readouterr()
-    return subprocess.CompletedProcess(list(args), code, out, err)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
@@ -94,7 +86,7 @@ def test_run_writes_records_and_traces(run_dir: Path):
         assert {"sync_wait_s", "samples_per_s", "local_grad_sq", "global_grad_sq"} <= set(h5["steps"])
 
 
-def test_summarize_and_plot(run_dir: Path, tmp_path: Path, capsys):
+def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     proc = dx("summarize", str(run_dir))  # the console script once; then in-process
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -106,14 +98,14 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, capsys):
         assert row.split()[0] == str(epoch) and row.split()[2] == "/".join(str(b) for b in e.batch_size), row
 
     png = tmp_path / "r.png"
-    proc = dx_here(capsys, "plot", str(run_dir), "-o", str(png))
+    proc = cli_here("plot", str(run_dir), "-o", str(png))
     assert proc.returncode == 0 and proc.stdout.strip() == str(png), proc.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1320, 1045)
 
-    missing = dx_here(capsys, "summarize", str(tmp_path / "nope"))
+    missing = cli_here("summarize", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr
 
 
@@ -123,35 +115,35 @@ def _learner() -> PPOLearner:
     return learner
 
 
-def test_policy_list_inspect_validate(tmp_path: Path, capsys):
-    empty = dx_here(capsys, "policy", "list", "--dir", str(tmp_path), "--json")
+def test_policy_list_inspect_validate(tmp_path: Path, cli_here):
+    empty = cli_here("policy", "list", "--dir", str(tmp_path), "--json")
     assert empty.returncode == 0 and json.loads(empty.stdout) == []
     save_policy(_learner(), ActionSpace(), "good", {"trained_on": "test"}, directory=tmp_path)
     save_policy(PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), 3), ActionSpace((0.5, 1.0, 2.0)), "other",
                 directory=tmp_path)
-    listing = dx_here(capsys, "policy", "list", "--dir", str(tmp_path))
+    listing = cli_here("policy", "list", "--dir", str(tmp_path))
     assert listing.returncode == 0 and "good" in listing.stdout and "other" in listing.stdout
-    inspect = dx_here(capsys, "policy", "inspect", "good", "--dir", str(tmp_path), "--json")
+    inspect = cli_here("policy", "inspect", "good", "--dir", str(tmp_path), "--json")
     assert inspect.returncode == 0, inspect.stderr
     assert json.loads(inspect.stdout)["provenance"]["trained_on"] == "test"
-    ok = dx_here(capsys, "policy", "validate", "good", "--dir", str(tmp_path))
+    ok = cli_here("policy", "validate", "good", "--dir", str(tmp_path))
     assert ok.returncode == 0 and ok.stdout.startswith("policy good: OK"), ok.stdout + ok.stderr
     spec = tmp_path / "other.json"
     spec.write_text(json.dumps(json.loads(spec.read_text()) | {"rank_features": ["made_up"]}))
-    bad = dx_here(capsys, "policy", "validate", "other", "--dir", str(tmp_path))
+    bad = cli_here("policy", "validate", "other", "--dir", str(tmp_path))
     assert bad.returncode == 1 and "[FAIL] spec matches this dynamix_hvd" in bad.stdout, bad.stdout
     assert "'rank_features'" in bad.stdout
     weights = tmp_path / "good.pt"
     weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
-    corrupt = dx_here(capsys, "policy", "validate", str(weights))
+    corrupt = cli_here("policy", "validate", str(weights))
     assert corrupt.returncode == 1 and "[FAIL] checksum" in corrupt.stdout, corrupt.stdout
-    assert dx_here(capsys, "policy", "validate").returncode == 2
+    assert cli_here("policy", "validate").returncode == 2
 
 
-def test_bench(tmp_path: Path, capsys):
-    listing = dx_here(capsys, "bench", "--list")
+def test_bench(tmp_path: Path, cli_here):
+    listing = cli_here("bench", "--list")
     assert listing.returncode == 0 and "decision_overhead" in listing.stdout
-    unknown = dx_here(capsys, "bench", "nope")
+    unknown = cli_here("bench", "nope")
     assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
     proc = dx("bench", "decision_overhead", "--", "--ranks", "2", "--decisions", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sysconfig
 import time
 from pathlib import Path
@@ -26,38 +25,22 @@ from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
 from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.control.controller import POLICY_NAMES
+from dynamix_hvd.examples.common import add_common_flags, controller_config, parser, start
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
                 "bisect.py", "calendar.py", "shlex.py", "glob.py", "fnmatch.py", "statistics.py")
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", 20)),
-                    help="maximum training epochs (stops earlier at --target-loss)")
-    ap.add_argument("--batch-sizes", default=os.environ.get("BATCH_SIZES", ""),
-                    help="comma-separated local batch size per rank (sequences); default 16 on every rank")
+    ap = parser(__doc__)
+    add_common_flags(ap, epochs=20, out="runs/charlm", default_batch=16, decide_every=20, lr=2e-3, run_log=False)
     ap.add_argument("--context", type=int, default=64, help="characters per training sequence")
     ap.add_argument("--chars", type=int, default=300_000, help="characters of text to train on")
     ap.add_argument("--d-model", type=int, default=64, help="transformer width")
     ap.add_argument("--layers", type=int, default=2, help="transformer layers")
-    ap.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate at the base global batch")
-    ap.add_argument("--lr-rule", default="sqrt", choices=["none", "linear", "sqrt", "adascale"],
-                    help="how the LR follows the global batch")
     ap.add_argument("--target-loss", type=float, default=2.0, help="stop when the validation loss is below this")
     ap.add_argument("--eval-every", type=int, default=20, help="validation every k optimizer steps")
-    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
-                    help="batch-size policy: ppo (DYNAMIX), static or a classic rule")
-    ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
-                    help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
-    ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
-    ap.add_argument("--decide-every", type=int, default=20, help="decide every k steps (0: every epoch)")
-    ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
-    ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
-    ap.add_argument("--out", default=os.environ.get("OUT", "runs/charlm"), help="directory for records")
     ap.add_argument("--transitions", default="", help="rank 0 writes the policy's transitions here (HDF5)")
-    ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
 
@@ -103,10 +86,7 @@ class CharTransformer(nn.Module):
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    hvd.init()
-    torch.manual_seed(args.seed)
-    sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [16] * hvd.size()
+    sizes = start(args, default_batch=16)
 
     train, x_val, y_val = char_dataset(args.chars, args.context, args.seed)
     model = CharTransformer(args.context, args.d_model, args.layers)
@@ -116,10 +96,7 @@ def main() -> None:
     loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                 # dx
     optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                 lr_rule=args.lr_rule, max_grad_norm=1.0)   # dx
-    controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(                # dx
-        policy=args.policy, policy_file=None if args.policy_file == "none" else args.policy_file,
-        learn=bool(args.learn), total_epochs=args.epochs,
-        decide_every_steps=args.decide_every, ppo=dx.PPOConfig(seed=args.seed, rollout_length=8)))
+    controller = dx.DynamixController(loader, optimizer, controller_config(args))                 # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     t0 = time.perf_counter()
@@ -169,7 +146,6 @@ def main() -> None:
             write_transitions_h5(args.transitions, obs, acts, rews, attrs={"source": "charlm_train"})
         print(f"time_to_target_s {summary['time_to_target_s']:.2f} reached {reached} steps {steps} "
               f"val loss {val_loss:.4f}", flush=True)
-
 
 
 if __name__ == "__main__":

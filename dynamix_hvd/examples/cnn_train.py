@@ -9,9 +9,7 @@ Run with e.g. ``mpirun -np 2 python -m dynamix_hvd.examples.cnn_train --batch-si
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import time
 
 import horovod.torch as hvd
@@ -22,32 +20,17 @@ from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
 from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.control.controller import POLICY_NAMES
-from dynamix_hvd.tools.progress import Progress
+from dynamix_hvd.examples.common import add_common_flags, controller_config, parser, start
 from dynamix_hvd.runs.runlog import RunLog
+from dynamix_hvd.tools.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", 8)),
-                    help="training epochs (env EPOCHS)")
-    ap.add_argument("--batch-sizes", default=os.environ.get("BATCH_SIZES", ""),
-                    help="comma-separated local batch size per rank (env BATCH_SIZES); default 32 on every rank")
+    ap = parser(__doc__)
+    add_common_flags(ap, epochs=8, out="runs/cnn", default_batch=32, lr=0.05)
     ap.add_argument("--base-batch", type=int, default=0,
                     help="global batch the LR is tuned for (default 32 x ranks), so every static size "
                          "and every policy follows the same LR rule")
-    ap.add_argument("--lr", type=float, default=0.05, help="SGD learning rate at --base-batch")
-    ap.add_argument("--lr-rule", default="sqrt", choices=["none", "linear", "sqrt", "adascale"],
-                    help="how the LR follows the global batch")
-    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
-                    help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
-    ap.add_argument("--policy-kwargs", default="{}", help="JSON parameters of a classic rule, e.g. '{\"end\": 512}'")
-    ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
-                    help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
-    ap.add_argument("--decide-every", type=int, default=0,
-                    help="decide every k steps (0: at the end of every epoch)")
-    ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler)")
-    ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--slow-factor", type=float, default=1.0,
                     help="--slow-rank computes this many times slower (spins (f-1) x the CPU time of its "
                          "own forward+backward, so the slowdown scales with its batch)")
@@ -60,12 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=2000,
                     help="evaluate every N training samples (all ranks together) and at every epoch end")
     ap.add_argument("--train-samples", type=int, default=4000, help="training digits (the rest are test)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "runs/cnn"),
-                    help="run directory: epochs.csv, evals.csv, trace.h5, meta.json (env OUT)")
-    ap.add_argument("--progress", default=os.environ.get("DYNAMIX_PROGRESS", "auto"),
-                    choices=["auto", "bar", "epoch", "off"], help="rank 0's display (env DYNAMIX_PROGRESS)")
-    ap.add_argument("--no-report", action="store_true", help="do not write OUT/report.png at the end")
-    ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
@@ -141,10 +118,7 @@ def make_model() -> nn.Module:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    hvd.init()
-    torch.manual_seed(args.seed)
-    sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [32] * hvd.size()
+    sizes = start(args, default_batch=32)
     slow = Slowdown(hvd.rank() == args.slow_rank, args.slow_ms, args.slow_factor, parse_schedule(args.slow_schedule))
 
     train, test = mnist_digits(args.train_samples)
@@ -155,11 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                 lr_rule=args.lr_rule,          # dx
                                                 base_batch_size=args.base_batch or 32 * hvd.size())  # dx
-    controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(                # dx
-        policy=args.policy, policy_kwargs=json.loads(args.policy_kwargs),
-        policy_file=None if args.policy_file == "none" else args.policy_file,
-        total_epochs=args.epochs, decide_every_steps=args.decide_every,
-        ppo=dx.PPOConfig(seed=args.seed, rollout_length=8)))
+    controller = dx.DynamixController(loader, optimizer, controller_config(args))        # dx
     run = RunLog(args.out, loader, controller=controller, meta={"example": "cnn_train", **vars(args)},  # dx
                  progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -228,7 +198,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"time to {args.target_acc:.3f}: {run.meta['time_to_target_s']:.2f} s "
               f"(without evaluation {run.meta['train_time_to_target_s']:.2f} s); final accuracy {acc:.4f}; "
               f"records: {out}/epochs.csv, evals.csv, trace.h5, meta.json", flush=True)
-
 
 
 if __name__ == "__main__":

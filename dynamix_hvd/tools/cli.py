@@ -98,13 +98,11 @@ def _policy_dir(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_policy(args: argparse.Namespace) -> int:
-    """list / inspect / validate / compare through `policy_tools` (`policy_store` when it is absent)."""
-    directory = _policy_dir(args)
-    try:
-        from . import policy_tools as tools
-    except ImportError:  # older tree without policy_tools: the essentials from policy_store
-        return _policy_fallback(args, directory)
+    """list / inspect / validate / compare through `policy_tools`."""
     from ..control.policy_store import PolicyError
+    from . import policy_tools as tools
+
+    directory = _policy_dir(args)
 
     try:
         if args.action == "list":
@@ -123,26 +121,6 @@ def cmd_policy(args: argparse.Namespace) -> int:
     failed = args.action == "validate" and not result.get("ok")
     failed |= args.action == "inspect" and ("error" in result or "load_error" in result)
     return 1 if failed else 0
-
-
-def _policy_fallback(args: argparse.Namespace, directory: Path | None) -> int:
-    from ..control import policy_store
-    from ..control.actions import ActionSpace
-
-    try:
-        if args.action == "list":
-            result: Any = policy_store.list_policies(directory)
-        elif args.action == "inspect":
-            result = policy_store.read_spec(args.name, directory)
-        elif args.action == "validate":
-            policy_store.load_policy(args.name, ActionSpace(), directory)
-            result = {"name": args.name, "ok": True}
-        else:
-            return _fail("policy compare needs dynamix_hvd.tools.policy_tools")
-    except policy_store.PolicyError as exc:
-        return _fail(str(exc), 1)
-    print(json.dumps(result, indent=2, default=str))
-    return 0
 
 
 # --- runs --------------------------------------------------------------------------------------------
@@ -193,7 +171,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if script is None:
         return _fail(f"no benchmark {args.name!r} in {BENCH_DIR}; available: {', '.join(scripts) or 'none'}")
     extra = [a for a in args.extra if a != "--"]
-    return subprocess.run([sys.executable, str(script), *extra], cwd=REPO).returncode
+    # bench/ is a package of the source tree: run from its root, with this tree's dynamix_hvd first
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
+    return subprocess.run([sys.executable, "-m", f"bench.{script.stem}", *extra], cwd=REPO, env=env).returncode
 
 
 # --- parser ------------------------------------------------------------------------------------------

@@ -196,30 +196,70 @@ FORWARD = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "DYNAMIX_
 
 
 def command(plan: LaunchPlan, argv: Sequence[str], mpirun: str = "mpirun",
-            env: Mapping[str, str] | None = None, forward: Sequence[str] = FORWARD) -> list[str]:
+            env: Mapping[str, str] | None = None, forward: Sequence[str] = FORWARD,
+            options: Sequence[str] = ()) -> list[str]:
     """The launcher command line for a checked plan running `argv` on every rank.
 
     With mpirun, the variables in `forward` that are set in `env` are passed on (``-x``) to remote ranks.
+    `options` go to the launcher as they are (e.g. ``--mca`` settings).
     """
-    env = os.environ if env is None else env
     if plan.launcher == "mpirun":
-        cmd = [mpirun, "-np", str(plan.np), "--bind-to", "none"]
-        if plan.hostfile:
-            cmd += ["--hostfile", plan.hostfile]
-        elif plan.hosts:
-            cmd += ["-H", ",".join(f"{h}:{s}" for h, s in plan.hosts)]
-        if plan.oversubscribe:
-            cmd.append("--oversubscribe")
-        for name in forward:
-            if name in env:
-                cmd += ["-x", name]
-        return [*cmd, *argv]
+        return [*_mpirun_options(plan, mpirun, env, forward, options, np=plan.np), *argv]
     cmd = ["horovodrun", "--gloo" if plan.launcher == "horovodrun-gloo" else "--mpi", "-np", str(plan.np)]
     if plan.hostfile:
         cmd += ["-hostfile", plan.hostfile]
     else:
         cmd += ["-H", ",".join(f"{h}:{s}" for h, s in plan.hosts) if plan.hosts else f"localhost:{plan.np}"]
-    return [*cmd, *argv]
+    return [*cmd, *options, *argv]
+
+
+def mpmd_command(plan: LaunchPlan, apps: Sequence[Sequence[str]], mpirun: str = "mpirun",
+                 env: Mapping[str, str] | None = None, forward: Sequence[str] = FORWARD,
+                 options: Sequence[str] = ()) -> list[str]:
+    """An mpirun MPMD line: rank r runs ``apps[r]`` (one rank per app; ``plan.np`` must match)."""
+    if plan.launcher != "mpirun" or len(apps) != plan.np:
+        raise LaunchError(f"an MPMD line needs LAUNCHER=mpirun and one app per rank (NP={plan.np}, "
+                          f"{len(apps)} apps, LAUNCHER={plan.launcher})")
+    cmd = _mpirun_options(plan, mpirun, env, forward, options, np=None)
+    for r, app in enumerate(apps):
+        cmd += [*([":"] if r else []), "-np", "1", *app]
+    return cmd
+
+
+def local_env(pythonpath: str | os.PathLike | None = None, base: Mapping[str, str] | None = None,
+              **extra: str) -> dict[str, str]:
+    """`base` (default os.environ) plus Open MPI's root permission, one thread per rank unless set
+    in `extra`, and `pythonpath` first on PYTHONPATH: the environment of a job started on this host."""
+    env = dict(os.environ if base is None else base)
+    env.update(ROOT_ENV, OMP_NUM_THREADS="1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH", "")]))
+    env.update(extra)
+    return env
+
+
+def local_plan(launcher: str, np: int) -> LaunchPlan:
+    """An unchecked plan for this host, more ranks than cores allowed: what tests and benchmarks run."""
+    if launcher not in LAUNCHERS:
+        raise LaunchError(f"LAUNCHER={launcher} is not one of {', '.join(LAUNCHERS)}")
+    return LaunchPlan(launcher, np, oversubscribe=True)
+
+
+def _mpirun_options(plan: LaunchPlan, mpirun: str, env: Mapping[str, str] | None, forward: Sequence[str],
+                    options: Sequence[str], np: int | None) -> list[str]:
+    env = os.environ if env is None else env
+    cmd = [mpirun, *(["-np", str(np)] if np is not None else []), "--bind-to", "none"]
+    if plan.hostfile:
+        cmd += ["--hostfile", plan.hostfile]
+    elif plan.hosts:
+        cmd += ["-H", ",".join(f"{h}:{s}" for h, s in plan.hosts)]
+    if plan.oversubscribe:
+        cmd.append("--oversubscribe")
+    cmd += list(options)
+    for name in forward:
+        if name in env:
+            cmd += ["-x", name]
+    return cmd
 
 
 def _flag(value: str) -> bool:
