@@ -15,7 +15,8 @@
 #            what time is left), then a one-rank NCCL allreduce; never delays the steps above
 # Environment: OUT (default /tmp/gpuout), GPU_CHECK_BUDGET_S (whole script, default 480),
 # GPU_CHECK_DRY=1 (rehearsal here: no wheels, no build, the active venv's Horovod; CUDA steps say
-# "skipped: no CUDA"), GPU_CHECK_NCCL=0 (no NCCL build), PYTHON (default python3).
+# "skipped: no CUDA"), GPU_CHECK_NCCL=0 (no NCCL build), PYTHON (default python3),
+# GPU_CHECK_STEPS (comma list of kernel,train1,oom1,train2; default all: for a rerun of some).
 set -uo pipefail
 export ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -38,6 +39,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ] && export CUDA_HOME=/usr/local/cuda
 
+STEPS=",${GPU_CHECK_STEPS:-kernel,train1,oom1,train2},"
+want() { [[ $STEPS == *",$1,"* ]] || { record "$1" skipped 0 "not in GPU_CHECK_STEPS"; return 1; }; }
 elapsed() { echo $(($(date +%s) - T0)); }
 left() { echo $((BUDGET - $(elapsed))); }
 log() { printf '[gpu_check %4ss] %s\n' "$(elapsed)" "$*" | tee -a "$LOG"; }
@@ -170,7 +173,8 @@ wait_build() {  # wait_build TAG: record the outcome; succeeds if Horovod is usa
 }
 start_build gloo 10 $(($(left) > 330 ? 330 : $(left) - 60))  # nice 10: the kernel timing keeps its core
 
-if [ "$CUDA_OK" = 1 ]; then
+if ! want kernel; then :
+elif [ "$CUDA_OK" = 1 ]; then
   run_step kernel 170 "$WORK/kernel.json" "$PY" bench/bench_sqnorm_gpu.py --json "$WORK/kernel.json"
 else
   run_step kernel 60 "$WORK/kernel.json" "$PY" bench/bench_sqnorm_gpu.py --json "$WORK/kernel.json"
@@ -212,9 +216,9 @@ else  # CPU rehearsal: a few steps of everything
   OOM=(--steps 10 --width 8)
 fi
 if [ "$HVD_TAG" != none ]; then
-  run_step train1 100 "$WORK/train1.json" "$PY" bench/gpu_job.py --mode train "${TRAIN[@]}" --json "$WORK/train1.json"
-  run_step oom1 100 "$WORK/oom1.json" "$PY" bench/gpu_job.py --mode oom "${OOM[@]}" --json "$WORK/oom1.json"
-  run_step train2 130 "$WORK/train2.json" horovodrun --gloo -np 2 -H localhost:2 \
+  want train1 && run_step train1 100 "$WORK/train1.json" "$PY" bench/gpu_job.py --mode train "${TRAIN[@]}" --json "$WORK/train1.json"
+  want oom1 && run_step oom1 100 "$WORK/oom1.json" "$PY" bench/gpu_job.py --mode oom "${OOM[@]}" --json "$WORK/oom1.json"
+  want train2 && run_step train2 130 "$WORK/train2.json" horovodrun --gloo -np 2 -H localhost:2 \
     "$PY" bench/gpu_job.py --mode train "${TRAIN2[@]}" --json "$WORK/train2.json"
 else
   for s in train1 oom1 train2; do record $s skipped 0 "no usable Horovod build"; done

@@ -315,8 +315,12 @@ def try_size(model: nn.Module, protos: torch.Tensor, b: int) -> int | None:
         loss.backward()
         torch.cuda.synchronize(dev)
         return int(torch.cuda.max_memory_allocated(dev))
-    except torch.OutOfMemoryError:
-        return None
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one; cuDNN reports failed allocations its own way
+        text = str(exc)
+        if isinstance(exc, torch.OutOfMemoryError) or any(
+                m in text for m in ("out of memory", "CUDNN_STATUS_ALLOC_FAILED", "NOT_ENOUGH_WORKSPACE")):
+            return None
+        raise
     finally:
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
@@ -404,6 +408,7 @@ def train_through_oom(model: nn.Module, protos: torch.Tensor, dev: torch.device,
     return {"start": start, "steps": trace, "ooms": statuses.count("oom"),
             "ooms_after_first_ok": statuses[first_ok:].count("oom"), "ok_steps": statuses.count("ok"),
             "final_bound": controller.bounds.upper(hvd.rank()), "final_size": loader.batch_sizes[hvd.rank()],
+            "sampler_total_bytes": controller.resources.latest().mem_total_bytes,  # what the memory fit divides
             "skipped": dict(opt.skipped_steps)}
 
 
@@ -416,6 +421,7 @@ def summarize_oom(ranks: list[dict[str, Any]], dev: torch.device) -> dict[str, A
         "pass": shrank and t["ok_steps"] >= max(1, len(steps) // 2) and t["final_bound"] < r["actual_fail"],
         "start": t["start"], "ooms": t["ooms"], "ooms_after_first_ok": t["ooms_after_first_ok"],
         "ok_steps": t["ok_steps"], "final_bound": t["final_bound"], "actual_fail": r["actual_fail"],
+        "controller_sees_total_gib": t["sampler_total_bytes"] / 2**30,
         "trace": [f"{s['step']}:{s['local_batch']}:{s['status']}:{s['bound']}" for s in steps]}}
     if dev.type == "cuda":
         out["memory_fit_predicts_failure"] = {

@@ -79,7 +79,9 @@ def main(argv: list[str]) -> int:
     if oom:
         md += ["", "OOM trace (step:local batch:status:bound): " + " ".join(oom.get("trace", []))]
     not_done = [s for s in steps if s["status"] != "ok"]
-    md += ["", "## Not done", ""] + ([f"- {s['step']}: {s['status']} {s['note']}" for s in not_done] or ["- nothing"])
+    md += ["", "## Not done", ""] + ([f"- {s['step']}: " + (s["note"] if s["note"].startswith(s["status"])
+                                                            else f"{s['status']} {s['note']}") for s in not_done]
+                                     or ["- nothing"])
     text = "\n".join(md) + "\n"
     (out / "summary.md").write_text(text)
     print(text)

@@ -115,6 +115,6 @@ def test_job_rehearsal_on_cpu_and_report(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| kernel | skipped | 1 | skipped: no CUDA |" in summary and "kernel: no CUDA" in summary
     assert "| statistics_match_float64 | True |" in summary and "0:31:oom:24" in summary
-    assert "- kernel: skipped" in summary
+    assert "- kernel: skipped: no CUDA" in summary
     assert json.loads((out / "results.json").read_text())["results"]["train1"]["checks"]
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "summary.md"]
