@@ -166,7 +166,13 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, sqnorm) -> List[Dict
     def measure(cands: Dict[str, Callable[[], torch.Tensor]], stage: str) -> List[Dict[str, object]]:
         out = []
         for name, fn in cands.items():
-            times, res = cuda_time(fn, args.reps, inner=args.inner)
+            try:
+                times, res = cuda_time(fn, args.reps, inner=args.inner)
+            except Exception as exc:  # e.g. NVVM missing at the first compile: keep the other rows
+                print(f"{name}: {type(exc).__name__}: {exc}")
+                out.append(dict(ms=math.nan, tbps=0.0, err=math.nan, seg_err=math.nan, method=name, stage=stage,
+                                dtype=str(dtype).replace("torch.", ""), error=f"{type(exc).__name__}: {exc}"[:300]))
+                continue
             row = dict(summarize(times, nbytes), err=rel_err(float(res.double().sum()), ref),
                        seg_err=seg_error(res, seg_ref))
             out.append(dict(row, dtype=str(dtype).replace("torch.", ""), method=name, stage=stage,

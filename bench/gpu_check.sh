@@ -90,8 +90,16 @@ if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print("device", p.name, "SMs", p.multi_processor_count, "memory GiB", round(p.total_memory / 2**30, 1))
 try:
+    import numpy as np
     from numba import cuda
     print("numba.cuda available", cuda.is_available())
+    if cuda.is_available():
+        @cuda.jit
+        def one(a):
+            a[0] = 1.0
+        d = cuda.to_device(np.zeros(1))
+        one[1, 1](d)
+        print("numba.cuda kernel compiled and ran:", d.copy_to_host()[0] == 1.0)
 except Exception as exc:
     print("numba.cuda unusable:", type(exc).__name__, exc)
 EOF
@@ -192,11 +200,16 @@ fi
 # NCCL from the pip package: needs nccl.h and libnccl.so (the wheel ships libnccl.so.2 only).
 NCCL_ENV=()
 if [ "$NCCL" = 1 ] && [ "$DRY" != 1 ] && [ "$CUDA_OK" = 1 ]; then
-  nccl_dir=$("$PY" -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)
+  nccl_h=$(find $("$PY" -c 'import site; print(" ".join(site.getsitepackages()))') -path '*nvidia*' \
+             -name nccl.h 2>/dev/null | head -n 1)
+  nccl_dir=$([ -n "$nccl_h" ] && dirname "$(dirname "$nccl_h")")
   if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ] && ls "$nccl_dir"/lib/libnccl.so* >/dev/null 2>&1; then
-    mkdir -p "$WORK/nccl/lib"
+    log "NCCL from the pip package: $nccl_dir"
+    # Only NCCL's own files: the cu13 wheels share one include/ and lib/ with the other CUDA wheels.
+    mkdir -p "$WORK/nccl/lib" "$WORK/nccl/include"
     ln -sf "$(ls "$nccl_dir"/lib/libnccl.so* | head -n 1)" "$WORK/nccl/lib/libnccl.so"
-    NCCL_ENV=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_INCLUDE=$nccl_dir/include" "HOROVOD_NCCL_LIB=$WORK/nccl/lib"
+    ln -sf "$nccl_dir"/include/nccl*.h "$WORK/nccl/include/"
+    NCCL_ENV=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_INCLUDE=$WORK/nccl/include" "HOROVOD_NCCL_LIB=$WORK/nccl/lib"
               HOROVOD_NCCL_LINK=SHARED)
     start_build nccl 19 $(($(left) - 45)) "${NCCL_ENV[@]}"
   else
@@ -226,7 +239,8 @@ fi
 
 if [ ${#NCCL_ENV[@]} -gt 0 ]; then
   if wait_build nccl; then
-    run_step nccl_smoke 30 - env PYTHONPATH="$ROOT:/tmp/site:$HVD_DIR/hvd_nccl/site" "$PY" -c "
+    run_step nccl_smoke 30 - env PYTHONPATH="$ROOT:/tmp/site:$HVD_DIR/hvd_nccl/site" \
+      LD_LIBRARY_PATH="$nccl_dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$PY" -c "
 import torch, horovod.torch as hvd
 hvd.init(); x = torch.arange(4., device='cuda'); y = hvd.allreduce(x, op=hvd.Sum)
 print('nccl_built', hvd.nccl_built(), 'allreduce ok', bool((y == x).all()))"

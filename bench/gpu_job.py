@@ -353,6 +353,8 @@ def run_oom(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         ok, bad = 512, 1024
         while try_size(model, protos, bad) is not None:  # grow until the cap bites
             ok, bad = bad, bad * 2
+            if bad > 1 << 18:
+                raise RuntimeError(f"batch {ok} still fits under {args.cap_gib} GiB; lower --cap-gib")
         while bad - ok > max(2, ok // 200):  # bisect to 0.5 %
             mid = (ok + bad) // 2
             ok, bad = (mid, bad) if try_size(model, protos, mid) is not None else (ok, mid)
