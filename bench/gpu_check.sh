@@ -130,7 +130,7 @@ build_horovod() {
   echo "building Horovod ($tag) with -j$J, $mpi $*"
   env CXX="$d/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
     HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo HOROVOD_BUILD_CUDA_CC_LIST=90 \
-    MAKEFLAGS="-j$J" CMAKE_BUILD_PARALLEL_LEVEL="$J" "$mpi" "$@" \
+    MAKEFLAGS="-j$J" CMAKE_BUILD_PARALLEL_LEVEL="$J" CMAKE_POLICY_VERSION_MINIMUM=3.5 "$mpi" "$@" \
     nice -n "${NICE:-0}" "$PY" -m pip --disable-pip-version-check wheel --no-deps --no-build-isolation \
     --no-cache-dir -w "$d/out" "$src" >"$d/build.log" 2>&1 || { tail -n 40 "$d/build.log"; return 1; }
   "$PY" -m pip --disable-pip-version-check install -q --no-index --no-deps --no-compile --target "$d/site" \
