@@ -121,6 +121,10 @@ build_horovod() {
   # nvcc must parse C++17 as well: launch/cxx17 makes its host passes C++17 (as for g++ itself).
   sed -i 's/set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/' "$src/horovod/common/ops/cuda/CMakeLists.txt"
   grep -q 'CMAKE_CUDA_STANDARD 17' "$src/horovod/common/ops/cuda/CMakeLists.txt" || { echo "CUDA standard patch failed"; return 1; }
+  # Python 3.12 has no distutils (only setuptools' shim, if its .pth is there): ask sysconfig instead.
+  sed -i "s|from distutils.sysconfig import get_python_inc; print(get_python_inc())|import sysconfig; print(sysconfig.get_paths()['include'])|" \
+    "$src/horovod/torch/CMakeLists.txt"
+  grep -q "sysconfig.get_paths()\['include'\]" "$src/horovod/torch/CMakeLists.txt" || { echo "distutils patch failed"; return 1; }
   if [ "$no_cuda" = 1 ]; then  # fallback: the torch extension without CUDA code
     sed -i '/elseif (Pytorch_CUDA AND NOT HAVE_CUDA)/{n;s/add_cuda()/# add_cuda() (gpu_check fallback)/}' "$src/horovod/torch/CMakeLists.txt"
   fi
