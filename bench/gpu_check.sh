@@ -125,6 +125,10 @@ build_horovod() {
   sed -i "s|from distutils.sysconfig import get_python_inc; print(get_python_inc())|import sysconfig; print(sysconfig.get_paths()['include'])|" \
     "$src/horovod/torch/CMakeLists.txt"
   grep -q "sysconfig.get_paths()\['include'\]" "$src/horovod/torch/CMakeLists.txt" || { echo "distutils patch failed"; return 1; }
+  # horovodrun imports js_run, which imports distutils.spawn: same thing from shutil.
+  sed -i 's|^from distutils.spawn import find_executable$|from shutil import which as find_executable|' \
+    "$src/horovod/runner/js_run.py"
+  ! grep -rq "^from distutils" "$src/horovod/runner" || { echo "js_run patch failed"; return 1; }
   if [ "$no_cuda" = 1 ]; then  # fallback: the torch extension without CUDA code
     sed -i '/elseif (Pytorch_CUDA AND NOT HAVE_CUDA)/{n;s/add_cuda()/# add_cuda() (gpu_check fallback)/}' "$src/horovod/torch/CMakeLists.txt"
   fi
