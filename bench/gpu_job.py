@@ -149,9 +149,10 @@ def run_train(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     steps: list[dict[str, Any]] = []
     callbacks = list(loader.step_end_callbacks)
     total_train = args.steps + 2 * args.overhead_blocks * args.overhead_block
-    step = 0
-    for epoch in range(epochs):
+    step, epoch = 0, 0
+    while step < total_train:  # the policy may grow the batch: as many epochs as the steps need
         loader.set_epoch(epoch)
+        epoch += 1
         for x, y in loader:
             if step >= total_train:
                 break
@@ -186,8 +187,6 @@ def run_train(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
             if check and rec.status == "ok":
                 checks.append(recompute(rec, params, raw, opt, step, loader))
             step += 1
-        if step >= total_train:
-            break
     loader.step_end_callbacks[:] = callbacks
     return {"rank": rank, "steps": steps, "checks": checks, "sqnorm_backend": opt.sqnorm_backend,
             "stats_kernel_s": time_stats_kernel(opt, clock),
