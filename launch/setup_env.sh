@@ -51,25 +51,15 @@ _dx_ensure_mpi() {
 
 # The stamp covers everything that decides what gets installed.
 _dx_stamp_key() {
-  cat "$_dx_root/launch/setup_env.sh" "$_dx_root/setup.cfg" "$_dx_root/setup.py" 2>/dev/null | sha256sum | cut -c1-16
+  cat "$_dx_root/launch/setup_env.sh" "$_dx_root/launch/cxx17" "$_dx_root/setup.cfg" "$_dx_root/setup.py" 2>/dev/null | sha256sum | cut -c1-16
   printf '%s %s\n' "$_dx_torch" "$(python3 -c 'import sys; print(sys.version)')"
 }
 
 _dx_build_horovod_wheel() {
-  # Horovod 0.28.1 compiles with -std=c++14 (CMAKE_CXX_STANDARD 14); torch >= 2.1 headers need C++17.
-  # Upstream's unreleased fix (PR #3998) only changes the standard, so a compiler wrapper that rewrites
-  # the flag is equivalent and keeps us on PyPI's sdist.
+  # launch/cxx17 rewrites Horovod's -std=c++14 to -std=c++17, which torch >= 2.1 headers need.
   local wheel_dir=$1 build_dir
   build_dir=$(mktemp -d)
-  cat >"$build_dir/cxx17" <<'WRAP'
-#!/usr/bin/env bash
-args=()
-for a in "$@"; do
-  case "$a" in -std=c++11|-std=gnu++11|-std=c++14|-std=gnu++14) a=-std=c++17 ;; esac
-  args+=("$a")
-done
-exec "${DYNAMIX_REAL_CXX:-g++}" "${args[@]}"
-WRAP
+  cp "$_dx_root/launch/cxx17" "$build_dir/cxx17"  # a copy, so a checkout without the exec bit works
   chmod +x "$build_dir/cxx17"
   _dx_log "building Horovod $_dx_hvd_version from PyPI's sdist (several minutes; cached afterwards)"
   CXX="$build_dir/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
