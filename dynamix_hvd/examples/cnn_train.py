@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     hvd.init()
+    dx.configure_logging()  # the library's messages (checkpoints, run logs) on stderr, rank-prefixed
     torch.manual_seed(args.seed)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [32] * hvd.size()
     slow = Slowdown(hvd.rank() == args.slow_rank, args.slow_ms, args.slow_factor, parse_schedule(args.slow_schedule))

@@ -54,6 +54,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     hvd.init()
+    dx.configure_logging()  # the library's messages (checkpoints, run logs) on stderr, rank-prefixed
     torch.manual_seed(args.seed)
     sizes = [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [32] * hvd.size()
 

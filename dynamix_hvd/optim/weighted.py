@@ -165,10 +165,17 @@ class WeightedDistributedOptimizer:
         return self._hvd.state
 
     def state_dict(self) -> dict[str, Any]:
-        return self._hvd.state_dict()
+        """The torch optimizer's state plus this wrapper's own (plain values under "dynamix")."""
+        return {**self._hvd.state_dict(), "dynamix": {"lr_gain": float(self.lr_gain),
+                                                      "skipped_steps": dict(self.skipped_steps)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        own = state.pop("dynamix", None)  # absent in a plain torch optimizer's state
         self._hvd.load_state_dict(state)
+        if own is not None:
+            self.lr_gain = float(own["lr_gain"])
+            self.skipped_steps = dict(own["skipped_steps"])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
