@@ -80,6 +80,14 @@ def non_plain_entry(value: Any, where: str = "state") -> str | None:
     return None
 
 
+def _reason(exc: Exception) -> str:
+    """The cause of a failed load, without torch's advice to retry with weights_only=False."""
+    boilerplate = ("Weights only load failed", "Check the documentation of torch.load")
+    lines = [line.split("WeightsUnpickler error:")[-1].strip() for line in str(exc).splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith(boilerplate))
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 class Checkpointer:
     """Write a checkpoint when any rank is signalled; restore the newest good one on start-up.
 
@@ -194,8 +202,9 @@ class Checkpointer:
         try:
             state = torch.load(io.BytesIO(data), weights_only=True)  # never runs code from the file
         except Exception as exc:
-            raise CheckpointError(f"checkpoint {file} is refused: it does not hold only tensors and plain "
-                                  f"values, or is not a torch.save file ({type(exc).__name__}: {exc})") from None
+            raise CheckpointError(f"checkpoint {file} is refused: it holds something other than tensors and "
+                                  f"plain values, or is no torch.save file ({_reason(exc)}); nothing in it "
+                                  "was run") from None
         found = state.get("version") if isinstance(state, dict) and state.get("format") == FORMAT else None
         if found != FORMAT_VERSION:
             raise CheckpointVersionError(

@@ -53,6 +53,7 @@ def barrier(name: str) -> None:
 def plant(directory: Path, name: str, data: bytes) -> Path:
     """Rank 0 writes `data` as checkpoint `name`, with a checksum that verifies."""
     path = directory / name
+    barrier(f"before.{name}")  # every rank is done with the previous files
     if hvd.rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         (path / "state.pt").write_bytes(data)
