@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import torch
@@ -80,7 +81,8 @@ def test_non_plain_entry_names_the_path():
     plain = {"a": [1, 2.5, None, True, "x", (torch.zeros(2), {"b": torch.Size([3])})], 3: torch.float64}
     assert non_plain_entry(plain) is None
     assert non_plain_entry({"a": [0, {"b": threading.Lock()}]}) == "state['a'][1]['b']: _thread.lock"
-    assert non_plain_entry({(1, 2): 0}) == "state key (1, 2): tuple"
+    assert non_plain_entry({(1, 2): 0}) is None
+    assert non_plain_entry({(1, Fraction(1, 2)): 0}) == "state key (1, Fraction(1, 2))[1]: fractions.Fraction"
     import numpy as np
     assert non_plain_entry({"x": np.float64(1.0)}) == "state['x']: numpy.float64"
 

@@ -47,7 +47,7 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torc
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint could be read."""
+    """A checkpoint could not be written, or none that could be read is usable."""
 
 
 class CheckpointVersionError(CheckpointError):
@@ -68,8 +68,9 @@ def non_plain_entry(value: Any, where: str = "state") -> str | None:
         items = enumerate(value)
     elif type(value) in (dict, OrderedDict):
         for key in value:
-            if type(key) not in _SCALARS:
-                return f"{where} key {key!r}: {type(key).__name__}"
+            bad = non_plain_entry(key, f"{where} key {key!r}")
+            if bad is not None:
+                return bad
         items = value.items()
     else:
         return f"{where}: {type(value).__module__}.{type(value).__qualname__}"
