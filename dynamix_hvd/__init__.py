@@ -8,6 +8,7 @@ owns and what it may import:
 - `stats`: fused squared norms, gradient noise scale, efficiency;
 - `control`: state, reward, actions, policies and rules, policy files, the live controller;
 - `comm`: every control-plane collective (the only module that imports mpi4py);
+- `logs`: the one logging path (rank-prefixed `logging` under "dynamix_hvd"; imports nothing of ours);
 - `rl`: PPO, the cluster simulator, calibration and pretraining;
 - `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs and
   reports; `tools`: the CLI, launch checks and progress display.
