@@ -8,6 +8,7 @@ owns and what it may import:
 - `stats`: fused squared norms, gradient noise scale, efficiency;
 - `control`: state, reward, actions, policies and rules, policy files, the live controller;
 - `comm`: every control-plane collective (the only module that imports mpi4py);
+- `logs`: the one logging path (rank-prefixed `logging` under "dynamix_hvd"; imports nothing of ours);
 - `rl`: PPO, the cluster simulator, calibration and pretraining;
 - `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs and
   reports; `tools`: the CLI, launch checks and progress display.
@@ -24,6 +25,7 @@ from .control.controller import ControllerConfig, DynamixController
 from .data.loader import AdaptiveLoader
 from .data.metrics import StepRecord, StepTracker
 from .data.plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
+from .logs import configure_logging
 from .optim.lr_scaling import lr_factor
 from .resilience import checkpoint
 from .resilience.checkpoint import Checkpointer
@@ -32,8 +34,8 @@ from .rl.ppo import PPOConfig
 __version__ = "0.2.0"
 
 __all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig",
-           "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "epoch_permutation",
-           "lr_factor", "plan_steps", "split_proportional"]
+           "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
+           "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 
 _compat.install()  # old flat import paths (dynamix_hvd.controller, ...) for one release
 

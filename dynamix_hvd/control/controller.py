@@ -318,3 +318,19 @@ class DynamixController:
             self._ref_goodput, self._ref_tput = root["ref_goodput"], root["ref_tput"]
             self._prev_loss, self._base_batch = root["prev_loss"], root["base_batch"]
             self._prev_sizes = root["prev_sizes"] if same_world else None
+
+    # --- lifetime ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop deciding: detach from the loader, stop the resource thread, free the control channel
+        (an MPI communicator: every rank calls this). Idempotent; call it after training, or use
+        ``with DynamixController(...) as controller:``."""
+        if self._on_step_end in self.loader.step_end_callbacks:
+            self.loader.step_end_callbacks.remove(self._on_step_end)
+        self.resources.close()
+        self.channel.close()
+
+    def __enter__(self) -> "DynamixController":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -77,7 +77,8 @@ class ResourceSampler:
     """Samples resource use of this process since the previous sample.
 
     With `background_period_s` > 0 a daemon thread samples periodically and `latest()` returns the
-    newest sample without touching the kernel, so a decision never waits for /proc reads.
+    newest sample without touching the kernel, so a decision never waits for /proc reads. `close()`
+    (or leaving a ``with`` block) stops the thread at once; `latest()` then samples on demand.
     """
 
     def __init__(self, device: torch.device | None = None, background_period_s: float = 0.0) -> None:
@@ -88,15 +89,31 @@ class ResourceSampler:
         self._net = read_net_bytes()
         self._retrans = read_tcp_retransmits()
         self._latest: ResourceSample | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         if background_period_s > 0:
             self._latest = self.sample()
-            threading.Thread(target=self._loop, args=(background_period_s,), daemon=True,
-                             name="dynamix-resources").start()
+            self._thread = threading.Thread(target=self._loop, args=(background_period_s,), daemon=True,
+                                            name="dynamix-resources")
+            self._thread.start()
 
     def _loop(self, period_s: float) -> None:
-        while True:
-            time.sleep(period_s)
+        while not self._stop.wait(period_s):  # wakes at once when close() sets the event
             self._latest = self.sample()
+
+    def close(self) -> None:
+        """Stop the background thread (returns once it has ended); idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._latest = None
+
+    def __enter__(self) -> "ResourceSampler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def latest(self) -> ResourceSample:
         """The newest background sample, or a fresh one when no thread runs."""

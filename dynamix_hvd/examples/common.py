@@ -56,6 +56,7 @@ def start(args: argparse.Namespace, default_batch: int) -> list[int]:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
     hvd.init()
+    dx.configure_logging()  # the library's messages (checkpoints, run logs) on stderr, rank-prefixed
     torch.manual_seed(args.seed)
     return [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [default_batch] * hvd.size()
 

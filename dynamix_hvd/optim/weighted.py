@@ -260,13 +260,24 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         return weight
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The torch optimizer's state plus this wrapper's own (plain values under "dynamix")."""
+        state = _inner(self, "state_dict")(self)
+        state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps)}
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        own = state_dict.pop("dynamix", None)  # absent in a plain torch optimizer's state
         engine = self._engine
         engine._handles = {}
         engine._synchronized = False
         engine.set_backward_passes_per_step(self.backward_passes_per_step)
         self._synced, self._micro = None, []
         _inner(self, "load_state_dict")(self, state_dict)
+        if own is not None:
+            self.lr_gain = float(own["lr_gain"])
+            self.skipped_steps = dict(own["skipped_steps"])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""

@@ -6,10 +6,18 @@ plane whether any of them was signalled; if so, rank 0 writes one checkpoint and
 with `exit_code`. Agreement first, because a signal usually reaches ranks at different moments and
 a checkpoint taken by some ranks mid-step would mix two states.
 
+Nothing happens on construction: `install_signal_handlers()` turns signals into a stop request
+(without it, `save()` and `restore()` still work), and `close()` puts the previous handlers back.
+
 A checkpoint is a directory ``step-<N>`` holding ``state.pt`` (model, optimizer, loader position,
 controller) and ``state.sha256``; it is written under a temporary name and renamed, then the file
 ``latest`` is replaced atomically. ``restore()`` takes the newest directory whose checksum verifies
 and falls back to the previous good one when the newest is corrupt. The last `keep` are kept.
+
+Plain data only: the state holds tensors and plain Python values (checked on `save()`, naming the
+offending entry) and is read with ``torch.load(weights_only=True)``, so a crafted ``state.pt`` is
+refused instead of running code. Every checkpoint carries `FORMAT_VERSION`; another version is
+refused with an error naming the file and both versions.
 """
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ import os
 import shutil
 import signal
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,10 +36,22 @@ import torch
 from ..comm import ControlChannel
 from ..data.loader import AdaptiveLoader
 from ..data.plan import split_proportional
+from ..logs import get_logger
+
+FORMAT = "dynamix_hvd.checkpoint"
+FORMAT_VERSION = 2
+"""1: pickled live objects (0.1, read with weights_only=False); 2: plain data with this header."""
+
+log = get_logger(__name__)
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint could be read."""
+    """A checkpoint could not be written, or none that could be read is usable."""
+
+
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint was written in another format version (never silently skipped)."""
 
 
 def redistribute(global_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
@@ -38,13 +59,45 @@ def redistribute(global_batch: int, world_size: int, weights: Sequence[int] | No
     return list(split_proportional(max(global_batch, world_size), list(weights or [1] * world_size)))
 
 
+def non_plain_entry(value: Any, where: str = "state") -> str | None:
+    """The first entry of `value` that is not a tensor or plain Python value, e.g.
+    ``"state['controller']['root']['stats']: GradientStatistics"`` (None when all of it is plain)."""
+    if isinstance(value, torch.Tensor) or type(value) in _SCALARS:
+        return None
+    if type(value) in (list, tuple, torch.Size):
+        items = enumerate(value)
+    elif type(value) in (dict, OrderedDict):
+        for key in value:
+            bad = non_plain_entry(key, f"{where} key {key!r}")
+            if bad is not None:
+                return bad
+        items = value.items()
+    else:
+        return f"{where}: {type(value).__module__}.{type(value).__qualname__}"
+    for key, item in items:
+        bad = non_plain_entry(item, f"{where}[{key!r}]")
+        if bad is not None:
+            return bad
+    return None
+
+
+def _reason(exc: Exception) -> str:
+    """The cause of a failed load, without torch's advice to retry with weights_only=False."""
+    boilerplate = ("Weights only load failed", "Check the documentation of torch.load")
+    lines = [line.split("WeightsUnpickler error:")[-1].strip() for line in str(exc).splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith(boilerplate))
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
 class Checkpointer:
-    """Write a checkpoint when any rank is signalled; restore the newest good one on start-up."""
+    """Write a checkpoint when any rank is signalled; restore the newest good one on start-up.
+
+    Call `install_signal_handlers()` to act on SIGTERM/SIGINT; `close()` (or ``with``) undoes it.
+    """
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
                  loader: AdaptiveLoader, controller: Any = None, *, channel: ControlChannel | None = None,
-                 check_every: int = 1, exit_code: int = 143, keep: int = 2,
-                 signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+                 check_every: int = 1, exit_code: int = 143, keep: int = 2) -> None:
         if check_every < 1 or keep < 1:
             raise ValueError(f"check_every={check_every} and keep={keep} must both be >= 1")
         self.directory = Path(directory)
@@ -53,9 +106,31 @@ class Checkpointer:
         self.check_every, self.exit_code, self.keep = check_every, exit_code, keep
         self.requested = False
         self._steps = 0
-        for sig in signals:
-            signal.signal(sig, self._on_signal)
+        self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
+
+    # --- signals -----------------------------------------------------------------------------------
+    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> "Checkpointer":
+        """Make `signals` request a checkpoint and exit at the next step boundary (main thread only).
+        The handlers they replace come back with `close()`."""
+        for sig in signals:
+            previous = signal.signal(sig, self._on_signal)
+            self._previous_handlers.setdefault(sig, previous)
+        return self
+
+    def close(self) -> None:
+        """Put back the signal handlers this object replaced and stop watching the loader."""
+        for sig, previous in self._previous_handlers.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous_handlers.clear()
+        if self._on_step_end in self.loader.step_end_callbacks:
+            self.loader.step_end_callbacks.remove(self._on_step_end)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True  # acted upon at the next step boundary, never inside a step
@@ -67,49 +142,77 @@ class Checkpointer:
         if self.channel.any_true(self.requested, what="preemption flag"):
             path = self.save()
             if self.channel.rank == 0:
-                print(f"[dynamix_hvd] stop requested: checkpoint written to {path}; exiting "
-                      f"with code {self.exit_code}", file=sys.stderr, flush=True)
+                log.warning("stop requested: checkpoint written to %s; exiting with code %d", path, self.exit_code)
             sys.exit(self.exit_code)
 
     # --- writing ---------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"format": FORMAT, "version": FORMAT_VERSION,
+                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "loader": self.loader.state_dict(),
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "world_size": self.loader.world_size}
 
     def save(self) -> Path:
-        """Rank 0 writes the checkpoint; every rank returns its path once it exists."""
+        """Rank 0 writes the checkpoint; every rank returns its path once it exists, or raises
+        `CheckpointError` when rank 0 could not write it (e.g. a state entry that is not plain data)."""
         step = f"step-{self.loader.epoch:05d}-{self.loader.step:07d}"
         final = self.directory / step
+        problem = None
         if self.channel.rank == 0:
-            buf = io.BytesIO()
-            torch.save(self.state(), buf)
-            data = buf.getvalue()
-            tmp = self.directory / f".{step}.tmp{os.getpid()}"
-            tmp.mkdir(parents=True, exist_ok=True)
-            (tmp / "state.pt").write_bytes(data)
-            (tmp / "state.sha256").write_text(hashlib.sha256(data).hexdigest())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            latest_tmp = self.directory / f".latest.tmp{os.getpid()}"
-            latest_tmp.write_text(step)
-            os.replace(latest_tmp, self.directory / "latest")
-            for old in self._checkpoints()[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        self.channel.broadcast(str(final), what="checkpoint path")  # others leave only once it exists
+            try:
+                self._write(step, final)
+            except (TypeError, OSError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        problem = self.channel.broadcast(problem, what="checkpoint written")  # others leave once it exists
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {final} was not written: {problem}")
         return final
+
+    def _write(self, step: str, final: Path) -> None:
+        state = self.state()
+        bad = non_plain_entry(state)
+        if bad is not None:  # restore() would refuse it: say so now, not after a preemption
+            raise TypeError(f"{bad} is not plain data; a state_dict() must hold only tensors and plain "
+                            "Python values (numbers, str, bool, None, lists, tuples, dicts)")
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        tmp = self.directory / f".{step}.tmp{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "state.pt").write_bytes(data)
+        (tmp / "state.sha256").write_text(hashlib.sha256(data).hexdigest())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = self.directory / f".latest.tmp{os.getpid()}"
+        latest_tmp.write_text(step)
+        os.replace(latest_tmp, self.directory / "latest")
+        for old in self._checkpoints()[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     # --- reading ---------------------------------------------------------------------------------------
     def _checkpoints(self) -> list[Path]:
         return sorted(p for p in self.directory.glob("step-*") if p.is_dir())
 
     def _read(self, path: Path) -> dict[str, Any]:
-        data = (path / "state.pt").read_bytes()
+        file = path / "state.pt"
+        data = file.read_bytes()
         if hashlib.sha256(data).hexdigest() != (path / "state.sha256").read_text().strip():
             raise CheckpointError(f"checkpoint {path} fails its checksum (corrupt or partly written)")
-        return torch.load(io.BytesIO(data), weights_only=False)
+        try:
+            state = torch.load(io.BytesIO(data), weights_only=True)  # never runs code from the file
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {file} is refused: it holds something other than tensors and "
+                                  f"plain values, or is no torch.save file ({_reason(exc)}); nothing in it "
+                                  "was run") from None
+        found = state.get("version") if isinstance(state, dict) and state.get("format") == FORMAT else None
+        if found != FORMAT_VERSION:
+            raise CheckpointVersionError(
+                f"checkpoint {file} has format version {found if found is not None else '1 or unknown'}, "
+                f"this dynamix_hvd reads version {FORMAT_VERSION}; resume it with the dynamix_hvd that "
+                "wrote it, or start without it")
+        return state
 
     def restore(self) -> Path | None:
         """Load the newest good checkpoint (None when there is none). Works on a different world size:
@@ -119,10 +222,11 @@ class Checkpointer:
         for path in reversed(candidates):
             try:
                 state = self._read(path)
-            except (OSError, CheckpointError, RuntimeError, EOFError) as exc:
+            except CheckpointVersionError:
+                raise  # an older good checkpoint must not silently replace a newer one of another version
+            except (OSError, CheckpointError) as exc:
                 errors.append(f"{path.name}: {exc}")
-                print(f"[dynamix_hvd] rank {self.channel.rank}: skipping checkpoint {path}: {exc}",
-                      file=sys.stderr, flush=True)
+                log.warning("skipping checkpoint %s: %s", path, exc)
                 continue
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])

@@ -13,6 +13,10 @@ redone (their updates were rolled back too), so no sample is lost or counted twi
 
 The controller's root state lives on rank 0 only, and rank 0 may be the rank that fails; so every
 commit broadcasts it, and every rank keeps a copy.
+
+Importing this module changes nothing in Horovod: `ElasticState` attaches its two handlers itself
+instead of registering them in Horovod's global handler registry, so a plain ``TorchState`` built
+elsewhere in the same process keeps Horovod's behaviour.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import copy
 from typing import Any
 
 import horovod.torch as hvd
-from horovod.torch.elastic.state import StateHandler, TorchState, get_handler_registry, set_handler_registry
+from horovod.torch.elastic.state import StateHandler, TorchState
 
 from .checkpoint import redistribute
 from ..control.controller import DynamixController
@@ -68,11 +72,6 @@ class ControllerStateHandler(StateHandler):
         self.value.load_state_dict(self._saved)
 
 
-set_handler_registry([(AdaptiveLoader, LoaderStateHandler), (DynamixController, ControllerStateHandler),
-                      *[entry for entry in get_handler_registry()
-                        if entry[0] not in (AdaptiveLoader, DynamixController)]])
-
-
 class ElasticState(TorchState):
     """``TorchState`` over the model, the optimizer, the loader and the controller.
 
@@ -83,6 +82,12 @@ class ElasticState(TorchState):
     def __init__(self, model: Any, optimizer: Any, loader: AdaptiveLoader,
                  controller: DynamixController | None = None, **kwargs: Any) -> None:
         inner = getattr(optimizer, "_hvd", optimizer)  # Horovod's handler wants a torch.optim.Optimizer
-        extra = {"dx_loader": loader, **({"dx_controller": controller} if controller is not None else {})}
-        super().__init__(model=model, optimizer=inner, **extra, **kwargs)
+        own: dict[str, StateHandler] = {"dx_loader": LoaderStateHandler(loader)}
+        if controller is not None:
+            own["dx_controller"] = ControllerStateHandler(controller)
+        super().__init__(model=model, optimizer=inner, **kwargs)
+        # Ours first, as a registry entry would have placed them: every rank syncs in the same order.
+        self._handlers = {**own, **self._handlers}
+        for name, handler in own.items():
+            setattr(self, name, handler.value)
 

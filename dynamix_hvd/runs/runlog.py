@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from ..data.metrics import StepRecord
+from ..logs import get_logger
 from ..tools.progress import Progress
 
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
@@ -190,8 +191,8 @@ class RunLog:
         write_run(self.out, meta, steps, epochs, decisions, history or [])
         if report:
             if importlib.util.find_spec("matplotlib") is None:
-                print(f"dynamix_hvd: matplotlib is not installed: no {self.out}/report.png "
-                      "(pip install matplotlib, then dynamix-hvd plot RUN_DIR)", flush=True)
+                get_logger(__name__).warning("matplotlib is not installed: no %s/report.png (pip install "
+                                             "matplotlib, then dynamix-hvd plot RUN_DIR)", self.out)
             else:
                 from .report import write_report
 

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from . import launchcheck
 from ..control.controller import POLICY_NAMES
+from ..logs import configure_logging
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / "bench"
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging()
     if args.command == "policy" and args.action != "list" and not args.name:
         return _fail(f"policy {args.action} needs a policy NAME")
     result: Any = args.func(args)

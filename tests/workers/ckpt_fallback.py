@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     args = ap.parse_args()
     hvd.init()
+    dx.configure_logging()
     model, loader, opt, ckpt = build(args.ckpt)
     it = iter(loader)
     for target in (2, 4):

@@ -31,6 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     hvd.init()
+    dx.configure_logging()
     rank, world = hvd.rank(), hvd.size()
     train, _ = teacher_classification(500, seed=0)
     data = WithIndex(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
@@ -41,6 +42,7 @@ def main() -> None:
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static"))
     ckpt = Checkpointer(args.ckpt, model, opt, loader, controller)
+    ckpt.install_signal_handlers()
     restored = ckpt.restore()
     if restored is not None and rank == 0:
         print(f"RESUMED-FROM {restored} epoch {loader.epoch} step {loader.step}", flush=True)
