@@ -187,6 +187,10 @@ class ControlChannel:
     # so the root knows which rank did not answer (and, in an allgather, tells the others). Under
     # Gloo they are Horovod collectives of that name under a watchdog that ends the process at the
     # deadline (Horovod collectives cannot be abandoned).
+    # Sends are synchronous (issend): a rank leaves a collective only once its peers have taken its
+    # messages. That matters at exit: Horovod, when it initialised MPI, finalises it on every rank as
+    # soon as one rank shuts down, so a rank must not exit while a peer still waits for its message.
+    # (After an allgather, the last collective before exit should be a gather, as in RunLog.finish.)
     # ==============================================================================================
     def allgather_object(self, obj: Any, op: Collective) -> list[Any]:
         """Every rank's object on every rank (a list in rank order)."""
@@ -228,7 +232,7 @@ class ControlChannel:
     def _mpi_gather(self, obj: Any, op: Collective, root: int, deadline: float, tell_others: bool) -> list[Any] | None:
         others = [r for r in range(self.size) if r != root]
         if self.rank != root:
-            send = self._comm.isend(("obj", op.name, obj), dest=root, tag=_tag(op))
+            send = self._comm.issend(("obj", op.name, obj), dest=root, tag=_tag(op))
             self._mpi_poll(op, {root: send}, [], deadline, f"sending to rank {root}")
             return None
         try:
@@ -243,7 +247,7 @@ class ControlChannel:
 
     def _mpi_bcast(self, obj: Any, op: Collective, root: int, deadline: float) -> Any:
         if self.rank == root:
-            sends = {dst: self._comm.isend(("ok", op.name, obj), dest=dst, tag=_tag(op))
+            sends = {dst: self._comm.issend(("ok", op.name, obj), dest=dst, tag=_tag(op))
                      for dst in range(self.size) if dst != root}
             self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}")
             return obj
@@ -260,9 +264,15 @@ class ControlChannel:
         """Complete `sends` ({peer: request}) and take one message from each of `sources` by `deadline`.
 
         Receives are matched probes (improbe), so nothing is posted that would have to be cancelled."""
+        from mpi4py import MPI
+
         tag, received, waiting = _tag(op), {}, list(sources)
         spin_until = time.monotonic() + 0.002
         while True:
+            if MPI.Is_finalized():  # Horovod, when it initialised MPI, finalises it once any rank has ended
+                raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete: MPI was "
+                                        "finalised under it (Horovod shut down: another rank ended)",
+                                        missing=sorted({*waiting, *sends}))
             for src in list(waiting):
                 message = self._comm.improbe(source=src, tag=tag)
                 if message is not None:

@@ -37,13 +37,15 @@ def correct(out: Path) -> None:
         "allreduce": hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, name="test.between").item(),
         "tensor_float": ch.allgather_tensor(torch.full((2, 2), rank + 0.5), Collective("test.tensor.f", 30)).tolist(),
     }
+    # the last collective before exit is a gather, as in RunLog.finish (see comm: exit and MPI_Finalize)
+    result["end"] = ch.gather_object("end", Collective("test.end", 30))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def silent(op_name: str, silent_rank: int, deadline: float) -> None:
     ch, rank = library_channel(), hvd.rank()
     if rank == silent_rank:
-        time.sleep(deadline + 8)  # alive, but never joins
+        time.sleep(deadline + 10)  # alive, but never joins
         return
     op = Collective(f"test.silent.{op_name}", deadline)
     call = {"allgather_object": lambda: ch.allgather_object(rank, op),
@@ -53,13 +55,12 @@ def silent(op_name: str, silent_rank: int, deadline: float) -> None:
     start = time.monotonic()
     try:
         call()
+        print(f"RETURNED rank {rank}", flush=True)
     except ControlPlaneTimeout as exc:
         print(f"TIMEOUT-OK rank {rank} after {time.monotonic() - start:.2f} s: {exc}", flush=True)
-        return
-    print(f"RETURNED rank {rank}", flush=True)
-    # Stay until the others have timed out: a rank that exits ends Horovod, which (having initialised
-    # MPI) finalises it under the feet of ranks still polling (Open MPI then segfaults in MPI_Improbe).
-    time.sleep(deadline + 4)
+    # Stay until the others are done: a rank that exits ends Horovod everywhere, which (having initialised
+    # MPI) finalises it under the feet of ranks still polling.
+    time.sleep(max(0.0, start + deadline + 6 - time.monotonic()))
 
 
 def main() -> None:
