@@ -187,10 +187,10 @@ class ControlChannel:
     # so the root knows which rank did not answer (and, in an allgather, tells the others). Under
     # Gloo they are Horovod collectives of that name under a watchdog that ends the process at the
     # deadline (Horovod collectives cannot be abandoned).
-    # Sends are synchronous (issend): a rank leaves a collective only once its peers have taken its
-    # messages. That matters at exit: Horovod, when it initialised MPI, finalises it on every rank as
-    # soon as one rank shuts down, so a rank must not exit while a peer still waits for its message.
-    # (After an allgather, the last collective before exit should be a gather, as in RunLog.finish.)
+    # At exit: Horovod, when it initialised MPI, finalises it on every rank as soon as one rank shuts
+    # down, so a rank must not exit while a peer still waits for its messages. `library_channel()`
+    # therefore registers an exit barrier (`EXIT_BARRIER`) that runs before Horovod's own shutdown.
+    # Sends are synchronous (issend), so a rank leaves a collective only once its peers took its messages.
     # ==============================================================================================
     def allgather_object(self, obj: Any, op: Collective) -> list[Any]:
         """Every rank's object on every rank (a list in rank order)."""
@@ -373,8 +373,10 @@ ELASTIC_CONTROLLER = Collective("dx.elastic.controller", 300.0, "resilience.elas
 ELASTIC_CONTROLLER_SYNC = Collective("dx.elastic.controller.sync", 300.0,
                                      "resilience.elastic: controller state on sync")
 DBA_COUNTS = Collective("dx.dba_counts", 300.0, "dba.distributed.exchange_counts(): selected counts, every step")
+EXIT_BARRIER = Collective("dx.exit_barrier", 60.0, "comm: at interpreter exit, before Horovod shuts down (MPI only)")
 LIBRARY_COLLECTIVES: tuple[Collective, ...] = (RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, ELASTIC_LOADER,
-                                               ELASTIC_CONTROLLER, ELASTIC_CONTROLLER_SYNC, DBA_COUNTS)
+                                               ELASTIC_CONTROLLER, ELASTIC_CONTROLLER_SYNC, DBA_COUNTS,
+                                               EXIT_BARRIER)
 
 _LIBRARY_CHANNEL: ControlChannel | None = None
 
@@ -386,4 +388,25 @@ def library_channel() -> ControlChannel:
     global _LIBRARY_CHANNEL
     if _LIBRARY_CHANNEL is None:
         _LIBRARY_CHANNEL = ControlChannel()
+        if _LIBRARY_CHANNEL._comm is not None:
+            import atexit
+
+            # Registered after Horovod's (made when horovod.torch was imported), so it runs first.
+            atexit.register(_exit_barrier, _LIBRARY_CHANNEL)
     return _LIBRARY_CHANNEL
+
+
+def _exit_barrier(channel: ControlChannel, op: Collective = EXIT_BARRIER) -> None:
+    """Wait (nonblocking barrier, up to the deadline) until every rank is done with its MPI messages."""
+    from mpi4py import MPI
+
+    if channel._comm is None or MPI.Is_finalized():
+        return
+    request, end = channel._comm.Ibarrier(), time.monotonic() + op.deadline_s
+    while not MPI.Is_finalized() and not request.Test():
+        if time.monotonic() > end:
+            _ABANDONED.append(request)
+            sys.stderr.write(f"[dynamix_hvd] rank {channel.rank}: '{op.name}': not every rank reached exit within "
+                             f"{op.deadline_s:g} s; exiting anyway\n")
+            return
+        time.sleep(0.001)

@@ -70,7 +70,7 @@ def test_silent_rank_under_gloo_ends_the_job_with_the_collective_named(op):
 
 def test_library_collectives_have_distinct_names_and_deadlines():
     names = [op.name for op in comm.LIBRARY_COLLECTIVES]
-    assert len(names) == len(set(names)) == 7
+    assert len(names) == len(set(names)) == 8
     assert all(op.deadline_s > 0 and op.where for op in comm.LIBRARY_COLLECTIVES)
     tags = [comm._tag(op) for op in comm.LIBRARY_COLLECTIVES]
     assert len(set(tags)) == len(tags) and all(10_000 <= t < 30_000 for t in tags)
