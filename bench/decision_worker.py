@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
+from dynamix_hvd.comm import Collective, library_channel
 from dynamix_hvd.data.synthetic import teacher_classification
+
+TIMINGS = Collective("bench.decision_times", 300.0, "bench/decision_worker.py: every rank's timings to rank 0")
 
 
 def main() -> None:
@@ -44,13 +47,15 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         batches = iter(loader)  # new sizes: continue the epoch from the cursor
     step_s = statistics.median(r.step_s for r in loader.tracker.records)
-    per_rank = hvd.allgather_object(times)
+    per_rank = library_channel().gather_object(times, TIMINGS)
     if rank == 0:
         slowest = [max(ts) for ts in zip(*per_rank)]  # a decision ends when the last rank has it
         with open(args.out, "w") as f:
             json.dump({"ranks": world, "median_s": statistics.median(slowest),
                        "p90_s": sorted(slowest)[int(0.9 * len(slowest))], "max_s": max(slowest),
-                       "mean_s": statistics.fmean(slowest), "step_s": step_s}, f)
+                       "mean_s": statistics.fmean(slowest), "step_s": step_s,
+                       "steps_between": args.steps_between,
+                       "param_tensors": sum(1 for _ in model.parameters())}, f)
 
 
 if __name__ == "__main__":

@@ -9,14 +9,21 @@ messages can never match Horovod's own traffic, using nonblocking point-to-point
 against a deadline (blocking MPI collectives cannot time out). Under ``horovodrun --gloo`` there is
 no MPI world; they fall back to Horovod's object collectives, guarded by a watchdog thread: those
 cannot be abandoned, so on timeout the process exits with the error instead of hanging forever.
+
+The rest of the library's collectives (run log, elastic state, DBA counts) are the named ones at the
+end of this module: ``allgather_object``, ``gather_object``, ``broadcast_object`` and
+``allgather_tensor``, each given a `Collective` (name and deadline) and issued on `library_channel()`.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
 import time
-from typing import Any
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 _TAG_GATHER, _TAG_BCAST = 7301, 7302
@@ -170,3 +177,236 @@ class ControlChannel:
             return call(hvd)
         finally:
             finished.set()
+
+
+    # ==============================================================================================
+    # Named library collectives (issue #12): every collective the library issues outside the
+    # gradient allreduce and the controller's messages above. Each call takes a `Collective` (a name
+    # and a deadline; the library's own are listed at the end of this module). Under MPI they are
+    # nonblocking point-to-point messages on this channel's Dup()'d communicator, rooted at one rank,
+    # so the root knows which rank did not answer (and, in an allgather, tells the others). Under
+    # Gloo they are Horovod collectives of that name under a watchdog that ends the process at the
+    # deadline (Horovod collectives cannot be abandoned).
+    # At exit: Horovod, when it initialised MPI, finalises it on every rank as soon as one rank shuts
+    # down, so a rank must not exit while a peer still waits for its messages. `library_channel()`
+    # therefore registers an exit barrier (`EXIT_BARRIER`) that runs before Horovod's own shutdown.
+    # Sends are synchronous (issend), so a rank leaves a collective only once its peers took its messages.
+    # ==============================================================================================
+    def allgather_object(self, obj: Any, op: Collective) -> list[Any]:
+        """Every rank's object on every rank (a list in rank order)."""
+        if self._comm is None:
+            return self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
+        deadline = time.monotonic() + op.deadline_s
+        gathered = self._mpi_gather(obj, op, 0, deadline, tell_others=True)
+        return self._mpi_bcast(gathered, op, 0, deadline + _grace(op))
+
+    def gather_object(self, obj: Any, op: Collective, root: int = 0) -> list[Any] | None:
+        """Every rank's object on `root` (a list in rank order); None on the other ranks."""
+        self._check_root(root, op)
+        if self._comm is None:
+            everyone = self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
+            return everyone if _hvd_rank() == root else None
+        return self._mpi_gather(obj, op, root, time.monotonic() + op.deadline_s, tell_others=False)
+
+    def broadcast_object(self, obj: Any, op: Collective, root: int = 0) -> Any:
+        """`root`'s object on every rank (`obj` is ignored on the other ranks)."""
+        self._check_root(root, op)
+        if self._comm is None:
+            return self._hvd_within(op, lambda h: h.broadcast_object(obj, root_rank=root, name=op.name))
+        return self._mpi_bcast(obj, op, root, time.monotonic() + op.deadline_s)
+
+    def allgather_tensor(self, tensor: Any, op: Collective) -> Any:
+        """Every rank's tensor concatenated along dim 0 in rank order (what ``hvd.allgather`` returns)."""
+        if self._comm is None:
+            return self._hvd_within(op, lambda h: h.allgather(tensor, name=op.name))
+        import torch
+
+        parts = self.allgather_object(tensor.detach().cpu().numpy(), op)
+        return torch.cat([torch.from_numpy(p) for p in parts]).to(tensor.device)
+
+    def _check_root(self, root: int, op: Collective) -> None:
+        size = self.size if self._comm is not None else _hvd_size()
+        if not (isinstance(root, int) and 0 <= root < size):
+            raise ValueError(f"collective '{op.name}': root={root!r} is not a rank of this world of {size}")
+
+    def _mpi_gather(self, obj: Any, op: Collective, root: int, deadline: float, tell_others: bool) -> list[Any] | None:
+        others = [r for r in range(self.size) if r != root]
+        if self.rank != root:
+            send = self._comm.issend(("obj", op.name, obj), dest=root, tag=_tag(op))
+            self._mpi_poll(op, {root: send}, [], deadline, f"sending to rank {root}")
+            return None
+        try:
+            got = self._mpi_poll(op, {}, others, deadline, f"gathering on rank {root}")
+        except CollectiveTimeout as exc:
+            if tell_others:  # they wait a grace longer for this note, so their errors name the rank too
+                for dst in others:
+                    _ABANDONED.append(self._comm.isend(("missing", op.name, exc.missing), dest=dst, tag=_tag(op)))
+            raise
+        got[root] = ("obj", obj)
+        return [got[r][1] for r in range(self.size)]
+
+    def _mpi_bcast(self, obj: Any, op: Collective, root: int, deadline: float) -> Any:
+        if self.rank == root:
+            sends = {dst: self._comm.issend(("ok", op.name, obj), dest=dst, tag=_tag(op))
+                     for dst in range(self.size) if dst != root}
+            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}")
+            return obj
+        kind, value = self._mpi_poll(op, {}, [root], deadline, f"receiving from rank {root}")[root]
+        if kind == "missing":
+            raise CollectiveTimeout(
+                f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s on rank {root}; "
+                f"rank(s) {value} did not answer. A rank that crashed, hangs, or skipped this point causes this.",
+                missing=value)
+        return value
+
+    def _mpi_poll(self, op: Collective, sends: dict[int, Any], sources: list[int], deadline: float,
+                  doing: str) -> dict[int, tuple[str, Any]]:
+        """Complete `sends` ({peer: request}) and take one message from each of `sources` by `deadline`.
+
+        Receives are matched probes (improbe), so nothing is posted that would have to be cancelled."""
+        from mpi4py import MPI
+
+        tag, received, waiting = _tag(op), {}, list(sources)
+        spin_until = time.monotonic() + 0.002
+        while True:
+            if MPI.Is_finalized():  # Horovod, when it initialised MPI, finalises it once any rank has ended
+                raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete: MPI was "
+                                        "finalised under it (Horovod shut down: another rank ended)",
+                                        missing=sorted({*waiting, *sends}))
+            for src in list(waiting):
+                message = self._comm.improbe(source=src, tag=tag)
+                if message is not None:
+                    kind, name, value = message.recv()
+                    if name != op.name:
+                        raise RuntimeError(f"rank {self.rank}: in collective '{op.name}' rank {src} sent a message "
+                                           f"of collective '{name}': the ranks issue collectives in different orders")
+                    received[src] = (kind, value)
+                    waiting.remove(src)
+            sends = {peer: request for peer, request in sends.items() if not request.Test()}
+            if not waiting and not sends:
+                return received
+            if time.monotonic() > deadline:
+                _ABANDONED.extend(sends.values())
+                missing = sorted({*waiting, *sends})
+                raise CollectiveTimeout(
+                    f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s {doing}; "
+                    f"rank(s) {missing} did not answer. A rank that crashed, hangs, or skipped this point "
+                    "causes this.", missing=missing)
+            if time.monotonic() > spin_until:
+                time.sleep(self.poll_s)
+
+    @staticmethod
+    def _hvd_within(op: Collective, call: Callable[[Any], Any]) -> Any:
+        import horovod.torch as hvd
+
+        finished, start = threading.Event(), time.monotonic()
+
+        def watchdog() -> None:
+            if not finished.wait(op.deadline_s):
+                sys.stderr.write(
+                    f"[dynamix_hvd] rank {hvd.rank()}: collective '{op.name}' did not complete within "
+                    f"{op.deadline_s:g} s under Gloo ({time.monotonic() - start:.1f} s waited); some rank did not "
+                    "answer. Under Gloo a rank cannot tell which: every rank that waited prints this line, so the "
+                    "silent rank is the one without it. Exiting instead of hanging.\n")
+                sys.stderr.flush()
+                os._exit(3)
+
+        threading.Thread(target=watchdog, name=f"dx-deadline-{op.name}", daemon=True).start()
+        try:
+            return call(hvd)
+        finally:
+            finished.set()
+
+
+class CollectiveTimeout(ControlPlaneTimeout):
+    """A named collective missed its deadline; `missing` lists the ranks that did not answer."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A named collective and its deadline in seconds; the same name on every rank, one name per call site."""
+
+    name: str
+    deadline_s: float
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"Collective name={self.name!r}; give every collective a non-empty name")
+        if not (isinstance(self.deadline_s, (int, float)) and math.isfinite(self.deadline_s) and self.deadline_s > 0):
+            raise ValueError(f"Collective '{self.name}': deadline_s={self.deadline_s!r}; it must be a positive "
+                             "finite number of seconds")
+
+
+def _tag(op: Collective) -> int:
+    # The same name gives the same tag on every rank; clear of the controller's 7301/7302, below MPI_TAG_UB.
+    return 10_000 + zlib.crc32(op.name.encode()) % 20_000
+
+
+def _grace(op: Collective) -> float:
+    """How much longer non-root ranks wait than the root, so the root's note naming the silent rank arrives."""
+    return 1.0 + 0.1 * op.deadline_s
+
+
+def _hvd_rank() -> int:
+    import horovod.torch as hvd
+
+    return hvd.rank()  # read live: an elastic reset changes it
+
+
+def _hvd_size() -> int:
+    import horovod.torch as hvd
+
+    return hvd.size()
+
+
+# The library's collectives outside the gradient allreduce: name, deadline (s), where issued.
+RUNLOG_CLOCK = Collective("dx.runlog.clock_origin", 600.0, "runs.runlog.RunLog(): the ranks' common clock origin")
+RUNLOG_EPOCH = Collective("dx.runlog.epoch_rows", 600.0, "runs.runlog.RunLog.end_epoch(): one row per rank")
+RUNLOG_FINISH = Collective("dx.runlog.finish", 600.0, "runs.runlog.RunLog.finish(): every rank's trace to rank 0")
+ELASTIC_LOADER = Collective("dx.elastic.loader", 300.0, "resilience.elastic: loader state on sync")
+ELASTIC_CONTROLLER = Collective("dx.elastic.controller", 300.0, "resilience.elastic: controller root on commit")
+ELASTIC_CONTROLLER_SYNC = Collective("dx.elastic.controller.sync", 300.0,
+                                     "resilience.elastic: controller state on sync")
+DBA_COUNTS = Collective("dx.dba_counts", 300.0, "dba.distributed.exchange_counts(): selected counts, every step")
+EXIT_BARRIER = Collective("dx.exit_barrier", 60.0, "comm: at interpreter exit, before Horovod shuts down (MPI only)")
+LIBRARY_COLLECTIVES: tuple[Collective, ...] = (RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, ELASTIC_LOADER,
+                                               ELASTIC_CONTROLLER, ELASTIC_CONTROLLER_SYNC, DBA_COUNTS,
+                                               EXIT_BARRIER)
+
+_LIBRARY_CHANNEL: ControlChannel | None = None
+
+
+def library_channel() -> ControlChannel:
+    """The channel the library's named collectives share, made on first use. Under MPI that is a
+    Dup() of MPI_COMM_WORLD, itself a collective: every rank reaches its first library collective
+    at the same point of the program, which holds because they all run the same one."""
+    global _LIBRARY_CHANNEL
+    if _LIBRARY_CHANNEL is None:
+        _LIBRARY_CHANNEL = ControlChannel()
+        if _LIBRARY_CHANNEL._comm is not None:
+            import atexit
+
+            # Registered after Horovod's (made when horovod.torch was imported), so it runs first.
+            atexit.register(_exit_barrier, _LIBRARY_CHANNEL)
+    return _LIBRARY_CHANNEL
+
+
+def _exit_barrier(channel: ControlChannel, op: Collective = EXIT_BARRIER) -> None:
+    """Wait (nonblocking barrier, up to the deadline) until every rank is done with its MPI messages."""
+    from mpi4py import MPI
+
+    if channel._comm is None or MPI.Is_finalized():
+        return
+    request, end = channel._comm.Ibarrier(), time.monotonic() + op.deadline_s
+    while not MPI.Is_finalized() and not request.Test():
+        if time.monotonic() > end:
+            _ABANDONED.append(request)
+            sys.stderr.write(f"[dynamix_hvd] rank {channel.rank}: '{op.name}': not every rank reached exit within "
+                             f"{op.deadline_s:g} s; exiting anyway\n")
+            return
+        time.sleep(0.001)

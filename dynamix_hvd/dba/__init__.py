@@ -1,6 +1,6 @@
 """Dynamic Batch Adaptation (arXiv 2208.00815): per-step selection of the samples whose per-sample
 gradients best improve a metric (`selection`, one process), and its exact data-parallel form over
-Horovod (`distributed`). `selection` is pure PyTorch; only `distributed` imports Horovod.
+Horovod (`distributed`). `selection` is pure PyTorch; only `distributed` talks to other ranks (through `comm`).
 """
 import importlib
 from typing import Any

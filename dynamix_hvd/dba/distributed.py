@@ -2,7 +2,8 @@
 
 Each rank runs the subset search (`dynamix_hvd.dba.selection`) on its own local batch, so its *effective* batch
 is the k_i samples it selected (per layer with ``granularity="layer"``). One allgather of the
-per-rank, per-layer selected counts per step gives K = sum_i k_i, and this rank's contribution
+per-rank, per-layer selected counts per step (`comm.DBA_COUNTS`, with a deadline) gives
+K = sum_i k_i, and this rank's contribution
 
     p.grad = (k_i / K) * (mean gradient over its k_i selected samples)
 
@@ -24,13 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 
+from ..comm import DBA_COUNTS, library_channel
 from .selection import DBAConfig, DBAResult, DynamicBatchAdaptation, LossFn
 
-COUNTS_NAME = "dx.dba_counts"
+COUNTS_NAME = DBA_COUNTS.name
 
 
 @dataclass
@@ -55,7 +56,7 @@ class DistributedDBAStep:
 def exchange_counts(counts: list[int]) -> torch.Tensor:
     """Allgather this rank's per-layer counts: int64 [world, layers], rows in rank order."""
     mine = torch.tensor([counts], dtype=torch.int64)
-    return hvd.allgather(mine, name=COUNTS_NAME)
+    return library_channel().allgather_tensor(mine, DBA_COUNTS)
 
 
 class DistributedDBA:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         run.end_epoch(accuracy=acc, test_loss=evals[-1]["test_loss"])          # dx: collective
         if reached and args.stop_at_target:
             break
-    t0 = min(hvd.allgather_object(run.t_start, name="cnn_t0"))  # RunLog's clock origin
+    t0 = run.t0  # RunLog's clock origin, agreed on by every rank
     table = pd.DataFrame(evals)
     table.insert(0, "wall_s", table.pop("time_unix") - t0)
     table["train_s"] = table.wall_s - table.eval_before_s - table.eval_s  # wall time without evaluation

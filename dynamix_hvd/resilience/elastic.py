@@ -27,6 +27,7 @@ import horovod.torch as hvd
 from horovod.torch.elastic.state import StateHandler, TorchState
 
 from .checkpoint import redistribute
+from ..comm import ELASTIC_CONTROLLER, ELASTIC_CONTROLLER_SYNC, ELASTIC_LOADER, library_channel
 from ..control.controller import DynamixController
 from ..data.loader import AdaptiveLoader
 
@@ -43,7 +44,7 @@ class LoaderStateHandler(StateHandler):
         self.value.load_state_dict(self._saved)
 
     def sync(self) -> None:
-        state = hvd.broadcast_object(self.value.state_dict(), root_rank=0, name="dx.elastic.loader")
+        state = library_channel().broadcast_object(self.value.state_dict(), ELASTIC_LOADER)
         world = hvd.size()
         sizes = None
         if len(state["batch_sizes"]) != world:
@@ -60,7 +61,7 @@ class ControllerStateHandler(StateHandler):
 
     def save(self) -> None:  # every rank commits together, so this broadcast is matched
         state = self.value.state_dict()
-        state["root"] = hvd.broadcast_object(state.get("root"), root_rank=0, name="dx.elastic.controller")
+        state["root"] = library_channel().broadcast_object(state.get("root"), ELASTIC_CONTROLLER)
         self._saved = copy.deepcopy(state)
 
     def restore(self) -> None:
@@ -68,7 +69,7 @@ class ControllerStateHandler(StateHandler):
 
     def sync(self) -> None:
         self.value.rebind(hvd.rank(), hvd.size())
-        self._saved = hvd.broadcast_object(self._saved, root_rank=0, name="dx.elastic.controller.sync")
+        self._saved = library_channel().broadcast_object(self._saved, ELASTIC_CONTROLLER_SYNC)
         self.value.load_state_dict(self._saved)
 
 

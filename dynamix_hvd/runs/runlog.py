@@ -1,7 +1,8 @@
 """Run records: one row per epoch and rank, and the full traces of every rank in one HDF5 file.
 
 Attach a `RunLog` to the loader (and controller) of a Horovod job; at the end, `finish` gathers every
-rank's per-step records to rank 0 (``hvd.allgather_object``) which writes ``OUT/``:
+rank's per-step records to rank 0 (named collectives of `dynamix_hvd.comm`, each with a deadline), which
+writes ``OUT/``:
 
 * ``epochs.csv`` (and ``epochs.parquet`` when pyarrow is installed): one row per epoch and rank;
 * ``trace.h5``: ``/steps`` (every StepRecord field of every rank, plus ``wall_s`` and ``loss``),
@@ -14,7 +15,8 @@ rank's per-step records to rank 0 (``hvd.allgather_object``) which writes ``OUT/
   decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads).
 
 `read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.runs.report`).
-``wall_s`` is seconds since the earliest rank started its RunLog (ranks on one clock).
+``wall_s`` is seconds since the earliest rank started its RunLog (`RunLog.t0`, agreed on by every rank
+when the RunLog is made; ranks on one clock).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from ..comm import RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, Collective, library_channel
 from ..data.metrics import StepRecord
 from ..logs import get_logger
 from ..tools.progress import Progress
@@ -52,8 +55,8 @@ def _float(value: Any) -> float:
 class RunLog:
     """Per-step and per-epoch records of one rank; rank 0 writes the run directory in `finish`.
 
-    Call `step` after each optimizer step, `end_epoch` and `finish` on every rank (both are
-    collectives). The trace keeps the first `max_trace_steps` steps of each rank (``meta.json`` counts
+    Make it, and call `end_epoch` and `finish`, on every rank (all three are collectives: making it
+    agrees on the clock origin `t0`); call `step` after each optimizer step. The trace keeps the first `max_trace_steps` steps of each rank (``meta.json`` counts
     the dropped ones); the epoch rows always cover every step.
     """
 
@@ -66,6 +69,8 @@ class RunLog:
         self.meta = dict(meta or {})
         self._gather = gather
         self.t_start = time.time()
+        self.t0: float = min(self.gather(self.t_start, RUNLOG_CLOCK))
+        """Unix time when the earliest rank made its RunLog: the origin of every ``wall_s``."""
         # [record, unix time at step end, loss]; one list object shared by the trace and the epoch
         self._steps: list[list[Any]] = []   # the trace: the first `max_trace_steps` steps
         self._epoch: list[list[Any]] = []   # the current epoch's steps
@@ -79,12 +84,13 @@ class RunLog:
         self.epoch_rows: list[dict[str, Any]] = []  # rank 0: every rank's rows; other ranks: their own
         loader.step_end_callbacks.append(self._on_step_end)
 
-    def gather(self, obj: Any) -> list[Any]:
-        if self._gather is None:
-            import horovod.torch as hvd
-
-            self._gather = lambda o: hvd.allgather_object(o, name="dynamix_runlog")
-        return self._gather(obj)
+    def gather(self, obj: Any, op: Collective, *, root_only: bool = False) -> list[Any] | None:
+        """Every rank's `obj` in rank order, on every rank (on rank 0 only with `root_only`)."""
+        if self._gather is not None:
+            return self._gather(obj)
+        if root_only:
+            return library_channel().gather_object(obj, op)
+        return library_channel().allgather_object(obj, op)
 
     # --- per step ------------------------------------------------------------------------------------
     def step(self, loss: Any) -> None:
@@ -146,7 +152,7 @@ class RunLog:
                "data_wait_s": mean("data_wait_s"), "lr": recs[-1].lr if recs else math.nan,
                "peak_memory_bytes": max((r.peak_memory_bytes for r in recs), default=0),
                **{k: _float(v) for k, v in metrics.items()}}
-        rows = self.gather(row)
+        rows = self.gather(row, RUNLOG_EPOCH)
         if self.rank == 0:
             self.epoch_rows.extend(rows)
             if self.progress is not None:
@@ -167,12 +173,12 @@ class RunLog:
         cols: dict[str, list[Any]] = {k: [getattr(r, k) for r, _, _ in self._steps] for k in STEP_FIELDS}
         cols["time_unix"] = [t for _, t, _ in self._steps]
         cols["loss"] = [math.nan if l is None else l for _, _, l in self._steps]
-        everything = self.gather({"steps": cols, "start": self.t_start, "host": socket.gethostname()})
+        everything = self.gather({"steps": cols, "host": socket.gethostname()}, RUNLOG_FINISH, root_only=True)
         if self.progress is not None:
             self.progress.close()
         if self.rank != 0:
             return None
-        t0 = min(e["start"] for e in everything)
+        t0 = self.t0
         steps = pd.concat([pd.DataFrame(e["steps"]) for e in everything], ignore_index=True)
         steps["wall_s"] = steps.pop("time_unix") - t0
         epochs = pd.DataFrame(self.epoch_rows)
