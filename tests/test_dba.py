@@ -433,3 +433,23 @@ def test_assign_gradients_checks_names_and_shapes():
     buf = p["w"].grad
     assign_gradients(p, {"w": torch.full((2, 3), 2.0)})
     assert p["w"].grad is buf and (buf == 2).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 16), layers=st.integers(1, 3), seed=st.integers(0, 10_000),
+       metric=st.sampled_from(["variance", "snr"]), granularity=st.sampled_from(["model", "layer"]),
+       bound=st.sampled_from([None, 0.5, 0.95]), min_fraction=st.sampled_from([0.0, 0.5]))
+def test_compiled_greedy_equals_the_torch_loop(n, layers, seed, metric, granularity, bound, min_fraction):
+    from dynamix_hvd.dba import fastgreedy, selection
+    assert fastgreedy._compiled is not None, "numba is a dependency: the compiled loop must be in use"
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(layers, n, 4, generator=g, dtype=torch.float64) * torch.rand(layers, n, 1, generator=g) + 0.2
+    gram = vectors_gram(v)
+    cfg = DBAConfig(metric=metric, granularity=granularity, min_cosine=bound, min_fraction=min_fraction)
+    diag, full_c = gram.diagonal(0, 1, 2), gram.sum(2)
+    base = selection._raw_metric(full_c.sum(1), diag.sum(1), torch.full((layers,), float(n), dtype=torch.float64),
+                                 metric).clamp_min(torch.finfo(torch.float64).tiny)
+    fast = selection._greedy(gram, diag, full_c, base, cfg)
+    slow = selection._greedy_torch(gram, diag, full_c, base, cfg)
+    assert [o.tolist() for o in fast[1]] == [o.tolist() for o in slow[1]]
+    torch.testing.assert_close(fast[0], slow[0], rtol=1e-9, atol=1e-12)  # same sums, other rounding

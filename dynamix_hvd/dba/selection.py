@@ -34,7 +34,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from ..optim.grads import assign_gradients
-from . import ghost
+from . import fastgreedy, ghost
 from .importance import importance_weights
 
 Metric = Literal["variance", "snr"]
@@ -236,6 +236,14 @@ def _cosine_ok(s2_new: torch.Tensor, t_new: torch.Tensor, s2_full: torch.Tensor,
 
 def _greedy(gram: torch.Tensor, diag: torch.Tensor, full_c: torch.Tensor, base: torch.Tensor,
             config: DBAConfig) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`_greedy_torch`, run as one compiled loop on CPU when numba is there (`fastgreedy`)."""
+    fast = fastgreedy.greedy(gram, diag, full_c, base, config.metric == "variance", config.granularity == "model",
+                             config.min_cosine, gram.shape[1] - config.min_size(gram.shape[1]))
+    return fast if fast is not None else _greedy_torch(gram, diag, full_c, base, config)
+
+
+def _greedy_torch(gram: torch.Tensor, diag: torch.Tensor, full_c: torch.Tensor, base: torch.Tensor,
+                  config: DBAConfig) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Backward elimination: each step removes the sample whose removal scores best (per layer, or
     the best mean over layers); a layer (all layers in model mode) stops when no admissible removal is
     left. Returns the relative metric after each removal [steps, L] (inf once stopped) and the removals."""
