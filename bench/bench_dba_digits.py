@@ -148,7 +148,8 @@ def summarise(results: list[dict], epochs: dict[str, tuple[int, ...]]) -> dict[t
                 continue
             cands = {(lr, ep): [r for r in rows if r["lr"] == lr] for lr in {r["lr"] for r in rows}
                      for ep in epochs[setting]}
-            lr, ep = max(cands, key=lambda k: (statistics.mean(r["evals"][k[1]]["val"] for r in cands[k]), -k[0], -k[1]))
+            val = {k: statistics.mean(r["evals"][k[1]]["val"] for r in v) for k, v in cands.items()}
+            lr, ep = max(cands, key=lambda k: (val[k], -k[0], -k[1]))  # ties: smaller LR, fewer epochs
             runs = cands[lr, ep]
             test = [r["evals"][ep]["test"] for r in runs]
             avg = lambda key: [statistics.mean(col) for col in zip(*(r[key] for r in runs))]  # noqa: E731
