@@ -7,6 +7,7 @@ samples (per layer), and the final parameters must match a single-process replay
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def union_mean_grads(model, data, selected_per_rank, groups):
     return out
 
 
+def union_weighted_grads(model, data, batches, weights, counts, groups):
+    """Per layer: autograd gradient of sum_r (k_r / K) sum_i w_ri loss_ri over every rank's batch."""
+    out = {}
+    params = dict(model.named_parameters())
+    x = data.x[torch.tensor([i for b in batches for i in b])]
+    y = data.y[torch.tensor([i for b in batches for i in b])]
+    for layer, group in enumerate(groups):
+        total = sum(c[layer] for c in counts)
+        w = torch.cat([wr[layer] * c[layer] / total for wr, c in zip(weights, counts)])
+        model.zero_grad()
+        (w * F.cross_entropy(model(x), y, reduction="none")).sum().backward()
+        out.update({n: params[n].grad.clone() for n in group})
+    return out
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_update_is_the_exact_mean_over_all_selected_samples(job, config):
     ranks, _, results = job
@@ -55,20 +71,32 @@ def test_update_is_the_exact_mean_over_all_selected_samples(job, config):
     data = IndexedData(SAMPLES)
     model = make_model()
     opt = make_opt(model.parameters())
-    dba = DynamicBatchAdaptation(model, F.cross_entropy, cfg)
+    importance = cfg.estimator == "importance"
+    # one replay per rank: importance draws come from each rank's own generator (seed + rank)
+    dbas = [DynamicBatchAdaptation(model, F.cross_entropy, dataclasses.replace(cfg, seed=cfg.seed + r))
+            for r in range(ranks)]
+    dba = dbas[0]
     steps = [r["configs"][config]["steps"] for r in results]
     assert len({len(s) for s in steps}) == 1, "ranks completed different numbers of steps"
     shrunk = worst = 0
     for per_rank in zip(*steps):
         counts = per_rank[0]["counts"]
+        weights = []
         for rank, s in enumerate(per_rank):
             assert s["counts"] == counts, "ranks disagree on the selected counts"
-            assert [len(sel) for sel in s["selected"]] == counts[rank]
+            if importance:  # the update stands for the whole local batch
+                assert counts[rank] == [len(s["batch"])] * len(dba.groups)
+            else:
+                assert [len(sel) for sel in s["selected"]] == counts[rank]
             batch = torch.tensor(s["batch"])
-            local = dba.compute(data.x[batch], data.y[batch])  # same parameters -> same selection
+            local = dbas[rank].compute(data.x[batch], data.y[batch])  # same parameters -> same selection
             assert [batch[i].tolist() for i in local.indices] == s["selected"]
+            weights.append(local.weights)
             shrunk += sum(len(sel) < len(s["batch"]) for sel in s["selected"])
-        ref = union_mean_grads(model, data, [s["selected"] for s in per_rank], dba.groups)
+        if importance:
+            ref = union_weighted_grads(model, data, [s["batch"] for s in per_rank], weights, counts, dba.groups)
+        else:
+            ref = union_mean_grads(model, data, [s["selected"] for s in per_rank], dba.groups)
         for s in per_rank:
             for name, values in s["grads"].items():
                 worst = max(worst, (torch.tensor(values, dtype=torch.float64) - ref[name].flatten()).abs().max().item())

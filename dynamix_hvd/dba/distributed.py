@@ -8,7 +8,10 @@ K = sum_i k_i, and this rank's contribution
     p.grad = (k_i / K) * (mean gradient over its k_i selected samples)
 
 makes Horovod's Sum allreduce (`WeightedDistributedOptimizer` uses ``op=hvd.Sum``) produce the mean
-over the K selected samples of *all* ranks, exactly as if one process had averaged them.
+over the K selected samples of *all* ranks, exactly as if one process had averaged them. With the
+unbiased importance estimator (``DBAConfig(estimator="importance")``) k_i is the local batch size b_i
+(each rank's update estimates its batch mean), so the same weighting gives an unbiased estimate of the
+global batch mean; each rank draws with seed ``config.seed + rank``.
 
 No backward pass runs: the per-sample gradients already give the subset mean, so the optimizer's
 backward hook (which weights by the loader's planned counts) never fires. Horovod's ``synchronize()``
@@ -84,6 +87,7 @@ class DistributedDBA:
             raise ValueError(f"optimizer {type(optimizer).__name__} cannot take DBA gradients; pass the "
                              "dynamix_hvd.WeightedDistributedOptimizer")
         self.dba = DynamicBatchAdaptation(model, loss_fn, config)
+        self.dba.generator.manual_seed(self.dba.config.seed + hvd.rank())  # independent draws per rank
         self.optimizer = optimizer
         self.last: DistributedDBAStep | None = None
 

@@ -33,6 +33,11 @@ CONFIGS = {
     "adam_snr_layer_rank": (lambda ps: torch.optim.Adam(ps, lr=1e-2),
                             DBAConfig(metric="snr", granularity="layer", search="rank", min_fraction=0.25)),
     "sgd_snr_setter": (lambda ps: torch.optim.SGD(ps, lr=0.1), DBAConfig(metric="snr", min_fraction=0.25)),
+    "sgd_variance_layer_cosine": (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+                                  DBAConfig(metric="variance", granularity="layer", min_fraction=0.0,
+                                            min_cosine=0.9)),
+    "sgd_importance_layer": (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+                             DBAConfig(estimator="importance", granularity="layer", max_noise=0.5, seed=7)),
 }
 
 
