@@ -104,22 +104,42 @@ class ControlChannel:
     # receiving it, so a rank that sends a different length gets a clear error, never garbage.
     _TAG_ARRAY = 7311
 
-    class _KeepBuffer(_BufferRequest):
+    class _Mpi:
+        """A request of this section: answers ControlPlaneTimeout once MPI has been shut down under it
+        (Horovod finalizes MPI when any rank exits), instead of calling into a finalized MPI."""
+
+        def __init__(self, doing: str, rank: int) -> None:
+            self.doing, self.rank = doing, rank
+
+        def _check_alive(self) -> None:
+            from mpi4py import MPI
+
+            if MPI.Is_finalized():
+                raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {self.doing} (another rank "
+                                          "exited: Horovod finalizes MPI on every rank when one shuts down)")
+
+    class _KeepBuffer(_Mpi):
         """A buffer request that keeps its buffer alive for as long as MPI may use it."""
 
-        def __init__(self, request, buffer) -> None:
-            super().__init__(request)
-            self.buffer = buffer
+        def __init__(self, request, buffer, doing: str, rank: int) -> None:
+            super().__init__(doing, rank)
+            self._request, self.buffer = request, buffer
 
-    class _ProbedArray:
+        def test(self):
+            self._check_alive()
+            return self._request.Test(), None
+
+    class _ProbedArray(_Mpi):
         """Receives one float64 array of any length from `source` once it has arrived (probe, then receive)."""
 
-        def __init__(self, comm, source: int, tag: int) -> None:
+        def __init__(self, comm, source: int, tag: int, doing: str, rank: int) -> None:
+            super().__init__(doing, rank)
             self._comm, self._source, self._tag = comm, source, tag
 
         def test(self):
             from mpi4py import MPI
 
+            self._check_alive()
             status = MPI.Status()
             if not self._comm.Iprobe(source=self._source, tag=self._tag, status=status):
                 return False, None
@@ -136,12 +156,13 @@ class ControlChannel:
         if self._comm is None:
             return self._hvd_guarded(lambda h: self._hvd_gather_array(h, send, what), what)
         if self.rank != 0:
-            self._wait([self._KeepBuffer(self._comm.Isend(send, dest=0, tag=self._TAG_ARRAY), send)], [0],
-                       f"sending {what} to rank 0")
+            doing = f"sending {what} to rank 0"
+            request = self._KeepBuffer(self._comm.Isend(send, dest=0, tag=self._TAG_ARRAY), send, doing, self.rank)
+            self._wait([request], [0], doing)
             return None
-        peers = list(range(1, self.size))
-        received = self._wait([self._ProbedArray(self._comm, src, self._TAG_ARRAY) for src in peers], peers,
-                              f"gathering {what} on rank 0")
+        peers, doing = list(range(1, self.size)), f"gathering {what} on rank 0"
+        received = self._wait([self._ProbedArray(self._comm, src, self._TAG_ARRAY, doing, self.rank) for src in peers],
+                              peers, doing)
         lengths = [len(send), *(len(r) for r in received)]
         if len(set(lengths)) > 1:
             raise ValueError(self._length_error(what, lengths))
@@ -164,7 +185,7 @@ class ControlChannel:
             return out.numpy()
         peers = (list(range(1, self.size)) if self.rank == 0 else [0]) or [0]
         doing = f"sending {what} from rank 0" if self.rank == 0 else f"receiving {what} from rank 0"
-        request = self._KeepBuffer(self._comm.Ibcast(buf, root=0), buf)
+        request = self._KeepBuffer(self._comm.Ibcast(buf, root=0), buf, doing, self.rank)
         self._wait([request] * len(peers), peers, doing)  # one collective; a timeout names every peer
         return buf
 
