@@ -186,4 +186,4 @@ class DynamixController:
         if state["world_size"] == self.loader.world_size:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
-            self.core.load_state_dict(state["root"])
+            self.core.load_state_dict(state["root"], world_size=self.loader.world_size)

@@ -181,14 +181,6 @@ class DecisionCore:
     def world_size(self) -> int:
         return len(self.bounds.learned_max)
 
-    def resize(self, world_size: int) -> None:
-        """The number of ranks changed: per-rank state (bounds, last sizes, the policy's rollout) restarts."""
-        if world_size != self.world_size:
-            self.bounds = BatchBounds(world_size, self.min_batch, self.max_batch)
-            self.prev_sizes = None
-            if self.policy is not None:
-                self.policy.reset_world(world_size)
-
     # --- one decision --------------------------------------------------------------------------------
     def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Observation:
         """Take one interval's reports (in rank order) and the sizes it ran with; update the state."""
@@ -266,9 +258,11 @@ class DecisionCore:
                 "base_batch": self.base_batch, "decisions": self.decisions,
                 "learned_max": list(self.bounds.learned_max)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict()` output; a different world size keeps what was learned (policy,
-        statistics, references) but not what was per rank (bounds, the last sizes)."""
+    def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
+        """Restore `state_dict()` output into a job of `world_size` ranks (default: this core's); a
+        different world size keeps what was learned (policy, statistics, references) but not what was
+        per rank (bounds, the last sizes)."""
+        world = self.world_size if world_size is None else world_size
         if self.policy is not None and state["policy"] is not None:
             self.policy.load_state_dict(state["policy"])
         self.stats = GradientStatistics(self.stats_cfg)
@@ -276,10 +270,11 @@ class DecisionCore:
         self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
         self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
         self.decisions = int(state["decisions"])
-        if len(state["learned_max"]) == self.world_size:
-            self.bounds.learned_max = [int(b) for b in state["learned_max"]]
+        if len(state["learned_max"]) == world:
+            if self.world_size == world:
+                self.bounds.learned_max = [int(b) for b in state["learned_max"]]
             self.prev_sizes = None if state["prev_sizes"] is None else [int(b) for b in state["prev_sizes"]]
         else:
             self.prev_sizes = None
             if self.policy is not None:
-                self.policy.reset_world(self.world_size)
+                self.policy.reset_world(world)
