@@ -151,22 +151,31 @@ class ControlChannel:
         """Every rank's 1-D float64 array of the same length n; rank 0 gets [size, n] in rank order,
         the others None. A rank whose length differs raises ValueError (naming it) on rank 0 (MPI)
         or on every rank (Gloo)."""
+        rows, lengths = self._gather_ragged(values, what)
+        if lengths is not None and len(set(lengths)) > 1:
+            raise ValueError(self._length_error(what, lengths))
+        return None if rows is None else np.stack(rows)
+
+    def gather_arrays(self, values: np.ndarray, what: str = "metrics") -> list[np.ndarray] | None:
+        """As :meth:`gather_array`, but the lengths may differ: rank 0 gets one array per rank."""
+        return self._gather_ragged(values, what)[0]
+
+    def _gather_ragged(self, values: np.ndarray, what: str) -> tuple[list[np.ndarray] | None, list[int] | None]:
+        """(rank 0: the arrays in rank order, else None; every length where this rank knows them)."""
         send = self._as_vector(values, what)
         self._seq += 1
         if self._comm is None:
-            return self._hvd_guarded(lambda h: self._hvd_gather_array(h, send, what), what)
+            return self._hvd_guarded(lambda h: self._hvd_gather_arrays(h, send), what)
         if self.rank != 0:
             doing = f"sending {what} to rank 0"
             request = self._KeepBuffer(self._comm.Isend(send, dest=0, tag=self._TAG_ARRAY), send, doing, self.rank)
             self._wait([request], [0], doing)
-            return None
+            return None, None
         peers, doing = list(range(1, self.size)), f"gathering {what} on rank 0"
         received = self._wait([self._ProbedArray(self._comm, src, self._TAG_ARRAY, doing, self.rank) for src in peers],
                               peers, doing)
-        lengths = [len(send), *(len(r) for r in received)]
-        if len(set(lengths)) > 1:
-            raise ValueError(self._length_error(what, lengths))
-        return np.stack([send, *received])
+        rows = [send, *received]
+        return rows, [len(r) for r in rows]
 
     def broadcast_array(self, values: np.ndarray | None, n: int, what: str = "decision") -> np.ndarray:
         """Rank 0's 1-D float64 array of length n on every rank (the others pass None and the same n)."""
@@ -203,17 +212,14 @@ class ControlChannel:
                 f"{[odd[r] for r in sorted(odd)]} values where the others sent {expected}. Every rank must "
                 "report the same number of steps per decision (a rank skipped or added a step).")
 
-    def _hvd_gather_array(self, h: Any, send: np.ndarray, what: str) -> np.ndarray | None:
+    def _hvd_gather_arrays(self, h: Any, send: np.ndarray) -> tuple[list[np.ndarray] | None, list[int]]:
         import torch
 
-        n = len(send)
-        spread = h.allreduce(torch.tensor([n, -n], dtype=torch.float64), op=h.Max,
-                             name=f"dx.gather_array_len.{self._seq}")
-        if float(spread[0]) != -float(spread[1]):  # lengths differ: find out whose, then every rank fails alike
-            lengths = h.allgather(torch.tensor([n], dtype=torch.int64), name=f"dx.gather_array_lens.{self._seq}")
-            raise ValueError(self._length_error(what, [int(x) for x in lengths.tolist()]))
-        everyone = h.allgather(torch.from_numpy(send).reshape(1, n), name=f"dx.gather_array.{self._seq}")
-        return everyone.numpy() if self.rank == 0 else None
+        lengths = h.allgather(torch.tensor([len(send)], dtype=torch.int64), name=f"dx.gather_lens.{self._seq}").tolist()
+        data = h.allgather(torch.from_numpy(send), name=f"dx.gather_array.{self._seq}").numpy()  # concatenated
+        if self.rank != 0:
+            return None, lengths
+        return np.split(data, np.cumsum(lengths)[:-1]), lengths
 
     def any_true(self, flag: bool, what: str = "stop flag") -> bool:
         """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM)."""

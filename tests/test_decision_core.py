@@ -170,6 +170,7 @@ def test_array_collectives_in_a_real_job(launcher: str, ranks: int) -> None:
     for r in range(ranks):
         for check in ("GATHER-OK", "BCAST-OK", "AFTER-OK"):
             assert f"{check} rank {r}" in out, out
+    assert "RAGGED-OK rank 0" in out, out
     message = f"rank(s) [{ranks - 1}] sent [9] values where the others sent 7"
     assert f"MISMATCH-OK rank 0: rank 0: gathering uneven rows" in out and message in out, out
     if launcher == "mpirun":  # only rank 0 sees the lengths; the senders are done once it received them

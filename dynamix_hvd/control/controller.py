@@ -14,7 +14,7 @@ or every k steps):
 
 Ordering hazard: decisions run inside the loader's step-end callback, i.e. after a step's
 ``optimizer.step()`` and before the next batch is planned. Every rank reaches that point after the
-same number of steps, which is what keeps the collectives matched (and the report arrays the same length).
+same number of steps, which is what keeps the collectives matched.
 """
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ class DynamixController:
         """One decision on every rank; returns this rank's record of it (rank 0's is the full one)."""
         t0 = time.perf_counter()
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
-        rows = self.channel.gather_array(mine, what="metrics")
+        # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
+        rows = self.channel.gather_arrays(mine, what="metrics")
         record, sent = None, None
         if rows is not None:
             inputs = wire.decode_reports(rows)

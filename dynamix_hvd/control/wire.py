@@ -17,6 +17,9 @@ when the optimizer had none), ``report_length(n, L) = 22 + 4 n + 2 L`` values::
     [.. +L]        layer local_sq means
     [.. +L]        layer global_sq means
 
+Ranks normally report the same n (they run the same steps between decisions); a rank that rejoined
+after an elastic reset may report fewer, and the core then uses the first min(n) steps of every rank.
+
 A decision for R ranks, ``decision_length(R) = 3 + 2 R`` values::
 
     [0] decision index, [1] epoch, [2] lr_gain, [3 : 3+R] new sizes, [3+R : 3+2R] previous sizes
@@ -85,9 +88,9 @@ def decode_report(row: np.ndarray) -> RankInput:
     return RankInput(RankReport(**values), steps, layers)
 
 
-def decode_reports(rows: np.ndarray) -> list[RankInput]:
-    """Rank 0's gathered [R, n] array back into typed inputs, in rank order."""
-    return [decode_report(row) for row in np.asarray(rows, dtype=np.float64)]
+def decode_reports(rows: Sequence[np.ndarray] | np.ndarray) -> list[RankInput]:
+    """Rank 0's gathered arrays (one per rank, or an [R, n] array) back into typed inputs, in rank order."""
+    return [decode_report(row) for row in rows]
 
 
 def padded_losses(losses: Sequence[float], steps: int) -> list[float]:

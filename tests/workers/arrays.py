@@ -2,7 +2,7 @@
 
 Prints one line per check and rank; the test reads them: GATHER-OK, BCAST-OK, MISMATCH-OK (the rank
 that got the length error, with its message) or MISMATCH-SENT (an MPI non-root rank, which does not
-learn of it), AFTER-OK (the channel still works after the error).
+learn of it), RAGGED-OK (rank 0: arrays of different lengths), AFTER-OK (the channel still works after the error).
 """
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def main() -> None:
         print(f"MISMATCH-SENT rank {rank}", flush=True)
     except ValueError as exc:
         print(f"MISMATCH-OK rank {rank}: {exc}", flush=True)
+    ragged = ch.gather_arrays(row(rank, 4 + rank), what="ragged rows")
+    if rank == 0:
+        assert [len(r) for r in ragged] == [4 + r for r in range(size)], ragged
+        assert all(np.array_equal(got, row(r, 4 + r), equal_nan=True) for r, got in enumerate(ragged))
+        print("RAGGED-OK rank 0", flush=True)
     rows = ch.gather_array(row(rank, 3), what="rows after the error")
     assert rank != 0 or np.array_equal(rows, np.stack([row(r, 3) for r in range(size)]), equal_nan=True)
     print(f"AFTER-OK rank {rank}", flush=True)
