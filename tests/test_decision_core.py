@@ -69,6 +69,12 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
                                              "previous_sizes": [8, 16, 32], "lr_gain": 1.375}
     with pytest.raises(ValueError, match="for 2 ranks has 7 values"):
         wire.decode_decision(sent, 2)
+    short = [sample_input(0, steps=4), sample_input(1, steps=2)]  # rank 1 rejoined after an elastic reset
+    ragged = wire.decode_reports([wire.encode_report(i) for i in short])
+    assert [len(i.steps.local_batch) for i in ragged] == [4, 2]
+    core = DecisionCore(2, 33, min_batch=1, max_batch=64)
+    core.observe(ragged, [16, 17], 0)
+    assert core.stats.steps == 2, "the first min(n) steps of every rank"
     with pytest.raises(ValueError, match="StepSeries.losses has 1 steps"):
         StepSeries([1, 2], [0.0, 0.0], [0.0, 0.0], [0.0])
 
