@@ -53,6 +53,9 @@ def main() -> None:
             controller.decide()
         except ControlPlaneTimeout as exc:
             print(f"TIMEOUT-OK rank {rank}: {exc}", flush=True)
+            # Stay until the other waiting ranks hit their own deadlines: Horovod finalizes MPI on
+            # every rank as soon as one exits, which would cut their waits short.
+            time.sleep(2)
             return
         sys.exit("expected a ControlPlaneTimeout")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
