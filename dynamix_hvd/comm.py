@@ -25,6 +25,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 _TAG_GATHER, _TAG_BCAST = 7301, 7302
 
@@ -102,6 +104,129 @@ class ControlChannel:
             return obj
         return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
                           f"receiving {what} from rank 0")[0]
+
+    # --- numeric arrays: fixed-size float64 buffers, no pickling ------------------------------------
+    # Under MPI the gather is point-to-point into buffers on rank 0 (not Igather), so that a silent
+    # rank is named as the object gather names it; rank 0 probes each message's length before
+    # receiving it, so a rank that sends a different length gets a clear error, never garbage.
+    _TAG_ARRAY = 7311
+
+    class _Mpi:
+        """A request of this section: answers ControlPlaneTimeout once MPI has been shut down under it
+        (Horovod finalizes MPI when any rank exits), instead of calling into a finalized MPI."""
+
+        def __init__(self, doing: str, rank: int) -> None:
+            self.doing, self.rank = doing, rank
+
+        def _check_alive(self) -> None:
+            from mpi4py import MPI
+
+            if MPI.Is_finalized():
+                raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {self.doing} (another rank "
+                                          "exited: Horovod finalizes MPI on every rank when one shuts down)")
+
+    class _KeepBuffer(_Mpi):
+        """A buffer request that keeps its buffer alive for as long as MPI may use it."""
+
+        def __init__(self, request, buffer, doing: str, rank: int) -> None:
+            super().__init__(doing, rank)
+            self._request, self.buffer = request, buffer
+
+        def test(self):
+            self._check_alive()
+            return self._request.Test(), None
+
+    class _ProbedArray(_Mpi):
+        """Receives one float64 array of any length from `source` once it has arrived (probe, then receive)."""
+
+        def __init__(self, comm, source: int, tag: int, doing: str, rank: int) -> None:
+            super().__init__(doing, rank)
+            self._comm, self._source, self._tag = comm, source, tag
+
+        def test(self):
+            from mpi4py import MPI
+
+            self._check_alive()
+            status = MPI.Status()
+            if not self._comm.Iprobe(source=self._source, tag=self._tag, status=status):
+                return False, None
+            buf = np.empty(status.Get_count(MPI.DOUBLE), dtype=np.float64)
+            self._comm.Recv(buf, source=self._source, tag=self._tag)
+            return True, buf
+
+    def gather_array(self, values: np.ndarray, what: str = "metrics") -> np.ndarray | None:
+        """Every rank's 1-D float64 array of the same length n; rank 0 gets [size, n] in rank order,
+        the others None. A rank whose length differs raises ValueError (naming it) on rank 0 (MPI)
+        or on every rank (Gloo)."""
+        rows, lengths = self._gather_ragged(values, what)
+        if lengths is not None and len(set(lengths)) > 1:
+            raise ValueError(self._length_error(what, lengths))
+        return None if rows is None else np.stack(rows)
+
+    def gather_arrays(self, values: np.ndarray, what: str = "metrics") -> list[np.ndarray] | None:
+        """As :meth:`gather_array`, but the lengths may differ: rank 0 gets one array per rank."""
+        return self._gather_ragged(values, what)[0]
+
+    def _gather_ragged(self, values: np.ndarray, what: str) -> tuple[list[np.ndarray] | None, list[int] | None]:
+        """(rank 0: the arrays in rank order, else None; every length where this rank knows them)."""
+        send = self._as_vector(values, what)
+        self._seq += 1
+        if self._comm is None:
+            return self._hvd_guarded(lambda h: self._hvd_gather_arrays(h, send), what)
+        if self.rank != 0:
+            doing = f"sending {what} to rank 0"
+            request = self._KeepBuffer(self._comm.Isend(send, dest=0, tag=self._TAG_ARRAY), send, doing, self.rank)
+            self._wait([request], [0], doing)
+            return None, None
+        peers, doing = list(range(1, self.size)), f"gathering {what} on rank 0"
+        received = self._wait([self._ProbedArray(self._comm, src, self._TAG_ARRAY, doing, self.rank) for src in peers],
+                              peers, doing)
+        rows = [send, *received]
+        return rows, [len(r) for r in rows]
+
+    def broadcast_array(self, values: np.ndarray | None, n: int, what: str = "decision") -> np.ndarray:
+        """Rank 0's 1-D float64 array of length n on every rank (the others pass None and the same n)."""
+        if self.rank == 0:
+            buf = self._as_vector(values, what)
+            if len(buf) != n:
+                raise ValueError(f"rank 0: broadcast of {what}: array has {len(buf)} values, n={n}")
+        else:
+            buf = np.empty(n, dtype=np.float64)
+        self._seq += 1
+        if self._comm is None:
+            import torch
+
+            t = torch.from_numpy(buf)
+            out = self._hvd_guarded(lambda h: h.broadcast(t, root_rank=0, name=f"dx.bcast_array.{self._seq}"), what)
+            return out.numpy()
+        peers = (list(range(1, self.size)) if self.rank == 0 else [0]) or [0]
+        doing = f"sending {what} from rank 0" if self.rank == 0 else f"receiving {what} from rank 0"
+        request = self._KeepBuffer(self._comm.Ibcast(buf, root=0), buf, doing, self.rank)
+        self._wait([request] * len(peers), peers, doing)  # one collective; a timeout names every peer
+        return buf
+
+    @staticmethod
+    def _as_vector(values: np.ndarray | None, what: str) -> np.ndarray:
+        arr = np.ascontiguousarray(values, dtype=np.float64)
+        if arr.ndim != 1:
+            raise ValueError(f"{what}: need a 1-D array of float64 values, got shape {arr.shape}")
+        return arr
+
+    def _length_error(self, what: str, lengths: list[int]) -> str:
+        expected = min(set(lengths), key=lambda n: (-lengths.count(n), n != lengths[0]))  # ties: rank 0's
+        odd = {r: n for r, n in enumerate(lengths) if n != expected}
+        return (f"rank {self.rank}: gathering {what} (control message #{self._seq}): rank(s) {sorted(odd)} sent "
+                f"{[odd[r] for r in sorted(odd)]} values where the others sent {expected}. Every rank must "
+                "report the same number of steps per decision (a rank skipped or added a step).")
+
+    def _hvd_gather_arrays(self, h: Any, send: np.ndarray) -> tuple[list[np.ndarray] | None, list[int]]:
+        import torch
+
+        lengths = h.allgather(torch.tensor([len(send)], dtype=torch.int64), name=f"dx.gather_lens.{self._seq}").tolist()
+        data = h.allgather(torch.from_numpy(send), name=f"dx.gather_array.{self._seq}").numpy()  # concatenated
+        if self.rank != 0:
+            return None, lengths
+        return np.split(data, np.cumsum(lengths)[:-1]), lengths
 
     def any_true(self, flag: bool, what: str = "stop flag") -> bool:
         """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM)."""

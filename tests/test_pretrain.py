@@ -149,7 +149,7 @@ def test_transitions_rebuilt_from_controller_history_match_the_simulator() -> No
         return orig(new_sizes)
 
     sim.step_sizes = record  # type: ignore[method-assign]
-    ctrl, history = drive_both(sim, sizes)
+    _, history = drive_both(sim, sizes)
     obs, acts, rews = transitions_from_history(history, total_epochs=sim.total_epochs)
     assert obs.shape == (4, 2, OBS_DIM) and acts.shape == (4, 2) and rews.shape == (4, 2)
     assert np.allclose(obs, torch.stack(observations[:4]).numpy(), atol=1e-5)

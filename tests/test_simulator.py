@@ -5,16 +5,16 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from types import SimpleNamespace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd.control.actions import ActionSpace, BatchBounds
-from dynamix_hvd.control.controller import ControllerConfig, DynamixController
-from dynamix_hvd.stats.noise_scale import GradientStatistics
+from dynamix_hvd.control import wire
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.config import ControllerConfig
+from dynamix_hvd.control.core import DecisionCore
 from dynamix_hvd.control.policy import DecisionInput, DecisionOutput, StaticPolicy
 from dynamix_hvd.rl.simulator import FAMILIES, ClusterSimulator, ClusterSpec, ScenarioConfig, sample_cluster
 from dynamix_hvd.control.state import OBS_DIM
@@ -54,41 +54,28 @@ class Recorder:
         return {}
 
 
-def controller_shim(sim: ClusterSimulator) -> DynamixController:
-    """The real controller's rank-0 decision code, without MPI: only ``_decide_on_root`` is used."""
+def drive_both(sim: ClusterSimulator, schedule: Sequence[Sequence[int]]) -> tuple[DecisionCore, list[dict]]:
+    """Feed every simulated interval, as the arrays the controller's ranks send, to a fresh decision
+    core configured as the live controller's; returns it and its history records."""
     s = sim.spec
-    ctrl = DynamixController.__new__(DynamixController)
-    ctrl.cfg = ControllerConfig(policy="static", total_epochs=sim.total_epochs, min_batch=s.min_batch,
-                                max_batch=s.max_batch)
-    ctrl.loader = SimpleNamespace(batch_sizes=list(sim.sizes), epoch=sim.epoch)
-    ctrl.optimizer = object()
-    ctrl.history, ctrl.rank = [], 0
-    ctrl.bounds = BatchBounds(sim.R, s.min_batch, s.max_batch)
-    ctrl.policy = Recorder()
-    ctrl.stats = GradientStatistics(ctrl.cfg.stats)
-    ctrl._ref_goodput = ctrl._ref_tput = 0.0
-    ctrl._prev_loss, ctrl._prev_sizes, ctrl._base_batch = math.nan, None, sum(sim.sizes)
-    return ctrl
-
-
-def drive_both(sim: ClusterSimulator, schedule: Sequence[Sequence[int]]) -> tuple[DynamixController, list[dict]]:
-    """Feed every simulated interval to the real controller code; returns it and its decisions."""
-    ctrl = controller_shim(sim)
+    cfg = ControllerConfig(policy="static", total_epochs=sim.total_epochs, min_batch=s.min_batch, max_batch=s.max_batch)
+    core = DecisionCore(sim.R, sum(sim.sizes), Recorder(), reward=cfg.reward, stats=cfg.stats,
+                        min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs)
     decisions = []
     for sizes in schedule:
-        ctrl.loader.batch_sizes, ctrl.loader.epoch = list(sim.sizes), sim.epoch
-        ctrl.policy.next_sizes = list(sizes)
-        decisions.append(ctrl._decide_on_root(sim.gathered()))
-        ctrl.history.append(decisions[-1])
-        inp = ctrl.policy.inputs[-1]
-        assert torch.allclose(inp.obs, sim.obs, atol=1e-5), "observation differs from the controller's"
+        core.policy.next_sizes = list(sizes)
+        rows = np.stack([wire.encode_report(i) for i in sim.inputs])  # what rank 0 gathers
+        decisions.append(core.decide(wire.decode_reports(rows), list(sim.sizes), sim.epoch).record())
+        inp = core.policy.inputs[-1]
+        assert torch.equal(inp.obs, sim.obs), "observation differs from the controller's"
         if sim.last_reward is None:
             assert inp.reward is None
         else:
-            assert torch.allclose(inp.reward, sim.last_reward, atol=1e-5), "reward differs from the controller's"
-        assert ctrl.bounds.learned_max == sim.bounds.learned_max
+            assert torch.equal(inp.reward, sim.last_reward), "reward differs from the controller's"
+        assert core.bounds.learned_max == sim.bounds.learned_max
+        assert core.stats.noise_scale == sim.stats.noise_scale
         sim.step_sizes(sizes)
-    return ctrl, decisions
+    return core, decisions
 
 
 def test_same_observations_rewards_and_bounds_as_the_live_controller() -> None:

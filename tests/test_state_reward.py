@@ -46,13 +46,13 @@ def test_reward_prefers_goodput_and_penalises_idle_and_switching():
     fast = [report(0, 32, 0.01, 0.0), report(1, 32, 0.01, 0.0)]
     slow = [report(0, 32, 0.02, 0.0), report(1, 32, 0.02, 0.0)]
     ref = global_throughput(fast)
-    r_fast = compute_reward(cfg, fast, 1.0, ref, ref, 0.0, math.nan, [32, 32], [32, 32])
-    r_slow = compute_reward(cfg, slow, 1.0, ref, ref, 0.0, math.nan, [32, 32], [32, 32])
+    r_fast = compute_reward(cfg, fast, 1.0, ref, ref, 0.0, [32, 32], [32, 32])
+    r_slow = compute_reward(cfg, slow, 1.0, ref, ref, 0.0, [32, 32], [32, 32])
     assert torch.allclose(r_fast, torch.zeros(2), atol=1e-6) and (r_slow < r_fast).all()
-    r_switch = compute_reward(cfg, fast, 1.0, ref, ref, 0.0, math.nan, [32, 32], [64, 16])
+    r_switch = compute_reward(cfg, fast, 1.0, ref, ref, 0.0, [32, 32], [64, 16])
     assert (r_switch < r_fast).all()
     waiting = [report(0, 32, 0.01, 0.01), report(1, 32, 0.02, 0.0)]
-    r_wait = compute_reward(cfg, waiting, 1.0, ref, ref, 0.0, math.nan, [32, 32], [32, 32])
+    r_wait = compute_reward(cfg, waiting, 1.0, ref, ref, 0.0, [32, 32], [32, 32])
     assert r_wait[0] < r_wait[1], "the idle rank gets the idle penalty"
     with pytest.raises(ValueError, match="idle_weight=-1"):
         RewardConfig(idle_weight=-1)

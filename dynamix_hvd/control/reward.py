@@ -5,7 +5,6 @@ Per decision interval and per rank:
     r_i = progress_weight   * log2(goodput / goodput_ref)
         + throughput_weight * log2(throughput / throughput_ref)
         - stability_weight  * max(0, relative loss increase)
-        - variance_weight   * max(0, log2(gradient variance / previous))
         - switch_weight     * mean_j |log2(b_j new / b_j old)|
         - idle_weight       * (allreduce wait of rank i / its step time)
 
@@ -40,8 +39,6 @@ class RewardConfig:
     """Weight of log2(samples per second / reference): raw speed, ignoring statistical efficiency."""
     stability_weight: float = 1.0
     """Penalty per unit of relative loss increase over the interval (loss spikes)."""
-    variance_weight: float = 0.0
-    """Penalty per doubling of the gradient variance estimate between intervals."""
     switch_weight: float = 0.05
     """Penalty per unit of mean |log2(new size / old size)| (discourages oscillation)."""
     idle_weight: float = 0.5
@@ -61,7 +58,7 @@ def global_throughput(reports: Sequence[RankReport]) -> float:
 
 def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float,
                    ref_goodput: float, ref_throughput: float, loss_change: float,
-                   variance_ratio: float, old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
+                   old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
     """Reward of every rank [R] for the interval just measured (see the module docstring)."""
     tput = global_throughput(reports)
     eff = efficiency if math.isfinite(efficiency) and efficiency > 0 else 1.0
@@ -72,8 +69,6 @@ def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency:
         shared += cfg.throughput_weight * math.log2(tput / ref_throughput)
     if math.isfinite(loss_change):
         shared -= cfg.stability_weight * max(0.0, loss_change)
-    if math.isfinite(variance_ratio) and variance_ratio > 0:
-        shared -= cfg.variance_weight * max(0.0, math.log2(variance_ratio))
     switch = statistics.fmean(abs(math.log2(n / o)) for o, n in zip(old_sizes, new_sizes))
     shared -= cfg.switch_weight * switch
     idle = [r.sync_wait_s / r.step_s if r.step_s > 0 else 0.0 for r in reports]

@@ -87,7 +87,7 @@ class DistributedDBA:
             raise ValueError(f"optimizer {type(optimizer).__name__} cannot take DBA gradients; pass the "
                              "dynamix_hvd.WeightedDistributedOptimizer")
         self.dba = DynamicBatchAdaptation(model, loss_fn, config)
-        self.dba.generator.manual_seed(self.dba.config.seed + hvd.rank())  # independent draws per rank
+        self.dba.generator.manual_seed(self.dba.config.seed + library_channel().rank)  # independent draws per rank
         self.optimizer = optimizer
         self.last: DistributedDBAStep | None = None
 

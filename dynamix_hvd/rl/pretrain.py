@@ -40,7 +40,8 @@ from ..control.policy_store import DEFAULT_POLICY, load_policy, resolve, save_po
 from .ppo import PPOConfig, PPOLearner
 from ..control.reward import RewardConfig
 from .simulator import ClusterSimulator, ClusterSpec, EpisodeResult, ScenarioConfig, sample_cluster
-from ..control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, GlobalContext, RankReport, build_observation
+from ..control.core import loss_trend, observe_reports, progress_fraction
+from ..control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, RankReport
 
 """Name of the shipped policy in ``policies/`` (``policies/default.pt`` + ``default.json`` + ``default.md``)."""
 
@@ -316,8 +317,8 @@ def transitions_from_history(history: Sequence[dict[str, Any]], total_epochs: Op
                              actions: Optional[ActionSpace] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rebuild ``(obs, actions, rewards)`` from ``DynamixController.history`` (rank 0's decisions).
 
-    The observation of decision t is recomputed from its reports and the stored statistics exactly as
-    ``_decide_on_root`` builds it; the action is the policy's (``info["actions"]``) or, for a policy
+    The observation of decision t is recomputed from its reports and the stored statistics by the
+    decision core's own functions (:func:`~dynamix_hvd.control.core.observe_reports`); the action is the policy's (``info["actions"]``) or, for a policy
     without one (static), the nearest multiplier of the size change; the reward of action t is the
     reward logged at decision t+1.
     """
@@ -327,15 +328,11 @@ def transitions_from_history(history: Sequence[dict[str, Any]], total_epochs: Op
     prev_loss = math.nan
     for t, d in enumerate(history):
         reports = [RankReport(**r) for r in d["reports"]]
-        loss = d["loss"]
-        trend = (loss - prev_loss) / abs(prev_loss) if prev_loss else math.nan
-        prev_loss = loss
-        ctx = GlobalContext(global_batch=sum(d["previous_sizes"]), base_batch=base, noise_scale=d["noise_scale"],
-                            efficiency=d["efficiency"], loss_trend=trend,
-                            progress=min(1.0, d["epoch"] / total_epochs) if total_epochs else 0.0,
-                            world_size=len(d["previous_sizes"]))
+        trend, prev_loss = loss_trend(d["loss"], prev_loss), d["loss"]
+        _, observation = observe_reports(reports, d["previous_sizes"], base, d["noise_scale"], d["efficiency"], trend,
+                                         progress_fraction(d["epoch"], total_epochs))
         if t + 1 < len(history) and history[t + 1].get("reward") is not None:
-            obs.append(build_observation(reports, ctx).numpy())
+            obs.append(observation.numpy())
             info_actions = (d.get("info") or {}).get("actions")
             acts.append(info_actions if info_actions is not None else
                         actions_from_sizes(d["previous_sizes"], d["sizes"], space))

@@ -1,13 +1,13 @@
 """A simulated synchronous data-parallel cluster with the live controller's exact interface.
 
 Pure NumPy/PyTorch: no MPI, no Horovod. The simulator produces, per decision interval, what the live
-controller (:mod:`dynamix_hvd.control.controller`) sees: one :class:`~dynamix_hvd.control.state.RankReport` per rank and
-a :class:`~dynamix_hvd.control.state.GlobalContext`; observations come from :func:`state.build_observation`,
-rewards from :func:`reward.compute_reward` (reference = the first interval's goodput), the noise scale and
-efficiency from the same :class:`~dynamix_hvd.stats.noise_scale.GradientStatistics` fed step by step with the
-same per-step squared gradient norms, and actions go through :func:`actions.apply_actions` with
-:class:`~dynamix_hvd.control.actions.BatchBounds` (memory bounds learned from peak memory on "GPU" clusters, from
-out-of-memory failures on "CPU" ones). So a policy trained here sees the same numbers at run time.
+controller (:mod:`dynamix_hvd.control.controller`) sees: one typed :class:`~dynamix_hvd.control.core.RankInput`
+per rank (its :class:`~dynamix_hvd.control.state.RankReport` and per-step series), handed to the same
+:class:`~dynamix_hvd.control.core.DecisionCore` the live controller uses. The core turns them into the
+observation, the reward (reference = the first interval's goodput), the noise scale and efficiency (fed
+step by step with the same per-step squared gradient norms) and the memory bounds (learned from peak
+memory on "GPU" clusters, from out-of-memory failures on "CPU" ones); actions go through
+:func:`actions.apply_actions`. So a policy trained here sees the same numbers at run time.
 
 Models (all vectorised over ranks and steps; 1024 ranks are fine):
 
@@ -43,11 +43,12 @@ import numpy as np
 import torch
 
 from ..control.actions import ActionSpace, BatchBounds, apply_actions
+from ..control.core import DecisionCore, Observation, RankInput, StepSeries
+from ..control.policy import BatchSizePolicy, DecisionInput
+from ..control.reward import RewardConfig
+from ..control.state import RankReport
 from ..optim.lr_scaling import lr_factor
 from ..stats.noise_scale import GradientStatistics, StatsConfig
-from ..control.policy import BatchSizePolicy, DecisionInput
-from ..control.reward import RewardConfig, compute_reward, global_throughput
-from ..control.state import GlobalContext, RankReport, build_observation
 
 
 @dataclass
@@ -278,19 +279,17 @@ class ClusterSimulator:
             if frac <= start_progress:
                 self.slow[int(rank)] *= factor
         self._drift_done = [frac <= start_progress for frac, _, _ in s.drift]
-        self.bounds = BatchBounds(self.R, s.min_batch, s.max_batch)
-        self.stats = GradientStatistics(self.stats_cfg)
-        self.sizes = [self.bounds.clip(r, b) for r, b in enumerate(s.initial_batch)]
+        fresh = BatchBounds(self.R, s.min_batch, s.max_batch)
+        self.sizes = [fresh.clip(r, b) for r, b in enumerate(s.initial_batch)]
         self.base_batch = sum(self.sizes)
-        self.wall_s, self.decisions, self.ooms = 0.0, 0, 0
+        self.core = DecisionCore(self.R, self.base_batch, reward=self.reward_cfg, stats=self.stats_cfg,
+                                 min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs)
+        self.wall_s, self.ooms = 0.0, 0
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
         self._load = s.contention
-        self.ref_goodput = self.ref_tput = 0.0
-        self.prev_loss = math.nan
-        self.prev_sizes: Optional[list[int]] = None
         self.last_reward: Optional[torch.Tensor] = None
         self.done = False
         self._interval()
@@ -328,11 +327,6 @@ class ClusterSimulator:
         loss_true = (s.loss_end + (s.loss_start - s.loss_end) * np.exp(-s.loss_rate * frac)) * (1.0 + spike)
         losses = loss_true[:, None] * (1.0 + s.loss_noise * rng.normal(0.0, 1.0, (k, R)) / np.sqrt(b))
         batches = [int(x) for x in self.sizes]
-        w = b / B
-        record = getattr(self.stats, "record", self.stats.update)  # record(): batched, same result as update()
-        step_loss = losses @ w
-        for j in range(k):
-            record(batches, local_sq[j], global_sq[j], float(step_loss[j]))
         self.last_steps = {"batches": batches, "local_sq": local_sq, "global_sq": global_sq, "losses": losses,
                            "compute": compute, "data": data, "wait": wait, "step_s": step_s}
         if self.log_steps:
@@ -365,7 +359,14 @@ class ClusterSimulator:
             cpu_util=float(cpu[r]), gpu_util=float(gpu[r]), net_bytes_per_s=net_bps, tcp_retrans_per_s=retrans,
             loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r])
             for r in range(R)]
-        self._decide_state()
+        kind = "cuda" if s.gpu else "rss"
+        glob = global_sq.tolist()
+        self.inputs = [RankInput(rep, StepSeries([batches[r]] * k, local_sq[:, r].tolist(), glob,
+                                                 losses[:, r].tolist(), kind)) for r, rep in enumerate(self.reports)]
+        """The last interval as the typed reports the controller's ranks send to rank 0."""
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch)
+        self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
+        self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 
     def _log_steps(self, B: float) -> None:
         """Append the last interval's steps as StepRecord-like rows (one per rank and step)."""
@@ -392,14 +393,21 @@ class ClusterSimulator:
 
         return pd.DataFrame(self.step_log)
 
-    def gathered(self) -> list[dict[str, Any]]:
-        """The last interval as the payloads the controller's ranks send to rank 0 (``_report``'s format)."""
-        d = self.last_steps
-        kind = "cuda" if self.spec.gpu else "rss"
-        k = len(d["step_s"])
-        return [{"report": rep, "steps": {"local_batch": [d["batches"][r]] * k, "local_sq": d["local_sq"][:, r].tolist(),
-                                          "global_sq": d["global_sq"].tolist(), "memory_kind": kind},
-                 "losses": d["losses"][:, r].tolist(), "layers": None} for r, rep in enumerate(self.reports)]
+    @property
+    def stats(self) -> GradientStatistics:
+        return self.core.stats
+
+    @property
+    def bounds(self) -> BatchBounds:
+        return self.core.bounds
+
+    @property
+    def decisions(self) -> int:
+        return self.core.decisions
+
+    @property
+    def prev_sizes(self) -> Optional[list[int]]:
+        return self.core.prev_sizes
 
     @property
     def epoch(self) -> int:
@@ -438,37 +446,10 @@ class ClusterSimulator:
                 self.slow[int(rank)] *= factor
                 self._drift_done[i] = True
 
-    def _decide_state(self) -> None:
-        """What ``DynamixController._decide_on_root`` computes from the reports (same order, same rules)."""
-        s, reports, sizes = self.spec, self.reports, list(self.sizes)
-        if s.gpu:  # memory_kind "cuda": bounds fitted from peak memory
-            for r in reports:
-                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
-        B = sum(sizes)
-        efficiency = float(self.stats.efficiency_at(B))
-        weighted = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
-        loss = sum(l * b for l, b in weighted) / sum(b for _, b in weighted) if weighted else math.nan
-        loss_change = (loss - self.prev_loss) / abs(self.prev_loss) if self.prev_loss else math.nan
-        progress = min(1.0, self.epoch / self.total_epochs)
-        self.ctx = GlobalContext(global_batch=B, base_batch=self.base_batch, noise_scale=self.stats.noise_scale,
-                                 efficiency=efficiency, loss_trend=loss_change, progress=progress, world_size=len(sizes))
-        tput = global_throughput(reports)
-        eff = efficiency if math.isfinite(efficiency) else 1.0
-        if self.ref_goodput == 0.0:
-            self.ref_goodput, self.ref_tput = tput * eff, tput
-        self.last_reward = None
-        if self.prev_sizes is not None:
-            self.last_reward = compute_reward(self.reward_cfg, reports, eff, self.ref_goodput, self.ref_tput,
-                                              loss_change, math.nan, self.prev_sizes, sizes)
-        self.obs = build_observation(reports, self.ctx)
-        self.prev_sizes, self.prev_loss = sizes, loss
-        self.decisions += 1
-        self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
-
     # --- acting ----------------------------------------------------------------------------------
     def decision_input(self) -> DecisionInput:
         """What a live policy is handed at this decision (reward of the previous decision included)."""
-        return DecisionInput(self.obs, self.reports, self.ctx, list(self.sizes), self.bounds, self.last_reward)
+        return self.core.policy_input(self.seen)
 
     def step_sizes(self, sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
         """Apply new per-rank sizes (clipped to the bounds), simulate the next interval; returns

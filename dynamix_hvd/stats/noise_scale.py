@@ -266,6 +266,17 @@ SNAPSHOT_FIELDS: Dict[str, str] = {
 _EMAS = ("_grad_sq", "_trace", "_layer_grad_sq", "_layer_trace")
 
 
+def _ema_state(ema: BiasCorrectedEMA) -> Dict[str, object]:
+    """An EMA as plain values: its raw mean (None, a float, or a list per layer) and update count."""
+    return {"m": None if ema._m is None else ema._m.tolist(), "count": ema.count}
+
+
+def _load_ema(ema: BiasCorrectedEMA, state: Dict[str, object]) -> None:
+    m = state["m"]
+    ema._m = None if m is None else np.asarray(m, dtype=np.float64)
+    ema.count = int(state["count"])  # type: ignore[arg-type]
+
+
 @dataclass
 class GradientStatistics:
     """Accumulates the per-step statistics the batch-size controller reads via :meth:`snapshot`."""
@@ -351,19 +362,28 @@ class GradientStatistics:
         return NoiseEstimate(_scalar(g2[-1]), _scalar(tr[-1]), est.ranks_used)
 
     def state_dict(self) -> Dict[str, object]:
-        """Picklable state for checkpoints (the config is not included)."""
+        """Plain state for checkpoints (numbers and lists only; the config is not included)."""
         self._flush()
-        emas = {k: (getattr(self, k)._m, getattr(self, k).count) for k in _EMAS}
-        return dict(emas=emas, loss_window=list(self.loss.window), loss_ema=(self.loss.ema._m, self.loss.ema.count),
-                    counters=(self.steps, self.skipped_nonfinite, self.global_batch, self.base_batch, self.grad_sq_global))
+        emas = {k: _ema_state(getattr(self, k)) for k in _EMAS}
+        return dict(emas=emas, loss_window=list(self.loss.window), loss_ema=_ema_state(self.loss.ema),
+                    loss_nonfinite=self.loss.nonfinite,
+                    counters=[self.steps, self.skipped_nonfinite, self.global_batch, self.base_batch,
+                              self.grad_sq_global])
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        for k, (m, count) in state["emas"].items():
-            getattr(self, k)._m, getattr(self, k).count = m, count
+        for k, ema in state["emas"].items():  # type: ignore[attr-defined]
+            if k not in _EMAS:
+                raise ValueError(f"unknown statistic {k!r} in a GradientStatistics state (known: {_EMAS})")
+            _load_ema(getattr(self, k), ema)
         self.loss.window.clear()
-        self.loss.window.extend(state["loss_window"])
-        self.loss.ema._m, self.loss.ema.count = state["loss_ema"]
-        self.steps, self.skipped_nonfinite, self.global_batch, self.base_batch, self.grad_sq_global = state["counters"]
+        self.loss.window.extend(float(x) for x in state["loss_window"])  # type: ignore[attr-defined]
+        _load_ema(self.loss.ema, state["loss_ema"])  # type: ignore[arg-type]
+        self.loss.nonfinite = int(state.get("loss_nonfinite", 0))  # type: ignore[attr-defined, arg-type]
+        steps, skipped, global_batch, base_batch, grad_sq_global = state["counters"]  # type: ignore[misc]
+        self.steps, self.skipped_nonfinite = int(steps), int(skipped)
+        self.global_batch, self.base_batch, self.grad_sq_global = float(global_batch), float(base_batch), \
+            float(grad_sq_global)
+        self._pending = []
 
     @property
     def noise_scale(self) -> float:

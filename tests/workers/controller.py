@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -42,7 +43,7 @@ def main() -> None:
                                           loader, lr_rule="adascale")
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=args.every, max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
-                              ppo=dx.PPOConfig(rollout_length=4, seed=3))
+                              ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs)
     controller = dx.DynamixController(loader, opt, cfg)
     if args.mode == "silent":
         if rank == args.silent:
@@ -52,6 +53,9 @@ def main() -> None:
             controller.decide()
         except ControlPlaneTimeout as exc:
             print(f"TIMEOUT-OK rank {rank}: {exc}", flush=True)
+            # Stay until the other waiting ranks hit their own deadlines: Horovod finalizes MPI on
+            # every rank as soon as one exits, which would cut their waits short.
+            time.sleep(2)
             return
         sys.exit("expected a ControlPlaneTimeout")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -69,6 +73,11 @@ def main() -> None:
         "history": history, "backend": controller.channel.backend,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
         "final_sizes": list(loader.batch_sizes)}))
+    if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
+        Path(args.out, "inputs.json").write_text(json.dumps({
+            "inputs": [[i.to_dict() for i in inputs] for inputs in controller.inputs],
+            "decisions": controller.history, "base_batch": sum(8 + 4 * r for r in range(world)),
+            "layer_names": opt.param_names}))
 
 
 if __name__ == "__main__":

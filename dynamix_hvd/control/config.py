@@ -1,0 +1,111 @@
+"""The controller's configuration, and the policy and decision core it describes. Pure: no MPI, no Horovod."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .actions import ActionSpace
+from .core import DecisionCore
+from .policy import BatchSizePolicy, PPOPolicy, StaticPolicy
+from .policy_store import DEFAULT_POLICY, load_policy
+from .reward import RewardConfig
+from .rules import BASELINES, make_baseline
+from ..rl.ppo import PPOConfig
+from ..stats.noise_scale import StatsConfig
+
+POLICY_NAMES = ("ppo", "static", *sorted(BASELINES))
+
+
+@dataclass
+class ControllerConfig:
+    policy: str = "ppo"
+    """Decision maker: "ppo" (DYNAMIX), "static", or a classic rule from `dynamix_hvd.control.rules`
+    (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
+    policy_kwargs: dict = field(default_factory=dict)
+    """Parameters of a classic rule, e.g. {"end": 512, "ramp": 10} for linear-ramp."""
+    policy_file: str | None = DEFAULT_POLICY
+    """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy. The
+    shipped default (pretrained in the simulator, see policies/default.md) is used unless told otherwise."""
+    learn: bool = False
+    """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
+    False acts greedily with the loaded policy, which did better for the shipped policy in the
+    simulator (1.50x vs 1.42x faster than static); a fresh policy should learn (True)."""
+    decide_every_steps: int = 0
+    """Decide every k optimizer steps; 0 decides at the end of every epoch."""
+    min_batch: int = 1
+    """Smallest local batch any rank may get."""
+    max_batch: int = 1024
+    """Largest local batch any rank may get (lowered per rank by what memory allows)."""
+    multipliers: tuple[float, ...] = (0.5, 0.8, 1.0, 1.25, 2.0)
+    """The discrete actions: factors applied to a rank's batch size."""
+    total_epochs: int | None = None
+    """Training budget in epochs, for the progress feature (None: progress stays 0)."""
+    timeout_s: float = 120.0
+    """Deadline of every control-plane collective."""
+    resource_period_s: float = 1.0
+    """How often a background thread samples CPU, memory and network counters (0: at each decision).
+    Reading them costs milliseconds in some sandboxes, which would otherwise delay every decision."""
+    keep_inputs: int = 0
+    """Rank 0 keeps the typed per-rank inputs of the last this-many decisions in
+    `DynamixController.inputs`, e.g. to replay them through a fresh `DecisionCore`; 0 keeps none."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=lambda: PPOConfig(gamma=0.9, rollout_length=16))
+    """PPO settings. gamma 0.9: rewards are O(1) log-ratios per decision, and a shorter horizon keeps
+    returns O(10) so the clipped value loss can follow them."""
+    stats: StatsConfig = field(default_factory=StatsConfig)
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"ControllerConfig.{name}={value!r}; it must be an integer >= {low}")
+            return value
+
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"ControllerConfig.policy={self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if not isinstance(self.policy_kwargs, dict):
+            raise ValueError(f"ControllerConfig.policy_kwargs={self.policy_kwargs!r}; it must be a dict")
+        if self.policy_file is not None and not isinstance(self.policy_file, (str, os.PathLike)):
+            raise ValueError(f"ControllerConfig.policy_file={self.policy_file!r}; give a policy name, a path or None")
+        if not isinstance(self.learn, bool):
+            raise ValueError(f"ControllerConfig.learn={self.learn!r}; it must be True or False")
+        integer("decide_every_steps", 0)
+        integer("keep_inputs", 0)
+        if integer("min_batch", 1) > integer("max_batch", 1):
+            raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
+        if self.total_epochs is not None:
+            integer("total_epochs", 1)
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"ControllerConfig.timeout_s={self.timeout_s!r}; it must be a positive number of seconds")
+        if isinstance(self.resource_period_s, bool) or not isinstance(self.resource_period_s, (int, float)) \
+                or not math.isfinite(self.resource_period_s) or self.resource_period_s < 0:
+            raise ValueError(f"ControllerConfig.resource_period_s={self.resource_period_s!r}; use seconds >= 0")
+        ActionSpace(tuple(self.multipliers))  # validates the action set
+
+
+def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
+    """The policy `cfg` names (PPO weights are loaded from the policy store)."""
+    if cfg.policy == "static":
+        return StaticPolicy()
+    if cfg.policy in BASELINES:
+        return make_baseline(cfg.policy, **cfg.policy_kwargs)
+    actions = ActionSpace(tuple(cfg.multipliers))
+    learner = None
+    if cfg.policy_file:
+        # A missing or unreadable policy (the default included) is an error saying how to fix it. The
+        # fields of cfg.ppo that differ from both defaults were set by the user: they override the
+        # stored config, or load_policy refuses them by name.
+        defaults = (PPOConfig(), ControllerConfig().ppo)
+        learner = load_policy(cfg.policy_file, actions, ppo=cfg.ppo, ppo_defaults=defaults)[0]
+    return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
+
+
+def make_core(cfg: ControllerConfig, world_size: int, base_batch: int,
+              layer_names: Sequence[str] | None = None) -> DecisionCore:
+    """The decision core of a job configured by `cfg` (what the live controller builds on every rank)."""
+    return DecisionCore(world_size, base_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
+                        min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
+                        layer_names=layer_names)

@@ -1,0 +1,280 @@
+"""The decision core: what rank 0 does with the ranks' reports. Pure: no MPI, no Horovod, no comm.
+
+One object owns everything a decision depends on besides the reports themselves: the gradient
+statistics (fed step by step with every rank's squared norms), the per-rank batch bounds (memory),
+the reward references (the first interval's goodput and throughput), the previous sizes and loss,
+and the policy. The live controller (:mod:`dynamix_hvd.control.controller`), the cluster simulator
+(:mod:`dynamix_hvd.rl.simulator`) and the transition rebuild for fine-tuning
+(:func:`dynamix_hvd.rl.pretrain.transitions_from_history`) all go through it, so a policy sees the
+same numbers in the simulator as in a real job.
+
+One decision, in this order: :meth:`DecisionCore.observe` (statistics, memory bounds, efficiency,
+loss trend, context, reward earned by the previous decision, observation), then the policy call and
+the AdaScale gain of the chosen sizes (:meth:`DecisionCore.decide` does both). The simulator calls
+`observe` only, since its PPO rollouts act on many simulated jobs in one batch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .actions import BatchBounds
+from .policy import BatchSizePolicy, DecisionInput
+from .reward import RewardConfig, compute_reward, global_throughput
+from .state import GlobalContext, RankReport, build_observation
+from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate
+
+MEMORY_KINDS = ("rss", "cuda")
+"""How a rank measured its peak memory: process RSS, or CUDA's allocator peak (a per-step
+measurement, so only "cuda" reports fit the memory bounds)."""
+
+
+@dataclass
+class StepSeries:
+    """One rank's per-step values over one decision interval (all lists have one entry per step)."""
+
+    local_batch: list[int]
+    local_sq: list[float]
+    """Squared norm of this rank's local mean gradient at each step."""
+    global_sq: list[float]
+    """Squared norm of the global mean gradient at each step (the same on every rank)."""
+    losses: list[float]
+    """This rank's loss at each step; NaN where it recorded none."""
+    memory_kind: str = "rss"
+
+    def __post_init__(self) -> None:
+        n = len(self.local_batch)
+        for name in ("local_sq", "global_sq", "losses"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"StepSeries.{name} has {len(getattr(self, name))} steps, local_batch has {n}")
+        if self.memory_kind not in MEMORY_KINDS:
+            raise ValueError(f"StepSeries.memory_kind={self.memory_kind!r}; choose one of {MEMORY_KINDS}")
+
+
+@dataclass
+class LayerMeans:
+    """Mean per-parameter squared norms (local, global) of one rank over the interval."""
+
+    local_sq: list[float]
+    global_sq: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.local_sq) != len(self.global_sq):
+            raise ValueError(f"LayerMeans: {len(self.local_sq)} local and {len(self.global_sq)} global entries")
+
+
+@dataclass
+class RankInput:
+    """Everything one rank reports for one decision."""
+
+    report: RankReport
+    steps: StepSeries
+    layers: LayerMeans | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RankInput":
+        layers = d.get("layers")
+        return cls(RankReport(**d["report"]), StepSeries(**d["steps"]),
+                   None if layers is None else LayerMeans(**layers))
+
+
+@dataclass
+class Observation:
+    """What the core derived from one interval's reports (the input of the policy)."""
+
+    obs: torch.Tensor                 # [R, OBS_DIM]
+    reports: list[RankReport]
+    ctx: GlobalContext
+    sizes: list[int]                  # the sizes the interval ran with
+    reward: torch.Tensor | None       # [R] earned by the previous decision (None at the first)
+    loss: float                       # batch-weighted mean loss of the interval (NaN if unknown)
+    efficiency: float
+    throughput: float
+    layer_variance: dict[str, float] | None
+
+
+@dataclass
+class Decision:
+    """One decision: the new sizes and gain, plus what they were based on (rank 0's history record)."""
+
+    index: int
+    epoch: int
+    sizes: list[int]
+    previous_sizes: list[int]
+    lr_gain: float
+    reward: list[float] | None
+    loss: float
+    noise_scale: float
+    efficiency: float
+    throughput: float
+    reports: list[RankReport]
+    policy: str
+    info: dict[str, Any] = field(default_factory=dict)
+    layer_variance: dict[str, float] | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The controller's history entry (plain values only)."""
+        return {"decision": self.index, "epoch": self.epoch, "sizes": self.sizes,
+                "previous_sizes": self.previous_sizes, "lr_gain": self.lr_gain, "reward": self.reward,
+                "loss": self.loss, "noise_scale": self.noise_scale, "efficiency": self.efficiency,
+                "throughput": self.throughput, "reports": [r.to_dict() for r in self.reports],
+                "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance}
+
+
+# --- the pieces shared with the transition rebuild ----------------------------------------------------
+def weighted_loss(reports: Sequence[RankReport]) -> float:
+    """Batch-weighted mean of the ranks' finite mean losses (NaN when none is finite)."""
+    weighted = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
+    return sum(l * b for l, b in weighted) / sum(b for _, b in weighted) if weighted else math.nan
+
+
+def loss_trend(loss: float, previous: float) -> float:
+    """Relative loss change since the previous decision (NaN when unknown)."""
+    return (loss - previous) / abs(previous) if previous else math.nan
+
+
+def progress_fraction(epoch: int, total_epochs: int | None) -> float:
+    return min(1.0, epoch / total_epochs) if total_epochs else 0.0
+
+
+def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], base_batch: int, noise_scale: float,
+                    efficiency: float, trend: float, progress: float) -> tuple[GlobalContext, torch.Tensor]:
+    """The global context and the observation [R, OBS_DIM] the policy sees."""
+    ctx = GlobalContext(global_batch=sum(sizes), base_batch=base_batch, noise_scale=noise_scale,
+                        efficiency=efficiency, loss_trend=trend, progress=progress, world_size=len(sizes))
+    return ctx, build_observation(reports, ctx)
+
+
+class DecisionCore:
+    """Rank 0's decision state and step; see the module docstring."""
+
+    def __init__(self, world_size: int, base_batch: int, policy: BatchSizePolicy | None = None, *,
+                 reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
+                 max_batch: int = 1024, total_epochs: int | None = None,
+                 layer_names: Sequence[str] | None = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"DecisionCore world_size={world_size!r}; it must be an integer >= 1")
+        if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
+            raise ValueError(f"DecisionCore base_batch={base_batch!r}; it must be an integer >= 1")
+        self.policy = policy
+        self.reward_cfg = reward or RewardConfig()
+        self.stats_cfg = stats or StatsConfig()
+        self.min_batch, self.max_batch = min_batch, max_batch
+        self.total_epochs = total_epochs
+        self.layer_names = None if layer_names is None else list(layer_names)
+        self.bounds = BatchBounds(world_size, min_batch, max_batch)
+        self.stats = GradientStatistics(self.stats_cfg)
+        self.base_batch = base_batch
+        self.ref_goodput = self.ref_tput = 0.0
+        self.prev_loss = math.nan
+        self.prev_sizes: list[int] | None = None
+        self.decisions = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.bounds.learned_max)
+
+    # --- one decision --------------------------------------------------------------------------------
+    def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Observation:
+        """Take one interval's reports (in rank order) and the sizes it ran with; update the state."""
+        if [i.report.rank for i in inputs] != list(range(len(inputs))) or len(inputs) != len(sizes):
+            raise ValueError(f"need one input per rank in rank order for {len(sizes)} sizes, got ranks "
+                             f"{[i.report.rank for i in inputs]}")
+        sizes = list(sizes)
+        reports = [i.report for i in inputs]
+        self._record_steps(inputs)
+        for i in inputs:
+            if i.steps.memory_kind == "cuda":
+                r = i.report
+                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
+        efficiency = float(self.stats.efficiency_at(sum(sizes)))
+        loss = weighted_loss(reports)
+        trend = loss_trend(loss, self.prev_loss)
+        ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
+                                   progress_fraction(epoch, self.total_epochs))
+        tput = global_throughput(reports)
+        eff = efficiency if math.isfinite(efficiency) else 1.0
+        if self.ref_goodput == 0.0:
+            self.ref_goodput, self.ref_tput = tput * eff, tput
+        reward = None
+        if self.prev_sizes is not None:
+            reward = compute_reward(self.reward_cfg, reports, eff, self.ref_goodput, self.ref_tput, trend,
+                                    self.prev_sizes, sizes)
+        self.prev_sizes, self.prev_loss = sizes, loss
+        self.decisions += 1
+        return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
+                           self._layer_variance(inputs, sizes))
+
+    def policy_input(self, seen: Observation) -> DecisionInput:
+        return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward)
+
+    def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Decision:
+        """`observe`, then the policy's new sizes and the AdaScale gain for them."""
+        if self.policy is None:
+            raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
+        index = self.decisions
+        seen = self.observe(inputs, sizes, epoch)
+        out = self.policy.decide(self.policy_input(seen))
+        gain = float(self.stats.gain_at(sum(out.sizes)))
+        return Decision(index=index, epoch=epoch, sizes=out.sizes, previous_sizes=seen.sizes,
+                        lr_gain=gain if math.isfinite(gain) and gain > 0 else 1.0,
+                        reward=None if seen.reward is None else seen.reward.tolist(), loss=seen.loss,
+                        noise_scale=self.stats.noise_scale, efficiency=seen.efficiency, throughput=seen.throughput,
+                        reports=seen.reports, policy=self.policy.name, info=out.info,
+                        layer_variance=seen.layer_variance)
+
+    def _record_steps(self, inputs: Sequence[RankInput]) -> None:
+        """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""
+        n = min(len(i.steps.local_batch) for i in inputs)
+        for k in range(n):
+            batches = [i.steps.local_batch[k] for i in inputs]
+            step_losses = [(i.steps.losses[k], b) for i, b in zip(inputs, batches) if math.isfinite(i.steps.losses[k])]
+            loss = sum(l * b for l, b in step_losses) / sum(b for _, b in step_losses) if step_losses else None
+            self.stats.record(batches, [i.steps.local_sq[k] for i in inputs], inputs[0].steps.global_sq[k], loss)
+
+    def _layer_variance(self, inputs: Sequence[RankInput], sizes: list[int]) -> dict[str, float] | None:
+        """Per-parameter gradient variance tr(Sigma_l) over the interval (unbiased, pooled over ranks)."""
+        if any(i.layers is None for i in inputs):
+            return None
+        local = np.array([i.layers.local_sq for i in inputs])  # type: ignore[union-attr]
+        est = pooled_estimate(sizes, local, np.array(inputs[0].layers.global_sq))  # type: ignore[union-attr]
+        if est is None:
+            return None
+        names = self.layer_names or [str(i) for i in range(local.shape[1])]
+        return dict(zip(names, np.asarray(est.trace_sigma, dtype=float).tolist()))
+
+    # --- plain state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": None if self.policy is None else self.policy.state_dict(),
+                "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
+                "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
+                "base_batch": self.base_batch, "decisions": self.decisions,
+                "learned_max": list(self.bounds.learned_max)}
+
+    def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
+        """Restore `state_dict()` output into a job of `world_size` ranks (default: this core's); a
+        different world size keeps what was learned (policy, statistics, references) but not what was
+        per rank (bounds, the last sizes)."""
+        world = self.world_size if world_size is None else world_size
+        if self.policy is not None and state["policy"] is not None:
+            self.policy.load_state_dict(state["policy"])
+        self.stats = GradientStatistics(self.stats_cfg)
+        self.stats.load_state_dict(state["stats"])
+        self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
+        self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
+        self.decisions = int(state["decisions"])
+        if len(state["learned_max"]) == world:
+            if self.world_size == world:
+                self.bounds.learned_max = [int(b) for b in state["learned_max"]]
+            self.prev_sizes = None if state["prev_sizes"] is None else [int(b) for b in state["prev_sizes"]]
+        else:
+            self.prev_sizes = None
+            if self.policy is not None:
+                self.policy.reset_world(world)

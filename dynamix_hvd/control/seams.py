@@ -1,0 +1,36 @@
+"""What the controller needs of the optimizer, as a typed Protocol checked when it is built. Pure."""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class ControlledOptimizer(Protocol):
+    """The optimizer side of the controller: `dynamix_hvd.WeightedDistributedOptimizer` provides it.
+
+    Without these the controller would have no gradient statistics (noise scale, efficiency, AdaScale
+    gain) and could not shrink a batch after an out-of-memory error, so a plain optimizer is refused
+    rather than silently run without them."""
+
+    lr_gain: float
+    """Extra LR factor (the AdaScale gain) the controller sets at every decision."""
+    oom_handler: Callable[[list[int], list[int]], list[int]]
+    """Called with (sizes, failed sizes per rank) after an out-of-memory step; returns the new sizes."""
+    param_names: list[str]
+    """Names of the parameters, in the order of the per-layer means."""
+
+    def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
+        """Mean per-parameter squared norms (local, global) since the last call (None: no step)."""
+        ...
+
+
+def check_optimizer(optimizer: Any) -> ControlledOptimizer:
+    """`optimizer` if it provides :class:`ControlledOptimizer`; otherwise a TypeError that says what to use."""
+    if isinstance(optimizer, ControlledOptimizer):
+        return optimizer
+    members = ("lr_gain", "oom_handler", "param_names", "pop_layer_means")
+    missing = [m for m in members if not hasattr(optimizer, m)]
+    raise TypeError(
+        f"DynamixController needs an optimizer that provides {', '.join(members)} (missing on "
+        f"{type(optimizer).__module__}.{type(optimizer).__qualname__}: {', '.join(missing)}); wrap yours with "
+        "dynamix_hvd.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader)")
