@@ -1,8 +1,10 @@
 """Control-plane messages between ranks: the only module that talks to mpi4py.
 
-Two collectives, both with a deadline and an error that names the rank that did not answer:
-- ``gather(obj)``: every rank's object arrives at rank 0 (a list in rank order; None elsewhere).
-- ``broadcast(obj)``: rank 0's object arrives at every rank.
+The controller's collectives, each with a deadline and an error that names the rank that did not answer:
+- ``gather_array``/``gather_arrays`` and ``broadcast_array``: the per-rank reports and the decision
+  as float64 buffers (layout in `dynamix_hvd.control.wire`), nothing pickled;
+- ``any_true``: agreement on a flag (e.g. a stop request);
+- ``gather(obj)``/``broadcast(obj)``: small Python objects (checkpoint coordination).
 
 Under ``mpirun``/``srun``/``horovodrun --mpi`` they run on a ``Dup()`` of MPI_COMM_WORLD, so control
 messages can never match Horovod's own traffic, using nonblocking point-to-point messages polled
@@ -258,6 +260,12 @@ class ControlChannel:
             self._comm = None
 
     # --- mechanics ---------------------------------------------------------------------------------
+    @staticmethod
+    def _mpi_finalized() -> bool:
+        from mpi4py import MPI
+
+        return bool(MPI.Is_finalized())
+
     def _wait(self, requests: list, peers: list[int], doing: str) -> list[Any]:
         """Poll nonblocking requests until all complete or the deadline passes."""
         deadline = time.monotonic() + self.timeout_s
@@ -265,6 +273,9 @@ class ControlChannel:
         pending = set(range(len(requests)))
         spin_until = time.monotonic() + 0.002  # most answers arrive within microseconds: spin first
         while pending:
+            if self._comm is not None and self._mpi_finalized():
+                raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {doing} (another rank "
+                                          "exited: Horovod finalizes MPI on every rank when one shuts down)")
             for i in list(pending):
                 done, value = requests[i].test()
                 if done:
