@@ -221,7 +221,7 @@ def measure(w: Workload, out: Path) -> dict[str, Any]:
             decisions = pd.DataFrame()
         ttt, final, sizes = summary["time_to_target_s"], summary["val_loss"], summary["final_sizes"]
     else:
-        from dynamix_hvd.runs.runlog import read_run
+        from dynamix_hvd.runs.rundir import read_run
 
         run = read_run(out)
         steps, decisions = run.steps, pd.DataFrame(run.history)

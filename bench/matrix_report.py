@@ -126,7 +126,7 @@ def job_steps(workload: str, run_dir: Path) -> pd.DataFrame:
         frames = [pd.read_csv(p) for p in sorted(run_dir.glob("steps_rank*.csv"))]
         steps = pd.concat([f.assign(wall_s=f.step_s.cumsum()) for f in frames], ignore_index=True)
     else:
-        from dynamix_hvd.runs.runlog import read_run
+        from dynamix_hvd.runs.rundir import read_run
 
         steps = read_run(run_dir).steps
     last = steps.groupby(["rank", "epoch"]).step.transform("max")

@@ -17,7 +17,7 @@ import pytest
 
 from bench import bench_matrix
 from bench.conditions import Condition, NetworkNamespaces, netem_available, parse_pairs, slow_args
-from dynamix_hvd.runs.runlog import read_run
+from dynamix_hvd.runs.rundir import read_run
 
 
 def test_tiny_matrix_outputs_and_ratios_come_from_the_same_run(tmp_path):

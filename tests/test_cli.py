@@ -23,7 +23,7 @@ from dynamix_hvd.control.policy_store import save_policy
 from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
 from dynamix_hvd.tools.progress import Progress, resolve_mode
 from dynamix_hvd.runs.report import nominal_steps
-from dynamix_hvd.runs.runlog import read_run
+from dynamix_hvd.runs.rundir import read_run
 from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 REPO = Path(__file__).resolve().parents[1]

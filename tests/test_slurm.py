@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamix_hvd.runs.runlog import read_run
+from dynamix_hvd.runs.rundir import read_run
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..tools.progress import format_sizes
-from .runlog import RunData, read_run
+from .rundir import RunData, read_run
 
 
 def nominal_steps(steps: pd.DataFrame) -> pd.DataFrame:

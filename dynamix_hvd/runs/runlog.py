@@ -14,7 +14,7 @@ writes ``OUT/``:
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
   decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads).
 
-`read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.runs.report`).
+`dynamix_hvd.runs.rundir.read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.runs.report`).
 ``wall_s`` is seconds since the earliest rank started its RunLog (`RunLog.t0`, agreed on by every rank
 when the RunLog is made; ranks on one clock).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -39,6 +40,7 @@ from ..comm import RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, Collective, librar
 from ..data.metrics import StepRecord
 from ..logs import get_logger
 from ..tools.progress import Progress
+from .rundir import RunData, read_run  # noqa: F401  (read_run was defined here before 0.2)
 
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
@@ -216,10 +218,8 @@ def _environment() -> dict[str, Any]:
     if "SLURM_JOB_ID" in os.environ:
         env["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
     try:
-        import horovod
-
-        env["horovod"] = horovod.__version__
-    except ImportError:
+        env["horovod"] = importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
         pass
     return env
 
@@ -281,36 +281,3 @@ def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     return str(obj)
-
-
-@dataclasses.dataclass
-class RunData:
-    """A finished run read back from its directory."""
-
-    path: Path
-    meta: dict[str, Any]
-    steps: pd.DataFrame
-    epochs: pd.DataFrame
-    decisions: dict[str, np.ndarray]
-    history: list[dict[str, Any]]
-
-
-def read_run(run_dir: str | os.PathLike) -> RunData:
-    """Load `run_dir` (written by `RunLog.finish`); raises FileNotFoundError naming what is missing."""
-    import h5py
-
-    path = Path(run_dir)
-    trace = path / "trace.h5"
-    if not trace.is_file():
-        raise FileNotFoundError(f"{trace} not found: is {path} the OUT directory of a finished run?")
-    with h5py.File(trace, "r") as h5:
-        meta = json.loads(h5.attrs["meta"])
-        frames = {}
-        for name in ("steps", "epochs"):
-            frames[name] = pd.DataFrame({k: (v[()].astype(str) if v.dtype.kind in "OS" else v[()])
-                                         for k, v in h5[name].items()})
-        decisions = {k: v[()] for k, v in h5["decisions"].items() if k != "history_json"}
-        raw = h5["decisions"]["history_json"][()]
-        history = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
-    epochs = pd.read_csv(path / "epochs.csv") if (path / "epochs.csv").is_file() else frames["epochs"]
-    return RunData(path, meta, frames["steps"], epochs, decisions, history)

@@ -127,7 +127,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 # --- runs --------------------------------------------------------------------------------------------
 def cmd_summarize(args: argparse.Namespace) -> int:
     from ..runs.report import header_text, summary_table
-    from ..runs.runlog import read_run
+    from ..runs.rundir import read_run
 
     try:
         run = read_run(args.run_dir)
