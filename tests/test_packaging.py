@@ -18,11 +18,11 @@ CHECK = """
 import dynamix_hvd, sys
 from pathlib import Path
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.controller import ControllerConfig, _make_policy
+from dynamix_hvd.control.config import ControllerConfig, make_policy
 from dynamix_hvd.control.policy_store import default_policy_dir, load_policy
 assert Path(dynamix_hvd.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), dynamix_hvd.__file__
 learner, meta = load_policy("default", ActionSpace())
-policy = _make_policy(ControllerConfig())
+policy = make_policy(ControllerConfig())
 assert policy.learner.config == learner.config
 print("package", dynamix_hvd.__file__)
 print("policy dir", default_policy_dir())
