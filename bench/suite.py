@@ -84,10 +84,11 @@ WORKLOADS = {
                        args=("--chars", "400000", "--eval-every", "0", "--decide-every", "20"),
                        default_batch=16, static_batches=(8, 16, 32), rule_kwargs=rule_kwargs(32, 186, 25)),
     # 16,384 generated samples, 2 x 1024 hidden units: 0.15 ms per sample + a 4 MB allreduce per step
-    "mlp": Workload("mlp", "dynamix_hvd.examples.mlp_train", "accuracy", 0.8, 30, 4096, 40.0, 60.0,
+    # its test accuracy peaks at ~0.77 after ~2 epochs (label noise) and then slowly falls back
+    "mlp": Workload("mlp", "dynamix_hvd.examples.mlp_train", "accuracy", 0.765, 20, 4096, 30.0, 45.0,
                     args=("--samples", "16384", "--hidden", "1024", "--depth", "2", "--no-report",
                           "--progress", "off", "--decide-every", "16"),
-                    rule_kwargs=rule_kwargs(64, 256, 30)),
+                    rule_kwargs=rule_kwargs(64, 256, 20)),
     # --quick: the CNN cut to seconds (checks the harness, not the numbers)
     "cnn-quick": Workload("cnn-quick", "dynamix_hvd.examples.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 4.0,
                           args=("--train-samples", "1000", "--eval-every", "1000000000", "--no-report",

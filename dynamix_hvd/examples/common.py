@@ -179,7 +179,7 @@ class Slowdown:
         now = self.clock()
         if now >= self.next_stall:
             pause = min(10.0, self._rng.paretovariate(1.5)) * self.stall_s
-            self.stalls.append((round(now, 3), round(pause, 4)))
+            self.stalls.append((round(now, 3), round(pause, 6)))
             self._wait(pause, wall=True)
             self.next_stall = now + self._rng.expovariate(self.stall_rate)
         self._wait(self.slow_s, wall=True)
