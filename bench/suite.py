@@ -75,12 +75,12 @@ def rule_kwargs(base: int, steps_per_epoch: int, epochs: int) -> dict[str, dict]
 
 WORKLOADS = {
     # 4,000 train / 1,000 test digits; width 64: 1.12 ms CPU per sample -> ~2.4 s per epoch per rank
-    "cnn": Workload("cnn", "dynamix_hvd.examples.cnn_train", "accuracy", 0.97, 24, 2000, 40.0, 60.0,
+    "cnn": Workload("cnn", "dynamix_hvd.examples.cnn_train", "accuracy", 0.968, 24, 2000, 40.0, 60.0,
                     args=("--width", "64", "--train-samples", "4000", "--eval-every", "1000000000",
                           "--no-report", "--progress", "off", "--decide-every", "10"),
                     rule_kwargs=rule_kwargs(64, 63, 24)),
     # 400k characters of stdlib source, 5,940 sequences of 64; 0.92 ms per sequence
-    "charlm": Workload("charlm", "dynamix_hvd.examples.charlm_train", "loss", 1.9, 25, 2000, 50.0, 75.0,
+    "charlm": Workload("charlm", "dynamix_hvd.examples.charlm_train", "loss", 1.5, 25, 2000, 50.0, 75.0,
                        args=("--chars", "400000", "--eval-every", "0", "--decide-every", "20"),
                        default_batch=16, static_batches=(8, 16, 32), rule_kwargs=rule_kwargs(32, 186, 25)),
     # 16,384 generated samples, 2 x 1024 hidden units: 0.15 ms per sample + a 4 MB allreduce per step
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     if args.summarize_only:
-        for row in pd.read_csv(out / "runs.csv").to_dict("records"):
+        for row in pd.read_csv(out / "runs.csv", dtype={"physical_limit": str}).to_dict("records"):
             if row["status"] == "ok":
                 row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
             rows.append(row)
