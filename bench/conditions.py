@@ -1,7 +1,11 @@
-"""Cluster conditions for the benchmark matrix: rank count, a slowed rank, and a shaped network.
+"""Cluster conditions for the benchmark suite: rank count, a slowed rank, stalls, and a shaped network.
 
-* Heterogeneity: one rank computes `slow_factor` times slower (it busy-waits; see the workloads'
-  ``--slow-*`` flags), constant or following `slow_schedule` ("SECONDS:FACTOR,...").
+* Heterogeneity: one rank computes `slow_factor` times slower (see the examples' ``--slow-*`` flags),
+  constant or following `slow_schedule` ("SECONDS:FACTOR,..." in training seconds). It spins (a
+  slower device holding its core) or, with `slow_mode` "sleep", sleeps: needed when there are more
+  ranks than cores, where spinning would also steal the other ranks' CPU.
+* Stalls: the slowed rank pauses `stall_rate` times per second on average (Poisson), each pause a
+  Pareto(1.5) multiple of `stall_ms` (heavy-tailed, at most 10x).
 * Network: every rank runs in its own network namespace (``ip netns``), joined to a bridge in the
   root namespace by a veth pair, with addresses from 198.18.0.0/15 (the benchmarking range) only.
   Each rank's link is shaped by the kernel (``tc qdisc ... tbf rate``); `rate_schedule`
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import subprocess
 import threading
 import time
@@ -53,6 +58,12 @@ class Condition:
     """Bandwidth changing over time, "SECONDS:MBIT,...", applied by the driver while the job runs."""
     delay_ms: float = 0.0
     """Added one-way delay (needs sch_netem)."""
+    slow_mode: str = "spin"
+    """"spin" or "sleep" (more ranks than cores)."""
+    stall_rate: float = 0.0
+    """Pauses of the slowed rank per second of training (0: none)."""
+    stall_ms: float = 200.0
+    """Scale of a pause."""
 
     @property
     def networked(self) -> bool:
@@ -60,9 +71,13 @@ class Condition:
 
     def describe(self) -> str:
         parts = [f"{self.ranks} ranks"]
-        if self.slow_rank >= 0:
+        if self.slow_rank >= 0 and (self.slow_factor != 1.0 or self.slow_schedule):
             parts.append(f"rank {self.slow_rank} x{self.slow_factor:g} slower"
-                         + (f" then {self.slow_schedule} (s:factor)" if self.slow_schedule else ""))
+                         + (f" then {self.slow_schedule} (s:factor)" if self.slow_schedule else "")
+                         + (" (SLEEPS instead of spinning: more ranks than cores)" if self.slow_mode == "sleep" else ""))
+        if self.stall_rate:
+            parts.append(f"rank {self.slow_rank} stalls {self.stall_rate:g}/s, Pareto(1.5) x {self.stall_ms:g} ms "
+                         "(at most 10x)")
         if self.rate_mbit is not None:
             parts.append(f"netns+tbf {self.rate_mbit:g} Mbit/s"
                          + (f" then {self.rate_schedule} (s:Mbit)" if self.rate_schedule else ""))
@@ -80,21 +95,38 @@ def parse_pairs(text: str) -> list[tuple[float, float]]:
     return sorted(pairs)
 
 
-def slow_args(cond: Condition, factor_flags: bool, ms_per_step: float) -> list[str] | None:
-    """Workload flags for the condition's slowdown; None when the workload cannot express it.
-
-    `factor_flags`: the workload has ``--slow-factor``/``--slow-schedule`` (a slowdown proportional to
-    its own compute). Otherwise the factor becomes a constant ``--slow-ms`` = (factor - 1) x
-    `ms_per_step` (its measured step time at the default batch), and schedules are not expressible.
-    """
+def slow_args(cond: Condition) -> list[str]:
+    """The examples' flags for the condition's slowed rank (every example has them, see
+    `dynamix_hvd.examples.common.add_bench_flags`)."""
     if cond.slow_rank < 0:
         return []
-    if factor_flags:
-        out = ["--slow-rank", str(cond.slow_rank), "--slow-factor", str(cond.slow_factor)]
-        return out + (["--slow-schedule", cond.slow_schedule] if cond.slow_schedule else [])
-    if cond.slow_schedule:
-        return None
-    return ["--slow-rank", str(cond.slow_rank), "--slow-ms", f"{(cond.slow_factor - 1) * ms_per_step:.2f}"]
+    out = ["--slow-rank", str(cond.slow_rank), "--slow-factor", str(cond.slow_factor), "--slow-mode", cond.slow_mode]
+    out += ["--slow-schedule", cond.slow_schedule] if cond.slow_schedule else []
+    return out + (["--stall-rate", str(cond.stall_rate), "--stall-ms", str(cond.stall_ms)] if cond.stall_rate else [])
+
+
+def split_limit(speeds: Sequence[float]) -> float:
+    """Throughput of the best split over the equal split for per-sample speeds `speeds`: the best
+    split gives each rank work in proportion to its speed (sum s_i samples per unit time); the equal
+    split runs at the slowest rank's pace (R x min s_i). E.g. (1, 1/3) -> 2.0."""
+    if not speeds or min(speeds) <= 0:
+        raise ValueError(f"speeds {list(speeds)}: need at least one, all > 0")
+    return sum(speeds) / (len(speeds) * min(speeds))
+
+
+def physical_limit(cond: Condition) -> str:
+    """`split_limit` of the condition, as text: one number for a constant slowdown, one per phase of
+    a schedule, and why there is none for stalls (unpredictable) or a network condition (no compute
+    difference: 1.00)."""
+    def at(factor: float) -> float:
+        return split_limit([1.0 / factor if r == cond.slow_rank else 1.0 for r in range(cond.ranks)])
+
+    if cond.stall_rate:
+        return "n/a (transient stalls)"
+    if cond.slow_rank < 0:
+        return "1.00"
+    phases = [cond.slow_factor] + [f for _, f in parse_pairs(cond.slow_schedule)]
+    return " then ".join(f"{at(f):.2f}" for f in phases)
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -136,7 +168,7 @@ class NetworkNamespaces:
 
     def __init__(self, ranks: int, rate_mbit: float | None, delay_ms: float = 0.0) -> None:
         self.ranks, self.rate, self.delay = ranks, rate_mbit, delay_ms
-        self.tag = f"{os.getpid() % 10000}"
+        self.tag = str(os.getpid())  # names stay <= 15 characters: dx + pid (<= 7 digits) + 4
         self.bridge = f"dx{self.tag}br"
         self.namespaces = [f"dx{self.tag}n{r}" for r in range(ranks)]
         self.links = [f"dx{self.tag}r{r}" for r in range(ranks)]   # rank side, inside its namespace
@@ -214,6 +246,24 @@ class NetworkNamespaces:
                            options=options)
         env = {"PMIX_MCA_ptl_tcp_if_include": net, "PMIX_MCA_ptl_tcp_remote_connections": "1"}
         return cmd, env
+
+
+STALE = re.compile(r"^dx(\d+)(?:br|n\d+|h\d+)$")
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces and links left by a NetworkNamespaces whose process died (e.g. killed with
+    SIGKILL); the creator's pid is in every name. Returns what was removed."""
+    removed = []
+    names = _run("ip", "netns", "list", check=False).stdout.split()
+    names += re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", check=False).stdout, flags=re.M)
+    for name in names:
+        m = STALE.match(name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            kind = ("netns", "del", name) if re.search(r"n\d+$", name) else ("link", "del", name)
+            if _run("ip", *kind, check=False).returncode == 0:
+                removed.append(name)
+    return removed
 
 
 def plain_mpirun(ranks: int, argv: Sequence[str], env_keys: Sequence[str] = ()) -> list[str]:

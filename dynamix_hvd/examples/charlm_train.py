@@ -24,8 +24,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
-from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.examples.common import add_common_flags, controller_config, parser, start
+from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
+                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start)
+from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
                 "bisect.py", "calendar.py", "shlex.py", "glob.py", "fnmatch.py", "statistics.py")
@@ -39,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--d-model", type=int, default=64, help="transformer width")
     ap.add_argument("--layers", type=int, default=2, help="transformer layers")
     ap.add_argument("--target-loss", type=float, default=2.0, help="stop when the validation loss is below this")
-    ap.add_argument("--eval-every", type=int, default=20, help="validation every k optimizer steps")
+    ap.add_argument("--eval-every", type=int, default=20, help="validation every k optimizer steps (0: never)")
+    add_bench_flags(ap)
     ap.add_argument("--transitions", default="", help="rank 0 writes the policy's transitions here (HDF5)")
     return ap.parse_args()
 
@@ -93,12 +95,24 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     loss_fn = nn.CrossEntropyLoss()
 
-    loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                 # dx
-    optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
-                                                lr_rule=args.lr_rule, max_grad_norm=1.0)   # dx
-    controller = dx.DynamixController(loader, optimizer, controller_config(args))                 # dx
+    slow = make_slowdown(args, hvd.rank())
+    rec = SuiteRecorder(args.out, args.eval_samples, args.target, "loss", {"example": "charlm_train", **vars(args)})
+    if args.plain_horovod:  # the reference: what a Horovod user runs, equal batches, clipping included
+        loader = PlainHorovodLoader(train, sizes[0], hvd.rank(), hvd.size(), args.seed)
+        optimizer = plain_horovod_optimizer(optimizer, model, args, sizes[0] * hvd.size(), sum(sizes))
+        controller = None
+    else:
+        loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                 # dx
+        optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
+                                                    lr_rule=args.lr_rule, max_grad_norm=1.0)   # dx
+        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args))  # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
+    def validation_loss() -> float:
+        return sharded_sum(model, x_val, y_val, lambda out, y: loss_fn(out.reshape(-1, 128), y.reshape(-1)).item() * len(y))
+
+    rec.start()
+    slow.clock = rec.train_s
     t0 = time.perf_counter()
     steps, reached, val_loss = 0, False, math.inf
     for epoch in range(args.epochs):
@@ -106,14 +120,25 @@ def main() -> None:
         model.train()
         for x, y in loader:
             optimizer.zero_grad()
-            if hvd.rank() == args.slow_rank:
-                busy_wait(args.slow_ms / 1000.0)
+            rec.compute_start()
+            slow.before_compute(len(y))
             loss = loss_fn(model(x).reshape(-1, 128), y.reshape(-1))
             loss.backward()
-            optimizer.step()
-            controller.record_loss(loss)                                                 # dx
+            slow.after_compute(len(y))
+            rec.compute_end()
+            if args.plain_horovod:  # Horovod's documented way to clip: synchronize, clip, step
+                optimizer.synchronize()
+                nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                optimizer.step()
+            if controller is not None:
+                controller.record_loss(loss)                                             # dx
             steps += 1
-            if steps % args.eval_every == 0:  # identical weights on every rank: all stop together
+            if rec.step_end(epoch, local_batches(loader, len(y))):
+                rec.evaluate(validation_loss, epoch)
+            if args.eval_every and steps % args.eval_every == 0:  # identical weights on every rank: all stop together
                 model.eval()
                 with torch.no_grad():
                     val_loss = loss_fn(model(x_val).reshape(-1, 128), y_val.reshape(-1)).item()
@@ -127,19 +152,22 @@ def main() -> None:
         if reached:
             break
     elapsed = time.perf_counter() - t0
+    rec.finish(validation_loss, extra={"stalls": slow.stalls})                                    # collective
+    if args.plain_horovod:
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     loader.tracker.to_dataframe().to_csv(out / f"steps_rank{hvd.rank()}.csv", index=False)
     if hvd.rank() == 0:
         pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info", "layer_variance")}
-                      for d in controller.history]).to_csv(out / "decisions.csv", index=False)
+                      for d in (controller.history if controller is not None else [])]).to_csv(out / "decisions.csv", index=False)
         records = loader.tracker.to_dataframe()
         summary = {"time_to_target_s": elapsed if reached else math.inf, "reached": reached, "steps": steps,
                    "samples": int(records.global_batch.sum()), "median_step_s": float(records.step_s.median()),
                    "val_loss": val_loss, "final_sizes": list(loader.batch_sizes), "policy": args.policy,
-                   "policy_file": args.policy_file, "decisions": len(controller.history)}
+                   "policy_file": args.policy_file, "decisions": len(controller.history) if controller is not None else 0}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        if args.transitions and len(controller.history) > 1:
+        if args.transitions and controller is not None and len(controller.history) > 1:
             from dynamix_hvd.rl.pretrain import transitions_from_history, write_transitions_h5
 
             obs, acts, rews = transitions_from_history(controller.history, args.epochs)

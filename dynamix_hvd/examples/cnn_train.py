@@ -19,8 +19,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
-from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.examples.common import add_common_flags, controller_config, parser, start
+from dynamix_hvd.examples.common import (PlainHorovodLoader, Slowdown, add_bench_flags, add_common_flags,  # noqa: F401
+                                         controller_config, local_batches, make_slowdown, parser,
+                                         plain_horovod_optimizer, start)
+from dynamix_hvd.examples.common import parse_slow_schedule as parse_schedule  # noqa: F401 - old name
+from dynamix_hvd.examples.records import SuiteRecorder
 from dynamix_hvd.runs.runlog import RunLog
 from dynamix_hvd.tools.progress import Progress
 
@@ -31,70 +34,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--base-batch", type=int, default=0,
                     help="global batch the LR is tuned for (default 32 x ranks), so every static size "
                          "and every policy follows the same LR rule")
-    ap.add_argument("--slow-factor", type=float, default=1.0,
-                    help="--slow-rank computes this many times slower (spins (f-1) x the CPU time of its "
-                         "own forward+backward, so the slowdown scales with its batch)")
-    ap.add_argument("--slow-schedule", default="",
-                    help="slowdown changing over time: 'SECONDS:FACTOR,...', e.g. '0:2,15:1,30:3' "
-                         "(seconds since training started; --slow-factor before the first entry)")
     ap.add_argument("--target-acc", type=float, default=0.95,
                     help="target test accuracy: time to target goes to meta.json")
     ap.add_argument("--stop-at-target", action="store_true", help="stop training once --target-acc is reached")
     ap.add_argument("--eval-every", type=int, default=2000,
                     help="evaluate every N training samples (all ranks together) and at every epoch end")
     ap.add_argument("--train-samples", type=int, default=4000, help="training digits (the rest are test)")
+    ap.add_argument("--width", type=int, default=32, help="channels of both conv layers")
+    add_bench_flags(ap)
     return ap.parse_args(argv)
-
-
-def parse_schedule(text: str) -> list[tuple[float, float]]:
-    """'0:2,15:1' -> [(0.0, 2.0), (15.0, 1.0)], sorted by time; factors must be >= 1."""
-    out = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        t, f = part.split(":")
-        if float(f) < 1.0 or float(t) < 0:
-            raise ValueError(f"slow schedule entry {part!r}: need SECONDS >= 0 and FACTOR >= 1")
-        out.append((float(t), float(f)))
-    return sorted(out)
-
-
-class Slowdown:
-    """Make one rank a slower device: before each forward pass it busy-waits ``slow_ms`` of wall time
-    plus (factor - 1) x the CPU time its forward+backward takes (EMA of CPU seconds per sample x local
-    batch), measured and spent as this thread's CPU time, so the slowdown is a factor of real work
-    even when other processes compete for the cores (wall-clock waits would inflate with preemption).
-
-    The wait happens *before* the forward pass because Horovod starts allreduces from hooks during
-    backward: a wait after backward would not hold up the other ranks.
-    """
-
-    def __init__(self, active: bool, slow_ms: float, factor: float, schedule: list[tuple[float, float]]) -> None:
-        self.active, self.slow_s, self.factor, self.schedule = active, slow_ms / 1000.0, factor, schedule
-        self.t_start = time.perf_counter()
-        self.per_sample: float | None = None
-        self._cpu = 0.0
-
-    def factor_at(self, elapsed: float) -> float:
-        factor = self.factor
-        for t, f in self.schedule:
-            if elapsed >= t:
-                factor = f
-        return factor
-
-    def before_compute(self, batch: int) -> None:
-        if not self.active:
-            return
-        busy_wait(self.slow_s)
-        if self.per_sample is not None:
-            extra = (self.factor_at(time.perf_counter() - self.t_start) - 1.0) * self.per_sample * batch
-            end = time.thread_time() + extra
-            while time.thread_time() < end:
-                pass
-        self._cpu = time.thread_time()
-
-    def after_compute(self, batch: int) -> None:
-        if self.active:
-            sample = (time.thread_time() - self._cpu) / max(batch, 1)
-            self.per_sample = sample if self.per_sample is None else 0.8 * self.per_sample + 0.2 * sample
 
 
 def mnist_digits(train_samples: int) -> tuple[TensorDataset, TensorDataset]:
@@ -109,29 +57,37 @@ def mnist_digits(train_samples: int) -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[tr], y[tr]), TensorDataset(x[te], y[te])
 
 
-def make_model() -> nn.Module:
-    """Two conv layers and a linear head: 17.6k parameters, ~0.25 ms of CPU per sample (forward +
-    backward, one core), so compute, not per-step overhead, dominates a step at batch 32."""
-    return nn.Sequential(nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 32, 3), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 5 * 5, 10))
+def make_model(width: int = 32) -> nn.Module:
+    """Two conv layers of `width` channels and a linear head: at width 32, 17.6k parameters and
+    ~0.5 ms of CPU per sample (forward + backward, one core); width 64, ~1.1 ms. Compute, not
+    per-step overhead, dominates a step at batch 32."""
+    return nn.Sequential(nn.Conv2d(1, width, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(width, width, 3), nn.ReLU(),
+                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(width * 5 * 5, 10))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sizes = start(args, default_batch=32)
-    slow = Slowdown(hvd.rank() == args.slow_rank, args.slow_ms, args.slow_factor, parse_schedule(args.slow_schedule))
+    slow = make_slowdown(args, hvd.rank())
+    rec = SuiteRecorder(args.out, args.eval_samples, args.target, "accuracy", {"example": "cnn_train", **vars(args)})
 
     train, test = mnist_digits(args.train_samples)
-    model = make_model()
+    model = make_model(args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
-    loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
-    optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
-                                                lr_rule=args.lr_rule,          # dx
-                                                base_batch_size=args.base_batch or 32 * hvd.size())  # dx
-    controller = dx.DynamixController(loader, optimizer, controller_config(args))        # dx
-    run = RunLog(args.out, loader, controller=controller, meta={"example": "cnn_train", **vars(args)},  # dx
-                 progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
+    if args.plain_horovod:  # the reference: what a Horovod user runs, equal batches
+        loader = PlainHorovodLoader(train, sizes[0], hvd.rank(), hvd.size(), args.seed)
+        optimizer = plain_horovod_optimizer(optimizer, model, args, sizes[0] * hvd.size(),
+                                            args.base_batch or 32 * hvd.size())
+        controller = run = None
+    else:
+        loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
+        optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
+                                                    lr_rule=args.lr_rule,          # dx
+                                                    base_batch_size=args.base_batch or 32 * hvd.size())  # dx
+        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args))  # dx
+        run = RunLog(args.out, loader, controller=controller, meta={"example": "cnn_train", **vars(args)},  # dx
+                     progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     evals: list[dict[str, float]] = []
@@ -158,31 +114,44 @@ def main(argv: list[str] | None = None) -> None:
         return correct / n
 
     reached = False
-    slow.t_start = time.perf_counter()  # --slow-schedule counts from the start of training
+    rec.start()
+    slow.clock = rec.train_s  # --slow-schedule counts training seconds
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                 # dx
         model.train()
         step = 0
         for x, y in loader:
             optimizer.zero_grad()
+            rec.compute_start()
             slow.before_compute(len(y))
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             slow.after_compute(len(y))
+            rec.compute_end()
             optimizer.step()
-            controller.record_loss(loss)                                        # dx
-            run.step(loss)                                                      # dx
+            if controller is not None:
+                controller.record_loss(loss)                                    # dx
+            if run is not None:
+                run.step(loss)                                                  # dx
             step += 1
-            before, samples = samples, samples + loader.current_step.global_count
-            if samples // args.eval_every > before // args.eval_every and loader.remaining_steps():
+            counts = local_batches(loader, len(y))
+            if rec.step_end(epoch, counts):
+                rec.evaluate(lambda: evaluate(epoch, step), epoch)
+            before, samples = samples, samples + sum(counts)
+            if samples // args.eval_every > before // args.eval_every and not rec.eval_samples \
+                    and loader.remaining_steps():
                 reached = evaluate(epoch, step) >= args.target_acc or reached
                 if reached and args.stop_at_target:
                     break
-        acc = evaluate(epoch, step)
+        acc = rec.evaluate(lambda: evaluate(epoch, step), epoch)
         reached = reached or acc >= args.target_acc
-        run.end_epoch(accuracy=acc, test_loss=evals[-1]["test_loss"])          # dx: collective
+        if run is not None:
+            run.end_epoch(accuracy=acc, test_loss=evals[-1]["test_loss"])      # dx: collective
         if reached and args.stop_at_target:
             break
+    rec.finish(extra={"stalls": slow.stalls})                                   # collective
+    if run is None:
+        return
     t0 = run.t0  # RunLog's clock origin, agreed on by every rank
     table = pd.DataFrame(evals)
     table.insert(0, "wall_s", table.pop("time_unix") - t0)

@@ -50,6 +50,12 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
     ap.add_argument("--seed", type=int, default=0)
 
 
+def make_slowdown(args: argparse.Namespace, rank: int) -> "Slowdown":
+    """The Slowdown of this rank from the common and bench flags."""
+    return Slowdown(rank == args.slow_rank, args.slow_ms, args.slow_factor, parse_slow_schedule(args.slow_schedule),
+                    mode=args.slow_mode, stall_rate=args.stall_rate, stall_ms=args.stall_ms, seed=args.seed)
+
+
 def start(args: argparse.Namespace, default_batch: int) -> list[int]:
     """Threads from OMP_NUM_THREADS, `hvd.init()`, the seed; returns this job's per-rank batch sizes."""
     import horovod.torch as hvd
@@ -68,3 +74,186 @@ def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
         policy_file=None if args.policy_file == "none" else args.policy_file,
         learn=bool(args.learn), total_epochs=args.epochs, decide_every_steps=args.decide_every,
         ppo=dx.PPOConfig(seed=args.seed, rollout_length=8))
+
+
+# --- what the benchmark suite (bench/suite.py) needs from every example ------------------------------
+def add_bench_flags(ap: argparse.ArgumentParser) -> None:
+    """Flags of the plain Horovod reference, the slowed rank (factor, schedule, mode, stalls) and the
+    suite's records (see `dynamix_hvd.examples.records`)."""
+    ap.add_argument("--slow-factor", type=float, default=1.0,
+                    help="--slow-rank computes this many times slower ((f-1) x the time of its own "
+                         "forward+backward is added, so the slowdown scales with its batch)")
+    ap.add_argument("--slow-schedule", default="",
+                    help="slowdown changing over time: 'SECONDS:FACTOR,...', e.g. '0:2,15:1,30:3' "
+                         "(training seconds, evaluation excluded; --slow-factor before the first entry)")
+    ap.add_argument("--plain-horovod", action="store_true",
+                    help="the reference a user would otherwise run: DistributedSampler + "
+                         "hvd.DistributedOptimizer(op=Average), equal batches (the first of --batch-sizes on "
+                         "every rank); no AdaptiveLoader, weighted optimizer or controller")
+    ap.add_argument("--no-controller", action="store_true",
+                    help="data plane only: AdaptiveLoader + weighted optimizer at fixed sizes, no controller")
+    ap.add_argument("--slow-mode", default="spin", choices=["spin", "sleep"],
+                    help="how --slow-rank is slower: spin (burns its core like a slower device) or sleep "
+                         "(frees the core: for more ranks than cores)")
+    ap.add_argument("--stall-rate", type=float, default=0.0,
+                    help="--slow-rank pauses at random times, on average this many per second of training")
+    ap.add_argument("--stall-ms", type=float, default=200.0,
+                    help="scale of a pause: Pareto(alpha 1.5) x this many ms, at most 10x (heavy-tailed)")
+    ap.add_argument("--eval-samples", type=int, default=0,
+                    help="evaluate every N training samples (all ranks) and write OUT/suite_*.{csv,json}; 0: off")
+    ap.add_argument("--target", type=float, default=float("nan"),
+                    help="the suite's target metric (accuracy: at least, loss: at most)")
+
+
+def parse_slow_schedule(text: str) -> list[tuple[float, float]]:
+    """'0:2,15:1' -> [(0.0, 2.0), (15.0, 1.0)], sorted by time; factors must be >= 1."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        t, f = part.split(":")
+        if float(f) < 1.0 or float(t) < 0:
+            raise ValueError(f"slow schedule entry {part!r}: need SECONDS >= 0 and FACTOR >= 1")
+        out.append((float(t), float(f)))
+    return sorted(out)
+
+
+class Slowdown:
+    """Make one rank a slower device: before each forward pass it waits ``slow_ms`` plus (factor - 1)
+    x the time its forward+backward takes (EMA per sample x local batch), and pauses now and then
+    (`stall_rate` per second, Pareto-distributed lengths) when stalls are on.
+
+    mode "spin" spends the wait as this thread's CPU time (a slower device; the factor stays a factor
+    of real work when other processes compete for the cores); mode "sleep" sleeps (wall time), which
+    leaves the core to other ranks when there are more ranks than cores. The wait happens *before* the
+    forward pass because Horovod starts allreduces from hooks during backward: a wait after backward
+    would not hold up the other ranks. `clock` gives the seconds the schedule and stalls follow.
+    """
+
+    def __init__(self, active: bool, slow_ms: float, factor: float, schedule: list[tuple[float, float]],
+                 mode: str = "spin", stall_rate: float = 0.0, stall_ms: float = 200.0, seed: int = 0) -> None:
+        import random
+        import time
+
+        if mode not in ("spin", "sleep"):
+            raise ValueError(f"slow mode {mode!r}: choose spin or sleep")
+        self.active, self.slow_s, self.factor, self.schedule = active, slow_ms / 1000.0, factor, schedule
+        self.mode, self.stall_rate, self.stall_s = mode, stall_rate, stall_ms / 1000.0
+        self._rng = random.Random(seed * 7919 + 17)
+        t0 = time.perf_counter()
+        self.clock = lambda: time.perf_counter() - t0
+        self.next_stall = self._rng.expovariate(stall_rate) if stall_rate > 0 else float("inf")
+        self.stalls: list[tuple[float, float]] = []
+        self.per_sample: float | None = None
+        self._t = 0.0
+
+    def _now(self) -> float:
+        import time
+
+        return time.thread_time() if self.mode == "spin" else time.perf_counter()
+
+    def _wait(self, seconds: float, wall: bool = False) -> None:
+        """Sleep, or spin for `seconds` of this thread's CPU time (`wall`: of wall time)."""
+        import time
+
+        from dynamix_hvd.examples import busy_wait
+
+        if seconds <= 0:
+            return
+        if self.mode == "sleep":
+            time.sleep(seconds)
+        elif wall:
+            busy_wait(seconds)
+        else:
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+    def factor_at(self, elapsed: float) -> float:
+        factor = self.factor
+        for t, f in self.schedule:
+            if elapsed >= t:
+                factor = f
+        return factor
+
+    def before_compute(self, batch: int) -> None:
+        if not self.active:
+            return
+        now = self.clock()
+        if now >= self.next_stall:
+            pause = min(10.0, self._rng.paretovariate(1.5)) * self.stall_s
+            self.stalls.append((round(now, 3), round(pause, 6)))
+            self._wait(pause, wall=True)
+            self.next_stall = now + self._rng.expovariate(self.stall_rate)
+        self._wait(self.slow_s, wall=True)
+        if self.per_sample is not None:
+            self._wait((self.factor_at(now) - 1.0) * self.per_sample * batch)
+        self._t = self._now()
+
+    def after_compute(self, batch: int) -> None:
+        if self.active:
+            sample = (self._now() - self._t) / max(batch, 1)
+            self.per_sample = sample if self.per_sample is None else 0.8 * self.per_sample + 0.2 * sample
+
+
+class EpochOrder(torch.utils.data.Dataset):
+    """`dataset` in the epoch's permutation of `dynamix_hvd.data.plan.epoch_permutation`: under a
+    DistributedSampler(shuffle=False), global step k then holds the same samples as AdaptiveLoader's
+    step k at equal sizes, so the plain Horovod arm sees the data in the same order as every other arm."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self.order = torch.arange(len(dataset))  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        from dynamix_hvd.data.plan import epoch_permutation
+
+        self.order = epoch_permutation(len(self.order), self.seed, epoch)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int):  # noqa: ANN204 - whatever the dataset returns
+        return self.dataset[int(self.order[i])]
+
+
+class PlainHorovodLoader:
+    """What a Horovod user writes: ``DataLoader(dataset, batch_size=b, sampler=DistributedSampler(...))``
+    with ``sampler.set_epoch(epoch)``; here over `EpochOrder` (same order as the other arms)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, batch_size: int, rank: int, size: int, seed: int) -> None:
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        self.data = EpochOrder(dataset, seed)
+        self.sampler = DistributedSampler(self.data, num_replicas=size, rank=rank, shuffle=False)
+        self.loader = DataLoader(self.data, batch_size=batch_size, sampler=self.sampler)
+        self.batch_sizes = (batch_size,) * size
+        self.size = size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.data.set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.loader)
+
+
+def plain_horovod_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, args: argparse.Namespace,
+                            global_batch: int, base_batch: int) -> torch.optim.Optimizer:
+    """``hvd.DistributedOptimizer(op=hvd.Average)`` with the LR the weighted optimizer would use at
+    this fixed global batch (the same `--lr-rule` factor, set once, as a user scales it by hand)."""
+    import horovod.torch as hvd
+
+    from dynamix_hvd.optim.lr_scaling import lr_factor
+
+    factor = lr_factor(args.lr_rule if args.lr_rule != "adascale" else "none", global_batch, base_batch)
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+    return hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+
+
+def local_batches(loader: object, local: int) -> list[int]:
+    """Every rank's sample count in the step just taken; `local` is this rank's (len of its batch).
+    Under DistributedSampler every rank has the same count, the last batch of an epoch included."""
+    if isinstance(loader, PlainHorovodLoader):
+        return [local] * loader.size
+    return list(loader.current_step.counts)  # type: ignore[attr-defined]

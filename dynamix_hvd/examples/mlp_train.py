@@ -13,8 +13,9 @@ from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.data.synthetic import teacher_classification
-from dynamix_hvd.examples import busy_wait
-from dynamix_hvd.examples.common import add_common_flags, controller_config, parser, start
+from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
+                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start)
+from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
 from dynamix_hvd.runs.runlog import RunLog
 from dynamix_hvd.tools.progress import Progress
 
@@ -23,6 +24,9 @@ def parse_args() -> argparse.Namespace:
     ap = parser(__doc__)
     add_common_flags(ap, epochs=3, out="runs/mlp", default_batch=32, lr=0.05)
     ap.add_argument("--samples", type=int, default=8192, help="training samples (generated)")
+    ap.add_argument("--hidden", type=int, default=128, help="units of each hidden layer")
+    ap.add_argument("--depth", type=int, default=1, help="hidden layers")
+    add_bench_flags(ap)
     return ap.parse_args()
 
 
@@ -31,33 +35,56 @@ def main() -> None:
     sizes = start(args, default_batch=32)
 
     train, test = teacher_classification(args.samples, 2048, seed=args.seed)
-    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+    widths = [32] + [args.hidden] * args.depth
+    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+    model = nn.Sequential(*layers, nn.Linear(widths[-1], 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    slow = make_slowdown(args, hvd.rank())
+    rec = SuiteRecorder(args.out, args.eval_samples, args.target, "accuracy", {"example": "mlp_train", **vars(args)})
 
-    loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
-    optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
-                                                lr_rule=args.lr_rule)          # dx
-    controller = dx.DynamixController(loader, optimizer, controller_config(args))        # dx
-    run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp_train", **vars(args)},  # dx
-                 progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
+    if args.plain_horovod:  # the reference: what a Horovod user runs, equal batches
+        loader = PlainHorovodLoader(train, sizes[0], hvd.rank(), hvd.size(), args.seed)
+        optimizer = plain_horovod_optimizer(optimizer, model, args, sizes[0] * hvd.size(), sum(sizes))
+        controller = run = None
+    else:
+        loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
+        optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
+                                                    lr_rule=args.lr_rule)          # dx
+        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args))  # dx
+        run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp_train", **vars(args)},  # dx
+                     progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    def accuracy() -> float:
+        return sharded_sum(model, *test.tensors, lambda out, y: (out.argmax(1) == y).sum().item())
+
+    rec.start()
+    slow.clock = rec.train_s
 
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                 # dx
         model.train()
         for x, y in loader:
             optimizer.zero_grad()
-            if hvd.rank() == args.slow_rank:
-                busy_wait(args.slow_ms / 1000.0)
+            rec.compute_start()
+            slow.before_compute(len(y))
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
+            slow.after_compute(len(y))
+            rec.compute_end()
             optimizer.step()
-            controller.record_loss(loss)                                        # dx
-            run.step(loss)                                                      # dx
-        model.eval()
-        with torch.no_grad():
-            acc = (model(test.tensors[0]).argmax(1) == test.tensors[1]).float().mean().item()
-        run.end_epoch(accuracy=acc)                                             # dx: collective
+            if controller is not None:
+                controller.record_loss(loss)                                    # dx
+            if run is not None:
+                run.step(loss)                                                  # dx
+            if rec.step_end(epoch, local_batches(loader, len(y))):
+                rec.evaluate(accuracy, epoch)
+        acc = rec.evaluate(accuracy, epoch)                                     # collective
+        if run is not None:
+            run.end_epoch(accuracy=acc)                                         # dx: collective
+    rec.finish(extra={"stalls": slow.stalls})                                   # collective
+    if run is None:
+        return
     out = run.finish(report=not args.no_report)                                 # dx: collective
     if out is not None:
         print(f"run records: {out}/epochs.csv, {out}/trace.h5, {out}/meta.json, {out}/steps_rank*.csv"

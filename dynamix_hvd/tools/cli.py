@@ -6,6 +6,7 @@
     dynamix-hvd summarize runs/mlp
     dynamix-hvd plot runs/mlp [-o report.png]
     dynamix-hvd bench decision_overhead -- --ranks 2,4
+    dynamix-hvd bench suite --quick                     # the benchmark suite (bench/suite.py)
 
 Also ``python -m dynamix_hvd``. Every subcommand has ``--help``.
 """
@@ -155,10 +156,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 # --- bench -------------------------------------------------------------------------------------------
 def bench_scripts() -> dict[str, Path]:
-    """Benchmarks in bench/: name (file stem without 'bench_') -> script."""
+    """Benchmarks in bench/: name (file stem without 'bench_') -> script; "suite" is bench/suite.py."""
     if not BENCH_DIR.is_dir():
         return {}
-    return {p.stem.removeprefix("bench_"): p for p in sorted(BENCH_DIR.glob("bench_*.py"))}
+    scripts = {p.stem.removeprefix("bench_"): p for p in sorted(BENCH_DIR.glob("bench_*.py"))}
+    if (BENCH_DIR / "suite.py").is_file():
+        scripts["suite"] = BENCH_DIR / "suite.py"
+    return scripts
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -1,0 +1,386 @@
+"""The benchmark suite: plain Horovod vs static sizes, classic rules and PPO, on real multi-rank jobs.
+
+    python -m bench.suite --quick            # CI: the harness end to end (1 workload, 1 condition, 1 seed)
+    python -m bench.suite --config headline  # one configuration of the full matrix (--list shows them all)
+    dynamix-hvd bench suite -- --config cnn
+
+Every arm trains the same model with the same optimizer, LR rule and data order (see
+`dynamix_hvd.examples.common`); only the batch-size policy differs. The reference arm is the
+script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
+``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms run interleaved: for seed s the arm
+order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine).
+
+A run writes ``bench/results/NAME/`` (``--out``): ``machine.json`` (CPU, cores, memory, load before
+and after, date, versions, git commit, the exact command), ``runs.csv`` (one row per job),
+``evals.csv`` (every evaluation of every job: the raw records), ``sizes.csv`` (each rank's batch size
+whenever it changed), ``summary.md``/``summary.csv`` and ``plots/``. The jobs' own directories
+(traces, per-step records, stdout) stay under ``--runs-dir`` (default ``runs/suite/NAME``).
+Definitions are in `bench.suite_report`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from bench.conditions import (Condition, NetworkNamespaces, RateSchedule, cleanup_stale, physical_limit,
+                              plain_mpirun, slow_args)
+from bench.suite_report import measure, plot_cells, summarize, summary_markdown
+from dynamix_hvd.tools.launchcheck import local_env
+
+REPO = Path(__file__).resolve().parents[1]
+RULES = ("linear-ramp", "adabatch", "increase-batch", "noise-scale", "goodput", "speed-split")
+STARTUP_S = 8.0  # starting Python, torch, Horovod and MPI on 2 ranks, per job (idle machine)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """An example script of dynamix_hvd/examples, its size in the suite and its target.
+
+    `plain_s`: the plain Horovod run's expected training time on an idle 2-core machine, no
+    straggler, from per-step CPU times measured one process at a time (see BENCHMARKS.md)."""
+
+    name: str
+    module: str
+    metric: str                      # "accuracy" (higher is better) or "loss" (lower is better)
+    target: float
+    epochs: int
+    eval_samples: int
+    wall_budget_s: float             # the fixed wall-time budget: final metric at this training time
+    plain_s: float
+    args: tuple[str, ...] = ()
+    default_batch: int = 32          # per rank: plain Horovod, the data-plane rows, the adaptive arms' start
+    static_batches: tuple[int, ...] = (16, 32, 64)
+    rule_kwargs: dict[str, dict] = field(default_factory=dict)
+
+
+def rule_kwargs(base: int, steps_per_epoch: int, epochs: int) -> dict[str, dict]:
+    """Classic rules' parameters scaled to the workload (global base batch, its schedule length)."""
+    return {"linear-ramp": {"end": 4 * base, "ramp": epochs // 2},
+            "adabatch": {"every": max(1, epochs // 4), "end": 8 * base},
+            "increase-batch": {"milestones": [0.5, 0.75], "factor": 2.0}}
+
+
+WORKLOADS = {
+    # 4,000 train / 1,000 test digits; width 64: 1.12 ms CPU per sample -> ~2.4 s per epoch per rank
+    "cnn": Workload("cnn", "dynamix_hvd.examples.cnn_train", "accuracy", 0.968, 24, 2000, 40.0, 60.0,
+                    args=("--width", "64", "--train-samples", "4000", "--eval-every", "1000000000",
+                          "--no-report", "--progress", "off", "--decide-every", "10"),
+                    rule_kwargs=rule_kwargs(64, 63, 24)),
+    # 400k characters of stdlib source, 5,940 sequences of 64; 0.92 ms per sequence
+    "charlm": Workload("charlm", "dynamix_hvd.examples.charlm_train", "loss", 1.5, 25, 2000, 50.0, 75.0,
+                       args=("--chars", "400000", "--eval-every", "0", "--decide-every", "20"),
+                       default_batch=16, static_batches=(8, 16, 32), rule_kwargs=rule_kwargs(32, 186, 25)),
+    # 16,384 generated samples, 2 x 1024 hidden units: 0.15 ms per sample + a 4 MB allreduce per step
+    # its test accuracy peaks at ~0.77 after ~2 epochs (label noise) and then slowly falls back
+    "mlp": Workload("mlp", "dynamix_hvd.examples.mlp_train", "accuracy", 0.765, 20, 4096, 30.0, 45.0,
+                    args=("--samples", "16384", "--hidden", "1024", "--depth", "2", "--no-report",
+                          "--progress", "off", "--decide-every", "16"),
+                    rule_kwargs=rule_kwargs(64, 256, 20)),
+    # --quick: the CNN cut to seconds (checks the harness, not the numbers)
+    "cnn-quick": Workload("cnn-quick", "dynamix_hvd.examples.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 15.0,
+                          args=("--train-samples", "1000", "--eval-every", "1000000000", "--no-report",
+                                "--progress", "off", "--decide-every", "4")),
+}
+
+CONDITIONS = {
+    "none": Condition("none", 2),
+    "slow2x": Condition("slow2x", 2, slow_rank=1, slow_factor=2.0),
+    "slow3x": Condition("slow3x", 2, slow_rank=1, slow_factor=3.0),
+    "slow-varying": Condition("slow-varying", 2, slow_rank=1, slow_factor=1.0, slow_schedule="20:3,60:1.5"),
+    "stalls": Condition("stalls", 2, slow_rank=1, stall_rate=0.5, stall_ms=200.0),
+    "net10": Condition("net10", 2, rate_mbit=10.0),
+    "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
+    # scaling rows: more ranks than cores, so the slowed rank sleeps (the output says so)
+    "scale4-slow3x": Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep"),
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One batch-size policy: its label, the flags that select it and its per-rank starting batch
+    (None: the workload's default)."""
+
+    label: str
+    flags: tuple[str, ...]
+    batch: int | None = None
+
+
+def arms(w: Workload, names: list[str]) -> list[Arm]:
+    """Arms by name: "plain" (plain Horovod), "static" (every static size), "static-N",
+    "dataplane" (loader + weighted optimizer, no controller, default size), "rules" (every classic
+    rule), a rule name, "ppo" (shipped policy, greedy), "ppo-online" (it keeps learning)."""
+    out: list[Arm] = []
+    for name in names:
+        if name == "plain":
+            out.append(Arm("plain-horovod", ("--plain-horovod",)))
+        elif name == "static":
+            out += [Arm(f"static-{b}", ("--policy", "static"), b) for b in w.static_batches]
+        elif name.startswith("static-"):
+            out.append(Arm(name, ("--policy", "static"), int(name.split("-")[1])))
+        elif name == "dataplane":
+            out.append(Arm(f"dataplane-{w.default_batch}", ("--policy", "static", "--no-controller")))
+        elif name == "rules":
+            out += arms(w, list(RULES))
+        elif name in RULES:
+            kw = ("--policy-kwargs", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
+            out.append(Arm(name, ("--policy", name, *kw)))
+        elif name in ("ppo", "ppo-online"):
+            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
+                                  "1" if name == "ppo-online" else "0")))
+        else:
+            raise ValueError(f"unknown arm {name!r}")
+    return out
+
+
+ALL_ARMS = ["plain", "static", "rules", "ppo", "ppo-online"]
+TIMING = ["none", "slow2x", "slow3x", "slow-varying", "stalls", "net10", "net1g-1ms"]
+# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5).
+CONFIGS: dict[str, list[dict[str, Any]]] = {
+    "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
+               "seeds": 1}],
+    "headline": [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5}],
+    "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
+             "arms": ALL_ARMS, "seeds": 3}],
+    "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
+               {"workloads": ["charlm"], "conditions": ["slow2x", "slow-varying", "stalls", "net10"],
+                "arms": ["plain", "static", "speed-split", "goodput", "ppo", "ppo-online"], "seeds": 3}],
+    "mlp": [{"workloads": ["mlp"], "conditions": ["none", "slow3x", "net10"],
+             "arms": ["plain", "static", "speed-split", "goodput", "ppo", "ppo-online"], "seeds": 3}],
+    "overhead": [{"workloads": ["cnn", "charlm", "mlp"], "conditions": ["none"],
+                  "arms": ["plain", "dataplane", "static-32", "static-16"], "seeds": 5}],
+    "scaling": [{"workloads": ["cnn"], "conditions": ["scale4-slow3x"],
+                 "arms": ["plain", "static", "speed-split", "ppo"], "seeds": 3}],
+}
+CONFIGS["full"] = [g for name in ("headline", "cnn", "charlm", "mlp", "overhead", "scaling") for g in CONFIGS[name]]
+
+
+@dataclass(frozen=True)
+class Job:
+    workload: Workload
+    condition: Condition
+    arm: Arm
+    seed: int
+
+    @property
+    def batch(self) -> int:
+        if self.arm.label.startswith("dataplane-"):
+            return int(self.arm.label.split("-")[1])
+        return self.arm.batch or self.workload.default_batch
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload.name}/{self.condition.name}/{self.arm.label}_s{self.seed}"
+
+    def expected_s(self) -> float:
+        """Upper estimate on an idle machine: the plain run slowed by the slowest rank, plus start-up
+        and evaluations (~15%); a shaped network is assumed to double it."""
+        c, w = self.condition, self.workload
+        slowest = max([c.slow_factor, *(f for _, f in _pairs(c.slow_schedule))]) if c.slow_rank >= 0 else 1.0
+        scale = slowest * (c.ranks / 2 if c.ranks > 2 else 1.0) * (2.0 if c.networked else 1.0)
+        scale += c.stall_rate * c.stall_ms / 1000 * 2  # stalls: mean Pareto(1.5) multiple 3, capped
+        return STARTUP_S + 1.15 * w.plain_s * scale
+
+
+def _pairs(text: str) -> list[tuple[float, float]]:
+    from bench.conditions import parse_pairs
+
+    return parse_pairs(text)
+
+
+def rotate(items: list[Any], seed: int) -> list[Any]:
+    """The arm order for `seed`: rotated by `seed` places."""
+    k = seed % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def expand(groups: list[dict[str, Any]]) -> list[Job]:
+    """The jobs of a configuration, seed by seed; within a seed cell by cell, the arms rotated."""
+    jobs = []
+    for seed in range(max(g["seeds"] for g in groups)):
+        for g in groups:
+            if seed >= g["seeds"]:
+                continue
+            for cname in g["conditions"]:
+                for wname in g["workloads"]:
+                    w = WORKLOADS[wname]
+                    jobs += [Job(w, CONDITIONS[cname], a, seed) for a in rotate(arms(w, g["arms"]), seed)]
+    return jobs
+
+
+def job_argv(job: Job, out: Path) -> list[str]:
+    w, c = job.workload, job.condition
+    return [sys.executable, "-m", w.module, *w.args, "--epochs", str(w.epochs), "--batch-sizes",
+            ",".join([str(job.batch)] * c.ranks), "--seed", str(job.seed), "--out", str(out),
+            "--eval-samples", str(w.eval_samples), "--target", str(w.target), *slow_args(c), *job.arm.flags]
+
+
+def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
+    """Start one mpirun job, wait for it (killing its process group at `timeout`), measure it."""
+    out = runs_dir / job.key
+    out.mkdir(parents=True, exist_ok=True)
+    row: dict[str, Any] = {"workload": job.workload.name, "condition": job.condition.name, "arm": job.arm.label,
+                           "seed": job.seed, "run_dir": str(out), "load_before": os.getloadavg()[0],
+                           "physical_limit": physical_limit(job.condition),
+                           "slow_mode": job.condition.slow_mode if job.condition.slow_rank >= 0 else ""}
+    argv = job_argv(job, out)
+    env = local_env(REPO, DYNAMIX_PROGRESS="off")
+    keys = ("OMP_NUM_THREADS", "PYTHONPATH", "DYNAMIX_PROGRESS")
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        cmd = plain_mpirun(job.condition.ranks, argv, keys)
+        net = None
+        if job.condition.networked:
+            try:
+                net = stack.enter_context(NetworkNamespaces(job.condition.ranks, job.condition.rate_mbit,
+                                                            job.condition.delay_ms))
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                why = str(getattr(exc, "stderr", "") or exc).strip().splitlines()[0]
+                return {**row, "status": f"not runnable here: {why}"}
+            cmd, extra = net.mpirun(argv, keys)
+            env.update(extra)
+        (out / "command.txt").write_text(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        sched = RateSchedule(net, job.condition.rate_schedule) if net and job.condition.rate_schedule else None
+        if sched:
+            sched.start()
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text = proc.communicate()[0] + f"\n[suite] killed after {timeout:.0f} s\n"
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM): take the job down, then clean up
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        if sched:
+            sched.stop()
+        if net is not None:
+            (out / "tc_stats.txt").write_text("\n".join(net.stats()))
+    (out / "stdout.txt").write_text(text)
+    row.update(job_s=time.perf_counter() - t0, returncode=proc.returncode, load_after=os.getloadavg()[0])
+    if proc.returncode != 0:
+        return {**row, "status": f"failed (exit {proc.returncode}); see {out}/stdout.txt"}
+    try:
+        return {**row, "status": "ok", **measure(out, job.workload.wall_budget_s)}
+    except (OSError, KeyError, ValueError, IndexError) as exc:
+        return {**row, "status": f"unreadable: {exc!r}"}
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, cores, memory, load average, date, versions and git commit of this run."""
+    import torch
+
+    import dynamix_hvd
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    mem = next((int(line.split()[1]) // 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
+    try:
+        import horovod
+
+        hvd_version = horovod.__version__
+    except ImportError:
+        hvd_version = "not installed"
+    mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu": cpu,
+            "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)), "memory_mib": mem,
+            "load_before": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
+            "horovod": hvd_version, "mpi": mpi[0] if mpi else "", "dynamix_hvd": dynamix_hvd.__version__,
+            "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(_git("status", "--porcelain")),
+            "kernel": platform.release()}
+
+
+def listing(name: str, jobs: list[Job]) -> str:
+    total = sum(j.expected_s() for j in jobs)
+    lines = [f"{j.key}: {j.condition.describe()}; ~{j.expected_s():.0f} s" for j in jobs]
+    return "\n".join(lines + [f"config {name}: {len(jobs)} jobs, expected ~{total / 60:.0f} min on an idle "
+                              "2-core machine"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="", choices=sorted(CONFIGS), help="configuration to run")
+    ap.add_argument("--quick", action="store_true", help="same as --config quick (CI)")
+    ap.add_argument("--list", action="store_true", help="print the configuration's jobs (every one without --config)")
+    ap.add_argument("--out", default="", help="results directory (default bench/results/NAME)")
+    ap.add_argument("--runs-dir", default="", help="job directories (default runs/suite/NAME)")
+    ap.add_argument("--timeout-factor", type=float, default=4.0,
+                    help="a job is killed after this many times its expected time, at least 120 s (it then fails)")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--summarize-only", action="store_true", help="run nothing: re-measure OUT/runs.csv's jobs")
+    args = ap.parse_args(argv)
+    name = "quick" if args.quick else args.config
+    if args.list:
+        for n in ([name] if name else list(CONFIGS)):
+            print(listing(n, expand(CONFIGS[n])))
+        return 0
+    if not name:
+        ap.error("give --quick, --config NAME or --list")
+    jobs = expand(CONFIGS[name])
+    out = Path(args.out or REPO / "bench" / "results" / name)
+    runs_dir = Path(args.runs_dir or REPO / "runs" / "suite" / name)
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    info["command"] = " ".join(["python", "-m", "bench.suite", *(sys.argv[1:] if argv is None else argv)])
+    info["config"] = {"name": name, "groups": CONFIGS[name], "expected_s": sum(j.expected_s() for j in jobs),
+                      "conditions": {c.name: c.describe() for c in {j.condition.name: j.condition for j in jobs}.values()}}
+    if any(j.condition.networked for j in jobs) and (stale := cleanup_stale()):
+        print(f"removed namespaces/links left by a killed benchmark: {', '.join(stale)}", flush=True)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    if args.summarize_only:
+        for row in pd.read_csv(out / "runs.csv", dtype={"physical_limit": str}).to_dict("records"):
+            if row["status"] == "ok":
+                row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
+            rows.append(row)
+        jobs = []
+    for i, job in enumerate(jobs):
+        row = run_job(job, runs_dir, max(120.0, args.timeout_factor * job.expected_s()))
+        rows.append(row)
+        print(f"[{i + 1}/{len(jobs)} {time.perf_counter() - t0:5.0f}s] {job.key}: {row['status']} "
+              f"ttt {row.get('time_to_target_s', math.nan):.1f}s final {row.get('final', math.nan):.4f} "
+              f"idle {row.get('idle_mean', math.nan):.2f}", flush=True)
+        pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)  # partial results survive an interrupt
+    runs = pd.DataFrame(rows)
+    runs.to_csv(out / "runs.csv", index=False)
+    info.update(load_after=os.getloadavg(), wall_s=round(time.perf_counter() - t0, 1))
+    (out / "machine.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    table = summarize(runs, {k: w.metric for k, w in WORKLOADS.items()})
+    table.to_csv(out / "summary.csv", index=False)
+    (out / "summary.md").write_text(summary_markdown(table, runs, info))
+    from bench.suite_report import write_raw
+
+    write_raw(runs, out)
+    if not args.no_plots:
+        plot_cells(runs, out / "plots")
+    print((out / "summary.md").read_text())
+    print(f"results: {out}; job directories: {runs_dir}; {info['wall_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so a killed suite still removes its namespaces and its job
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Measures, statistics, tables and figures of a benchmark-suite run (`bench.suite`).
+
+Definitions (all times on the training clock: wall seconds since the ranks started training,
+evaluation time excluded and reported separately):
+
+* time to target: training seconds before the first evaluation at or past the target (accuracy
+  >= target, loss <= target). Evaluations run every fixed number of samples. A job that never
+  reaches it is a *miss*: it counts with its full training time and is flagged.
+* final: the metric at the end of the fixed epoch budget; final@T: the last evaluation within the
+  fixed wall-time budget T (training seconds).
+* idle fraction of a rank: 1 - (its forward+backward time, slowdown included) / its training time;
+  "idle" is the mean over ranks, and the per-rank values are in runs.csv.
+* throughput: training samples of all ranks / training time. Optimizer steps: steps taken.
+* Per cell (workload x condition) the ratios are paired: each job's time over plain Horovod's and
+  over the best static's time *of the same seed*; the table gives their median and interquartile
+  range (IQR) over seeds. The best static is chosen in hindsight: the static size with the lowest
+  median time to target in that cell. A row is *noisy* when its IQR exceeds 10% of its median.
+* physical limit: with per-sample speeds s_i, the best split's throughput over the equal split's,
+  sum(s_i) / (R min s_i) (`bench.conditions.split_limit`): what any split can gain over plain Horovod.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import pandas as pd
+
+PLAIN = "plain-horovod"
+
+
+def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
+    """One finished job's numbers, from the records its script wrote (`dynamix_hvd.examples.records`)."""
+    res = json.loads((run_dir / "suite_result.json").read_text())
+    evals = pd.read_csv(run_dir / "suite_evals.csv")
+    within = evals[evals.train_s <= wall_budget_s]
+    idle = {int(r): float(v) for r, v in res["idle_fraction"].items()}
+    reached = bool(res["reached"])
+    return {"reached": reached, "missed": not reached,
+            "time_to_target_s": float(res["time_to_target_s"]) if reached else float(res["train_s"]),
+            "train_s": float(res["train_s"]), "eval_total_s": float(res["eval_total_s"]),
+            "final": float(res["final"]), "final_at_budget": float(within.value.iloc[-1]) if len(within) else math.nan,
+            "throughput": float(res["throughput"]), "optimizer_steps": int(res["optimizer_steps"]),
+            "samples": int(res["samples"]), "idle_mean": sum(idle.values()) / len(idle),
+            "idle_per_rank": "/".join(f"{idle[r]:.2f}" for r in sorted(idle)),
+            "stalls": sum(len(d.get("stalls", [])) for d in res.get("per_rank", {}).values())}
+
+
+def iqr(values: pd.Series) -> float:
+    return float(values.quantile(0.75) - values.quantile(0.25)) if len(values) else math.nan
+
+
+def best_static(cell: pd.DataFrame, metric: str) -> str | None:
+    """The static arm of a cell with the lowest median time to target (then the best median final)."""
+    statics = cell[cell.arm.str.startswith("static-")]
+    if statics.empty:
+        return None
+    med = statics.groupby("arm").agg(t=("time_to_target_s", "median"), f=("final", "median"))
+    med["f"] = -med.f if metric == "accuracy" else med.f
+    return str(med.sort_values(["t", "f"]).index[0])
+
+
+def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
+    """Per (workload, condition, arm): medians and IQRs over seeds, paired ratios, misses, noise flag."""
+    if runs.empty or "status" not in runs:
+        return pd.DataFrame()
+    ok = runs[runs.status == "ok"].copy()
+    rows = []
+    for (w, c), cell in ok.groupby(["workload", "condition"], sort=False):
+        best = best_static(cell, metrics.get(w, "accuracy"))
+        ref = {name: cell[cell.arm == name].set_index("seed").time_to_target_s for name in (PLAIN, best) if name}
+        for arm, group in cell.groupby("arm", sort=False):
+            g = group.set_index("seed")
+            ratio = {k: (g.time_to_target_s / v).dropna() for k, v in ref.items()}
+            t = g.time_to_target_s
+            row = {"workload": w, "condition": c, "arm": arm, "seeds": len(g), "missed": int(g.missed.sum()),
+                   "ttt_median": t.median(), "ttt_iqr": iqr(t),
+                   "vs_plain": ratio[PLAIN].median() if PLAIN in ratio else math.nan,
+                   "vs_plain_iqr": iqr(ratio[PLAIN]) if PLAIN in ratio else math.nan,
+                   "vs_best_static": ratio[best].median() if best in ratio else math.nan,
+                   "best_static": best or "", "final": g.final.median(), "final_iqr": iqr(g.final),
+                   "final_at_budget": g.final_at_budget.median(), "idle": g.idle_mean.median(),
+                   "throughput": g.throughput.median(), "optimizer_steps": g.optimizer_steps.median(),
+                   "eval_s": g.eval_total_s.median(), "physical_limit": str(g.physical_limit.iloc[0]),
+                   "slow_mode": str(g.slow_mode.iloc[0]) if "slow_mode" in g else ""}
+            row["noisy"] = bool(row["ttt_iqr"] > 0.1 * row["ttt_median"]) if row["ttt_median"] > 0 else False
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _f(v: Any, digits: int = 3) -> str:
+    if isinstance(v, float):
+        return "n/a" if math.isnan(v) else f"{v:.{digits}g}"
+    return str(v)
+
+
+def cell_table(cell: pd.DataFrame) -> str:
+    head = ["arm", "time to target s (median [IQR])", "/ plain Horovod [IQR]", "/ best static", "final",
+            "final@T", "idle", "samples/s", "optimizer steps", "eval s", "missed", "noisy"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for _, r in cell.iterrows():
+        miss = f"**{r.missed}/{r.seeds}**" if r.missed else f"0/{r.seeds}"
+        lines.append(f"| {r.arm}{' (best static)' if r.arm == r.best_static else ''} | "
+                     f"{_f(r.ttt_median)} [{_f(r.ttt_iqr, 2)}] | {_f(r.vs_plain)} [{_f(r.vs_plain_iqr, 2)}] | "
+                     f"{_f(r.vs_best_static)} | {_f(r.final, 4)} | {_f(r.final_at_budget, 4)} | {_f(r.idle, 2)} | "
+                     f"{_f(r.throughput)} | {_f(r.optimizer_steps)} | {_f(r.eval_s, 2)} | {miss} | "
+                     f"{'yes' if r.noisy else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str, Any]) -> str:
+    """summary.md: the machine, then per workload x condition the table and its two figures."""
+    out = [f"# Benchmark suite: {info['config']['name']}\n",
+           f"`{info['command']}`, {info['date']}, {info.get('wall_s', '?')} s. Machine: {info['cpu']}, "
+           f"{info['cores']} cores, {info['memory_mib']} MiB; load average before {info['load_before'][0]:.2f}, "
+           f"after {info.get('load_after', [math.nan])[0]:.2f}. Python {info['python']}, torch {info['torch']}, "
+           f"Horovod {info['horovod']}, dynamix_hvd {info['dynamix_hvd']}, commit {info['git_commit'][:12]}"
+           f"{' (uncommitted changes)' if info.get('git_dirty') else ''}.\n",
+           "Times are training seconds (evaluation excluded, its total is the 'eval s' column). Ratios are "
+           "paired by seed (median [IQR]); **k/n missed**: k runs never reached the target and count with "
+           "their full time. final: metric after the epoch budget; final@T: at the wall-time budget. "
+           "Definitions: `bench/suite_report.py`.\n"]
+    if table.empty:
+        out.append("No job finished.\n")
+    for (w, c), cell in table.groupby(["workload", "condition"], sort=False):
+        describe = info["config"]["conditions"].get(c, c)
+        out.append(f"## {w} / {c}\n\n{describe}. Physical limit (best split / equal split): "
+                   f"**{cell.physical_limit.iloc[0]}**x"
+                   + (". The slowed rank SLEEPS instead of spinning (more ranks than cores)."
+                      if cell.slow_mode.iloc[0] == "sleep" else ".") + "\n")
+        out.append(cell_table(cell))
+        out.append(f"![metric vs time](plots/metric_{w}_{c}.png) ![batch sizes](plots/sizes_{w}_{c}.png)\n")
+    bad = runs[runs.status != "ok"] if "status" in runs else runs
+    if len(bad):
+        out.append("## Jobs without a result\n\n" + "\n".join(
+            f"- {r.workload}/{r.condition}/{r.arm} seed {r.seed}: {r.status}" for _, r in bad.iterrows()) + "\n")
+    return "\n".join(out)
+
+
+def write_raw(runs: pd.DataFrame, out: Path) -> None:
+    """evals.csv (every evaluation of every job) and sizes.csv (each rank's batch size when it changed)."""
+    evals, sizes = [], []
+    for _, r in runs[runs.status == "ok"].iterrows() if "status" in runs else []:
+        d, tag = Path(r.run_dir), {"workload": r.workload, "condition": r.condition, "arm": r.arm, "seed": r.seed}
+        evals.append(pd.read_csv(d / "suite_evals.csv").assign(**tag))
+        steps = pd.read_csv(d / "suite_steps.csv").sort_values(["rank", "step"])
+        changed = steps.local_batch != steps.groupby("rank").local_batch.shift()
+        sizes.append(steps[changed][["rank", "step", "t_s", "local_batch"]].assign(**tag))
+    for frames, name in ((evals, "evals.csv"), (sizes, "sizes.csv")):
+        if frames:
+            pd.concat(frames, ignore_index=True).to_csv(out / name, index=False)
+
+
+def plot_cells(runs: pd.DataFrame, out: Path) -> list[Path]:
+    """Per workload x condition: metric vs training time (every arm, every seed) and the batch size
+    of each rank over time (one panel per arm, lowest seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    ok = runs[runs.status == "ok"] if "status" in runs else runs.iloc[0:0]
+    for (w, c), cell in ok.groupby(["workload", "condition"], sort=False):
+        arms = list(dict.fromkeys(cell.arm))
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for i, arm in enumerate(arms):
+            for j, (_, r) in enumerate(cell[cell.arm == arm].iterrows()):
+                e = pd.read_csv(Path(r.run_dir) / "suite_evals.csv")
+                ax.plot(e.train_s, e.value, color=f"C{i % 10}", lw=2 if arm == PLAIN else 1,
+                        ls="--" if arm == PLAIN else "-", alpha=0.8, label=arm if j == 0 else None)
+        ax.set(xlabel="training time (s, evaluation excluded)", ylabel="test metric", title=f"{w} / {c}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        written.append(out / f"metric_{w}_{c}.png")
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+
+        cols = min(4, len(arms))
+        rows = (len(arms) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False, sharey=True)
+        for ax, arm in zip(axes.flat, arms):
+            r = cell[cell.arm == arm].sort_values("seed").iloc[0]
+            steps = pd.read_csv(Path(r.run_dir) / "suite_steps.csv")
+            for rank, s in steps.groupby("rank"):
+                ax.step(s.t_s, s.local_batch, where="post", label=f"rank {rank}", lw=1)
+            ax.set_title(f"{arm} (seed {r.seed})", fontsize=8)
+            ax.set_yscale("log", base=2)
+        for ax in axes.flat[len(arms):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.supxlabel("training time (s)")
+        fig.supylabel("local batch size")
+        fig.suptitle(f"{w} / {c}: batch size per rank")
+        fig.tight_layout()
+        written.append(out / f"sizes_{w}_{c}.png")
+        fig.savefig(written[-1], dpi=90)
+        plt.close(fig)
+    return written

@@ -1,0 +1,303 @@
+"""The benchmark suite (bench/suite.py): `--quick` end to end as a real subprocess running real
+mpirun jobs; its statistics on synthetic records; the interleaving; the physical limit; the slowed
+rank's modes; and the namespaced, shaped network the network conditions use."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench import suite
+from bench.conditions import (Condition, NetworkNamespaces, cleanup_stale, netem_available, parse_pairs,
+                              physical_limit, slow_args, split_limit)
+from bench.suite_report import PLAIN, measure, summarize, summary_markdown
+from dynamix_hvd.examples.common import Slowdown
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_quick_suite_end_to_end(tmp_path, job_env):
+    out, runs_dir = tmp_path / "results", tmp_path / "runs"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(out), "--runs-dir",
+                           str(runs_dir)], cwd=REPO, env=job_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    took = time.perf_counter() - t0
+
+    info = json.loads((out / "machine.json").read_text())
+    for key in ("cpu", "cores", "memory_mib", "load_before", "load_after", "date", "python", "torch", "horovod",
+                "dynamix_hvd", "git_commit", "command", "wall_s"):
+        assert key in info and info[key] not in ("", None), key
+    assert info["command"].endswith(f"--quick --out {out} --runs-dir {runs_dir}")
+    assert info["wall_s"] <= took
+    runs = pd.read_csv(out / "runs.csv")
+    assert (runs.status == "ok").all(), runs.status.tolist()
+    assert sorted(runs.arm) == sorted([PLAIN, "static-32", "speed-split"])
+    assert (runs.physical_limit.astype(float) == 1.5).all()  # one of 2 ranks 2x slower
+    for name in ("evals.csv", "sizes.csv", "summary.csv", "summary.md", "plots/metric_cnn-quick_slow2x.png",
+                 "plots/sizes_cnn-quick_slow2x.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+
+    # The raw records hold every evaluation; the table's numbers are recomputed from them here.
+    evals = pd.read_csv(out / "evals.csv")
+    target = suite.WORKLOADS["cnn-quick"].target
+    for _, r in runs.iterrows():
+        e = evals[evals.arm == r.arm]
+        assert list(e.samples) == sorted(e.samples) and len(e) >= 4  # every 500 samples, 2 epochs of 1,000
+        hit = e[e.value >= target]
+        result = json.loads((Path(r.run_dir) / "suite_result.json").read_text())
+        expected = float(hit.train_s.iloc[0]) if len(hit) else result["train_s"]
+        assert r.time_to_target_s == pytest.approx(expected)
+        assert r.final == pytest.approx(float(e.value.iloc[-1]))
+        assert result["eval_total_s"] == pytest.approx(e.eval_s.sum())
+        assert r.optimizer_steps == 32 and r.samples == 2000  # 16 steps of 64 (the last one 40) x 2 epochs
+    summary = pd.read_csv(out / "summary.csv").set_index("arm")
+    plain_t = runs.set_index("arm").time_to_target_s[PLAIN]
+    for arm in summary.index:
+        assert summary.loc[arm, "vs_plain"] == pytest.approx(runs.set_index("arm").time_to_target_s[arm] / plain_t)
+    assert summary.loc[PLAIN, "vs_plain"] == pytest.approx(1.0)
+    assert summary.loc["static-32", "vs_best_static"] == pytest.approx(1.0)  # the only static arm
+
+    # Same model, LR and data order: plain Horovod and the project's static arm at the same sizes
+    # train the same network (identical test accuracy at every evaluation, up to rounding).
+    plain, static = (evals[evals.arm == a].value.to_numpy() for a in (PLAIN, "static-32"))
+    assert np.abs(plain - static).max() <= 0.01, (plain, static)
+    # The condition reached the job: speed-split moved samples away from the 2x slower rank 1.
+    sizes = pd.read_csv(out / "sizes.csv")
+    steps = pd.read_csv(Path(runs.set_index("arm").run_dir["speed-split"]) / "suite_steps.csv")
+    last = steps[steps.global_batch == 64].groupby("rank").local_batch.last()  # not an epoch's partial last step
+    assert last[0] > last[1] and last.sum() == 64, last
+    assert set(sizes[sizes.arm == PLAIN].local_batch) <= {32, 20}  # equal batches (the last one 20)
+    text = (out / "summary.md").read_text()
+    assert "Physical limit (best split / equal split): **1.50**x" in text and "plain-horovod" in text
+
+
+def _fake_run(d: Path, *, reached: bool, ttt: float, train_s: float, final: float, idle=(0.1, 0.3)) -> str:
+    d.mkdir(parents=True)
+    evals = pd.DataFrame({"train_s": [train_s / 2, train_s], "eval_s": [0.5, 0.5], "value": [final - 0.1, final],
+                          "samples": [10, 20], "steps": [1, 2], "epoch": [0, 0]})
+    evals.to_csv(d / "suite_evals.csv", index=False)
+    (d / "suite_result.json").write_text(json.dumps({
+        "train_s": train_s, "eval_total_s": 1.0, "samples": 20, "optimizer_steps": 2, "reached": reached,
+        "time_to_target_s": ttt if reached else math.inf, "final": final, "throughput": 20 / train_s,
+        "idle_fraction": {"0": idle[0], "1": idle[1]}, "per_rank": {"1": {"stalls": [[1.0, 0.2]]}}}))
+    return str(d)
+
+
+def test_summary_maths_on_synthetic_records(tmp_path):
+    # seeds 0..4; plain: 100, 110, 120, 130, 140 s; static-16 always 0.8x plain; static-32 0.9x;
+    # ppo: 0.5x plain, except seed 4 where it misses (full time 200 s counts)
+    rows = []
+    plain = [100.0, 110.0, 120.0, 130.0, 140.0]
+    for seed, p in enumerate(plain):
+        for arm, t in ((PLAIN, p), ("static-16", 0.8 * p), ("static-32", 0.9 * p), ("ppo", 0.5 * p)):
+            missed = arm == "ppo" and seed == 4
+            d = _fake_run(tmp_path / f"{arm}_{seed}", reached=not missed, ttt=t, train_s=200.0 if missed else t + 5,
+                          final=0.95)
+            rows.append({"workload": "cnn", "condition": "slow3x", "arm": arm, "seed": seed, "status": "ok",
+                         "physical_limit": "2.00", "slow_mode": "spin", "run_dir": d, **measure(Path(d), 100.0)})
+    runs = pd.DataFrame(rows)
+    missed = runs[(runs.arm == "ppo") & (runs.seed == 4)].iloc[0]
+    assert missed.missed and not missed.reached and missed.time_to_target_s == 200.0  # full time, flagged
+    assert missed.idle_mean == pytest.approx(0.2) and missed.idle_per_rank == "0.10/0.30" and missed.stalls == 1
+    # final@T: the last evaluation within the 100 s budget (plain: train_s/2 <= 100 < train_s)
+    assert runs[runs.arm == PLAIN].final_at_budget.tolist() == pytest.approx([0.85] * 5)
+
+    table = summarize(runs, {"cnn": "accuracy"}).set_index("arm")
+    assert (table.best_static == "static-16").all()  # lowest median time in hindsight
+    assert table.loc[PLAIN, "ttt_median"] == 120.0 and table.loc[PLAIN, "ttt_iqr"] == pytest.approx(20.0)
+    assert table.loc["static-16", "vs_plain"] == pytest.approx(0.8) and table.loc["static-16", "vs_plain_iqr"] == \
+        pytest.approx(0.0, abs=1e-12)
+    # ppo ratios per seed: 0.5, 0.5, 0.5, 0.5, 200/140 -> median 0.5, IQR 0; vs best static 0.625
+    assert table.loc["ppo", "vs_plain"] == pytest.approx(0.5)
+    assert table.loc["ppo", "vs_best_static"] == pytest.approx(0.5 / 0.8)
+    assert table.loc["ppo", "missed"] == 1 and table.loc[PLAIN, "missed"] == 0
+    # ppo times: 50, 55, 60, 65, 200 -> median 60, IQR 10 (> 10% of 60): noisy; plain 20/120 noisy too
+    assert table.loc["ppo", "ttt_median"] == 60.0 and table.loc["ppo", "noisy"]
+    runs_quiet = runs.copy()
+    runs_quiet.loc[runs_quiet.arm == PLAIN, "time_to_target_s"] = [100.0, 101.0, 102.0, 103.0, 104.0]
+    assert not summarize(runs_quiet, {"cnn": "accuracy"}).set_index("arm").loc[PLAIN, "noisy"]  # IQR 2 of 102
+
+    info = {"config": {"name": "t", "conditions": {"slow3x": "2 ranks, rank 1 x3 slower"}}, "command": "c",
+            "date": "d", "cpu": "cpu", "cores": 2, "memory_mib": 1, "load_before": [0.1], "load_after": [0.2],
+            "python": "3", "torch": "t", "horovod": "h", "dynamix_hvd": "x", "git_commit": "abc"}
+    text = summary_markdown(summarize(runs, {"cnn": "accuracy"}), runs, info)
+    assert "**2.00**x" in text and "| ppo | 60 [10] | 0.5 [0] | 0.625 |" in text and "**1/5**" in text
+    assert "static-16 (best static)" in text
+
+
+def test_loss_metric_prefers_the_lower_final_on_ties(tmp_path):
+    rows = []
+    for arm, final in (("static-8", 2.0), ("static-16", 1.5)):
+        d = _fake_run(tmp_path / arm, reached=True, ttt=10.0, train_s=20.0, final=final)
+        rows.append({"workload": "charlm", "condition": "none", "arm": arm, "seed": 0, "status": "ok",
+                     "physical_limit": "1.00", "slow_mode": "", "run_dir": d, **measure(Path(d), 60.0)})
+    table = summarize(pd.DataFrame(rows), {"charlm": "loss"})
+    assert set(table.best_static) == {"static-16"}
+
+
+def test_arms_are_interleaved_across_seeds():
+    assert suite.rotate(list("abcd"), 0) == list("abcd") and suite.rotate(list("abcd"), 1) == list("bcda")
+    assert suite.rotate(list("abcd"), 5) == list("bcda")
+    groups = [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ["plain", "static", "ppo"], "seeds": 3},
+              {"workloads": ["mlp"], "conditions": ["none"], "arms": ["plain", "ppo"], "seeds": 1}]
+    jobs = suite.expand(groups)
+    assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed by seed
+    first = {}
+    for j in jobs:
+        first.setdefault((j.seed, j.workload.name, j.condition.name), j.arm.label)
+    assert [first[(s, "cnn", "none")] for s in range(3)] == [PLAIN, "static-16", "static-32"]
+    labels = {s: [j.arm.label for j in jobs if j.seed == s and j.workload.name == "cnn" and j.condition.name == "none"]
+              for s in range(3)}
+    assert all(sorted(v) == sorted(labels[0]) for v in labels.values()) and len(labels[0]) == 5
+    assert sum(j.workload.name == "mlp" for j in jobs) == 2  # its group has one seed
+    with pytest.raises(ValueError, match="unknown arm 'nope'"):
+        suite.arms(suite.WORKLOADS["cnn"], ["nope"])
+
+
+def test_every_configuration_expands_and_plain_horovod_is_in_every_cell():
+    for name, groups in suite.CONFIGS.items():
+        jobs = suite.expand(groups)
+        assert jobs, name
+        cells = {(j.workload.name, j.condition.name) for j in jobs}
+        assert all(any(j.arm.label == PLAIN and (j.workload.name, j.condition.name) == c for j in jobs) for c in cells)
+        assert all(j.condition.ranks <= 2 or j.condition.slow_mode == "sleep" for j in jobs), name
+    argv = suite.job_argv(suite.Job(suite.WORKLOADS["cnn"], suite.CONDITIONS["scale4-slow3x"],
+                                    suite.arms(suite.WORKLOADS["cnn"], ["plain"])[0], 2), Path("/x"))
+    assert "--plain-horovod" in argv and argv[argv.index("--batch-sizes") + 1] == "32,32,32,32"
+    assert argv[argv.index("--slow-mode") + 1] == "sleep" and argv[argv.index("--seed") + 1] == "2"
+
+
+def test_physical_limit():
+    assert split_limit([1.0, 1.0 / 3]) == pytest.approx(2.0)
+    assert split_limit([1.0, 0.5]) == pytest.approx(1.5)
+    assert split_limit([1.0, 1.0, 1.0, 1.0 / 3]) == pytest.approx(2.5)  # (3 + 1/3) / (4 x 1/3)
+    assert split_limit([2.0, 2.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="speeds"):
+        split_limit([1.0, 0.0])
+    assert physical_limit(suite.CONDITIONS["slow3x"]) == "2.00"
+    assert physical_limit(suite.CONDITIONS["none"]) == "1.00"
+    assert physical_limit(suite.CONDITIONS["slow-varying"]) == "1.00 then 2.00 then 1.25"
+    assert physical_limit(suite.CONDITIONS["stalls"]).startswith("n/a")
+    assert physical_limit(suite.CONDITIONS["scale4-slow3x"]) == "2.50"
+
+
+def test_condition_flags():
+    assert parse_pairs("15:1, 0:2") == [(0.0, 2.0), (15.0, 1.0)]
+    c = Condition("x", 2, slow_rank=1, slow_factor=2.0, slow_schedule="5:3")
+    assert slow_args(c) == ["--slow-rank", "1", "--slow-factor", "2.0", "--slow-mode", "spin", "--slow-schedule", "5:3"]
+    stalls = suite.CONDITIONS["stalls"]
+    assert slow_args(stalls)[-4:] == ["--stall-rate", "0.5", "--stall-ms", "200.0"]
+    assert slow_args(Condition("n", 2)) == []
+    assert "SLEEPS" in suite.CONDITIONS["scale4-slow3x"].describe()
+    assert "stalls" in stalls.describe()
+
+
+def test_slowdown_spins_or_sleeps_and_stalls_are_heavy_tailed():
+    for mode in ("spin", "sleep"):
+        slow = Slowdown(True, 0.0, 3.0, [], mode=mode)
+        slow.per_sample = 0.001  # 1 ms per sample: a batch of 40 waits (3 - 1) x 40 ms = 80 ms
+        cpu, wall = time.thread_time(), time.perf_counter()
+        slow.before_compute(40)
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        assert wall >= 0.079
+        assert (cpu >= 0.079) if mode == "spin" else (cpu < 0.02), (mode, cpu)
+    with pytest.raises(ValueError, match="slow mode 'nap'"):
+        Slowdown(True, 0.0, 2.0, [], mode="nap")
+    # stalls: Poisson times, Pareto lengths in [stall_ms, 10 x stall_ms], the same for the same seed
+    clock = [0.0]
+    draws = []
+    for seed in (3, 3, 4):
+        slow = Slowdown(True, 0.0, 1.0, [], mode="sleep", stall_rate=2.0, stall_ms=0.01, seed=seed)
+        clock[0] = 0.0
+        slow.clock = lambda: clock[0]
+        for _ in range(2000):
+            clock[0] += 0.05
+            slow.before_compute(1)
+        draws.append(slow.stalls)
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    lengths = np.array([p for _, p in draws[0]])
+    assert 150 < len(lengths) < 250  # ~2 per second over 100 s
+    assert lengths.min() >= 1e-5 - 1e-9 and lengths.max() <= 1e-4 + 1e-9
+    assert np.median(lengths) < lengths.mean()  # skewed to the right
+
+
+def _require_netns() -> None:
+    """The suite runs as root with iproute2 (launch/setup_env.sh installs it); fail loudly otherwise."""
+    assert os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"), \
+        "network-namespace tests need root and iproute2 (apt-get install iproute2)"
+
+
+def NEEDS_NETNS(test):  # noqa: N802 - reads like the marker it replaces
+    def wrapped(*args, **kwargs):
+        _require_netns()
+        return test(*args, **kwargs)
+    wrapped.__name__, wrapped.__doc__ = test.__name__, test.__doc__
+    import inspect
+    wrapped.__signature__ = inspect.signature(test)
+    return wrapped
+ALLREDUCE = """
+import sys, time, numpy as np
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+a = np.ones(1 << 18, dtype=np.float32); b = np.empty_like(a)
+c.Allreduce(a, b); t = time.perf_counter()
+for _ in range(3): c.Allreduce(a, b)
+open(f"{sys.argv[1]}/rank{c.rank}.txt", "w").write(f"{float(b[0])} {(time.perf_counter() - t) / 3}")
+"""
+
+
+@NEEDS_NETNS
+def test_ranks_in_namespaces_over_a_shaped_link(tmp_path, job_env):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    seconds = {}
+    for rate in (None, 8.0):
+        with NetworkNamespaces(2, rate) as net:
+            assert net.subnet.subnet_of(ipaddress.ip_network("198.18.0.0/15"))
+            cmd, extra = net.mpirun([sys.executable, str(script), str(tmp_path)], ["OMP_NUM_THREADS"])
+            res = subprocess.run(cmd, env={**job_env, **extra}, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            results = [[float(v) for v in (tmp_path / f"rank{r}.txt").read_text().split()] for r in (0, 1)]
+            assert all(value == 2.0 for value, _ in results)  # the sum over both ranks arrived
+            seconds[rate] = float(np.median([took for _, took in results]))
+            if rate:
+                assert "tbf" in net.stats()[0]
+        names = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert f"dx{net.tag}" not in names  # torn down
+        assert not any(ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+                       for ns in net.namespaces)
+    # 1 MiB allreduce: ring sends ~1 MiB per rank; at 8 Mbit/s that is >= ~0.5 s, unshaped veth ~ms.
+    assert seconds[8.0] > 0.3 and seconds[8.0] > 5 * seconds[None], seconds
+
+
+def test_netem_probe_reports_a_reason():
+    _require_netns()
+    ok, why = netem_available()
+    assert isinstance(ok, bool) and why
+
+
+def test_namespaces_of_a_killed_benchmark_are_removed():
+    _require_netns()
+    code = ("import time; from bench.conditions import NetworkNamespaces; "
+            "n = NetworkNamespaces(2, 10.0).__enter__(); print(n.tag, flush=True); time.sleep(120)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
+    tag = proc.stdout.readline().strip()
+    proc.kill()
+    proc.wait()
+    listed = lambda: subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout  # noqa: E731
+    assert tag and f"dx{tag}n0" in listed()
+    removed = cleanup_stale()
+    assert {f"dx{tag}n0", f"dx{tag}n1", f"dx{tag}br"} <= set(removed)
+    assert f"dx{tag}" not in listed() + subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
