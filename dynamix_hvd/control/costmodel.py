@@ -22,7 +22,7 @@ so only the pair is a speed. The fit:
   still dither them a little to keep the fits identified (see :mod:`dynamix_hvd.control.proposal`);
 - T_net and gamma by minimising the mean absolute log error of T_sync over a grid of gamma, T_net
   the weighted median that fits each gamma; gamma = 1 (no overlap, pessimistic) unless another fits
-  clearly better, which needs arrivals that vary relative to T_net.
+  clearly better, which needs arrival times that vary (by more than 20% among the recent points).
 
 Every step's points are kept (subsampled to `points_per_interval` per interval, each carrying the
 weight of the steps it stands for), at most `capacity` of them.
@@ -247,7 +247,8 @@ class CostModel:
             return NetworkFit(0.0, 1.0, overhead)
         A, S, w = self._arrival[ok], np.maximum(self._sync[ok], self._arrival[ok]), w[ok]
         best: tuple[float, float, float] | None = None
-        for g in GAMMAS:
+        varied = A[w > 1e-3 * w.max()]
+        for g in GAMMAS if varied.max() > 1.2 * varied.min() else GAMMAS[:1]:
             net = weighted_median((S ** g - A ** g) ** (1.0 / g), w)
             err = float(np.sum(w * np.abs(np.log((A ** g + net ** g) ** (1.0 / g) / S))) / w.sum())
             if best is None or err < 0.98 * best[0] - 1e-4:  # prefer no overlap unless clearly better
