@@ -15,7 +15,8 @@ so only the pair is a speed. The fit:
 - exponential forgetting: a point's weight halves every `half_life_steps` steps, so a rank that
   changes speed is followed within a few half-lives;
 - identifiability: the slope needs at least two batch sizes. While a rank's (weighted) sizes spread
-  less than `min_spread`, its fit is `identified = False` and the two uses differ: the split assumes
+  less than `min_spread`, or its slope's standard error exceeds `max_rel_se` of it, its fit is
+  `identified = False` and the two uses differ: the split assumes
   no fixed cost (sizes proportional to speed, which never pushes a rank below its equalising share),
   the throughput model pins a_i to `pinned_fixed_share` of the measured time (AdaptDL pins alpha_c to
   about half the compute, optimistic but bounded about larger batches). Policies that hold sizes
@@ -54,11 +55,14 @@ class CostConfig:
     """Weighted coefficient of variation of a rank's batch sizes below which its slope is not identified."""
     pinned_fixed_share: float = 0.5
     """Fixed share of the measured time assumed by the throughput model while a rank is not identified."""
+    max_rel_se: float = 0.25
+    """A slope whose standard error exceeds this fraction of it does not count as identified (two
+    nearly equal sizes and timing noise give a line that would mislead the split)."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
-                and 0 <= self.pinned_fixed_share < 1):
+                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0):
             raise ValueError(f"invalid CostConfig {self}: half_life_steps, huber_k > 0; capacity >= 2; "
                              f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1")
 
@@ -228,6 +232,8 @@ class CostModel:
         with np.errstate(divide="ignore", invalid="ignore"):
             se_c = np.where(ident, np.sqrt(sigma2 / (n_eff * vb)), np.inf)
             se_a = np.where(ident, np.sqrt(sigma2 * (1 / n_eff + mb ** 2 / (n_eff * vb))), np.inf)
+        ident = ident & (se_c < cfg.max_rel_se * c)
+        se_c, se_a = np.where(ident, se_c, np.inf), np.where(ident, se_a, np.inf)
         pin = cfg.pinned_fixed_share
         a = np.where(ident, a, pin * mt)
         c = np.where(ident, c, (1 - pin) * mt / mb)
