@@ -45,7 +45,9 @@ def sample_input(rank: int, steps: int = 4, layers: int = 3) -> RankInput:
                         net_bytes_per_s=1e6, tcp_retrans_per_s=0.0, loss_mean=math.nan if rank else 1.25,
                         local_grad_sq=2.5, global_grad_sq=1.5, max_batch=512)
     series = StepSeries([16 + rank] * steps, [1.0 + k / 7 for k in range(steps)], [0.5 + k for k in range(steps)],
-                        [math.nan if k == 1 else 2.0 - k / 3 for k in range(steps)], "cuda" if rank else "rss")
+                        [math.nan if k == 1 else 2.0 - k / 3 for k in range(steps)], "cuda" if rank else "rss",
+                        [0.01 * (rank + 1) + 1e-4 * k for k in range(steps)], [2e-4] * steps,
+                        [math.nan if rank == 2 else 1e-3 / (k + 1) for k in range(steps)])
     means = LayerMeans([0.1 * (i + 1) for i in range(layers)], [0.01 * (i + 1) for i in range(layers)]) if layers else None
     return RankInput(report, series, means)
 
@@ -54,12 +56,12 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     for layers in (3, 0):
         inputs = [sample_input(r, layers=layers) for r in range(3)]
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 22 + 16 + 2 * layers)
+        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 22 + 7 * 4 + 2 * layers)
         back = wire.decode_reports(rows)
         assert all(same(a.to_dict(), b.to_dict()) for a, b in zip(inputs, back))
         assert all(type(b.report.peak_memory_bytes) is int and type(b.steps.local_batch[0]) is int for b in back)
     assert back[1].layers is None and back[1].steps.memory_kind == "cuda"
-    with pytest.raises(ValueError, match="does not match its 37 values"):
+    with pytest.raises(ValueError, match="does not match its 49 values"):
         wire.decode_report(rows[0][:-1])
     assert same(wire.padded_losses([1.0, 2.0], 4), [1.0, 2.0, math.nan, math.nan])
     assert wire.padded_losses([1.0, 2.0, 3.0], 2) == [1.0, 2.0]

@@ -10,19 +10,21 @@ from .actions import ActionSpace
 from .core import DecisionCore
 from .policy import BatchSizePolicy, PPOPolicy, StaticPolicy
 from .policy_store import DEFAULT_POLICY, load_policy
+from .proposal import ModelPolicy
 from .reward import RewardConfig
 from .rules import BASELINES, make_baseline
 from ..rl.ppo import PPOConfig
 from ..stats.noise_scale import StatsConfig
 
-POLICY_NAMES = ("ppo", "static", *sorted(BASELINES))
+POLICY_NAMES = ("ppo", "static", "model", *sorted(BASELINES))
 
 
 @dataclass
 class ControllerConfig:
     policy: str = "ppo"
-    """Decision maker: "ppo" (DYNAMIX), "static", or a classic rule from `dynamix_hvd.control.rules`
-    (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
+    """Decision maker: "ppo" (DYNAMIX), "static", "model" (the cost-model proposal of
+    `dynamix_hvd.control.proposal`; policy_kwargs go to its ProposalConfig), or a classic rule from
+    `dynamix_hvd.control.rules` (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_kwargs: dict = field(default_factory=dict)
     """Parameters of a classic rule, e.g. {"end": 512, "ramp": 10} for linear-ramp."""
     policy_file: str | None = DEFAULT_POLICY
@@ -90,6 +92,8 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     """The policy `cfg` names (PPO weights are loaded from the policy store)."""
     if cfg.policy == "static":
         return StaticPolicy()
+    if cfg.policy == "model":
+        return ModelPolicy(**cfg.policy_kwargs)
     if cfg.policy in BASELINES:
         return make_baseline(cfg.policy, **cfg.policy_kwargs)
     actions = ActionSpace(tuple(cfg.multipliers))

@@ -165,7 +165,9 @@ class DynamixController:
         steps = StepSeries(local_batch=[r.local_batch for r in records], local_sq=[r.local_grad_sq for r in records],
                            global_sq=[r.global_grad_sq for r in records],
                            losses=wire.padded_losses(losses, len(records)),
-                           memory_kind=records[-1].memory_kind if records else "rss")
+                           memory_kind=records[-1].memory_kind if records else "rss",
+                           compute_s=[r.compute_s for r in records], data_wait_s=[r.data_wait_s for r in records],
+                           sync_wait_s=[r.sync_wait_s for r in records])
         layers = self.optimizer.pop_layer_means()
         return RankInput(report, steps, None if layers is None else LayerMeans(*layers))
 

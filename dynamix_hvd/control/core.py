@@ -23,14 +23,22 @@ import numpy as np
 import torch
 
 from .actions import BatchBounds
+from .costmodel import CostModel, record_reports
 from .policy import BatchSizePolicy, DecisionInput
 from .reward import RewardConfig, compute_reward, global_throughput
 from .state import GlobalContext, RankReport, build_observation
 from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate
 
+NOISE_Z = 1.0
+"""Width, in standard errors, of the lower confidence bound on the noise scale handed to policies."""
+
 MEMORY_KINDS = ("rss", "cuda")
 """How a rank measured its peak memory: process RSS, or CUDA's allocator peak (a per-step
 measurement, so only "cuda" reports fit the memory bounds)."""
+
+
+TIMED = ("compute_s", "data_wait_s", "sync_wait_s")
+"""The per-step times of a StepSeries (what the cost model fits)."""
 
 
 @dataclass
@@ -45,10 +53,19 @@ class StepSeries:
     losses: list[float]
     """This rank's loss at each step; NaN where it recorded none."""
     memory_kind: str = "rss"
+    compute_s: list[float] = field(default_factory=list)
+    """Forward + backward of each step (s); empty: not timed (filled with NaN)."""
+    data_wait_s: list[float] = field(default_factory=list)
+    """Wait for each step's batch (s)."""
+    sync_wait_s: list[float] = field(default_factory=list)
+    """Allreduce wait of each step (s)."""
 
     def __post_init__(self) -> None:
         n = len(self.local_batch)
-        for name in ("local_sq", "global_sq", "losses"):
+        for name in TIMED:
+            if n and not getattr(self, name):
+                setattr(self, name, [math.nan] * n)
+        for name in ("local_sq", "global_sq", "losses", *TIMED):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"StepSeries.{name} has {len(getattr(self, name))} steps, local_batch has {n}")
         if self.memory_kind not in MEMORY_KINDS:
@@ -171,6 +188,7 @@ class DecisionCore:
         self.layer_names = None if layer_names is None else list(layer_names)
         self.bounds = BatchBounds(world_size, min_batch, max_batch)
         self.stats = GradientStatistics(self.stats_cfg)
+        self.costs = CostModel(world_size)
         self.base_batch = base_batch
         self.ref_goodput = self.ref_tput = 0.0
         self.prev_loss = math.nan
@@ -213,7 +231,9 @@ class DecisionCore:
                            self._layer_variance(inputs, sizes))
 
     def policy_input(self, seen: Observation) -> DecisionInput:
-        return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward)
+        lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
+        return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
+                             costs=self.costs, noise_lower=lower, noise_point=point)
 
     def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them."""
@@ -238,6 +258,26 @@ class DecisionCore:
             step_losses = [(i.steps.losses[k], b) for i, b in zip(inputs, batches) if math.isfinite(i.steps.losses[k])]
             loss = sum(l * b for l, b in step_losses) / sum(b for _, b in step_losses) if step_losses else None
             self.stats.record(batches, [i.steps.local_sq[k] for i in inputs], inputs[0].steps.global_sq[k], loss)
+        self._record_costs(inputs, n)
+
+    def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:
+        """Feed the per-step (batch, arrival, end of allreduce) points into the cost model; intervals
+        reported without per-step times (older peers) give one point of their means."""
+        if self.costs.world_size != len(inputs):
+            self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
+        reports = [i.report for i in inputs]
+        overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
+        if n and all(math.isfinite(i.steps.compute_s[0]) for i in inputs):
+            b = np.array([i.steps.local_batch[:n] for i in inputs], dtype=np.float64).T
+            arrival = np.array([np.add(i.steps.compute_s[:n], np.nan_to_num(i.steps.data_wait_s[:n]))
+                                for i in inputs]).T
+            wait = np.array([i.steps.sync_wait_s[:n] for i in inputs], dtype=np.float64).T
+            self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead)
+        elif all(r.compute_s > 0 for r in reports):
+            arrival = [r.compute_s + r.data_wait_s for r in reports]
+            sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))
+            record_reports(self.costs, [r.local_batch for r in reports], arrival, sync, overhead,
+                           max(min(r.steps for r in reports), 1))
 
     def _layer_variance(self, inputs: Sequence[RankInput], sizes: list[int]) -> dict[str, float] | None:
         """Per-parameter gradient variance tr(Sigma_l) over the interval (unbiased, pooled over ranks)."""
@@ -256,7 +296,7 @@ class DecisionCore:
                 "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
                 "base_batch": self.base_batch, "decisions": self.decisions,
-                "learned_max": list(self.bounds.learned_max)}
+                "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
         """Restore `state_dict()` output into a job of `world_size` ranks (default: this core's); a
@@ -270,6 +310,10 @@ class DecisionCore:
         self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
         self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
         self.decisions = int(state["decisions"])
+        costs = state.get("costs")  # absent in checkpoints from before the cost model
+        self.costs = CostModel(world, self.costs.cfg)
+        if costs is not None and int(costs["world_size"]) == world:
+            self.costs.load_state_dict(costs)
         if len(state["learned_max"]) == world:
             if self.world_size == world:
                 self.bounds.learned_max = [int(b) for b in state["learned_max"]]

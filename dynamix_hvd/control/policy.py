@@ -6,12 +6,14 @@ be swapped by name and compared side by side.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 import torch
 
 from .actions import ActionSpace, BatchBounds, apply_actions
+from .costmodel import CostModel
 from ..rl.ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES, GlobalContext, RankReport
 
@@ -24,6 +26,9 @@ class DecisionInput:
     sizes: Sequence[int]
     bounds: BatchBounds
     reward: torch.Tensor | None       # [R] reward earned by the previous decision (None at the first)
+    costs: CostModel | None = None    # per-step cost fits (the core's); None when built by hand
+    noise_lower: float = math.nan     # lower confidence bound on the noise scale (NaN: unknown)
+    noise_point: float = math.nan     # its continuous point estimate (NaN: unknown)
 
 
 @dataclass

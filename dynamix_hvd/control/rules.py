@@ -10,27 +10,22 @@ are selectable by name through `make_baseline`. Schedules count decisions (one p
 - ``increase-batch``    Smith et al. 2018: where a step LR schedule would divide the LR by `factor`
                         (at the progress `milestones`), multiply B by `factor` instead.
 - ``noise-scale``       B follows the measured gradient noise scale B_simple (times `scale`).
-- ``goodput``           Pollux/AdaptDL: fit per-rank compute time alpha_i + beta_i*b, pick the B that
-                        maximises throughput x statistical efficiency; switch only for > 5% gain.
-- ``speed-split``       keep B, split it in proportion to each rank's measured speed (stragglers only).
+- ``goodput``           Pollux/AdaptDL: fitted per-rank costs, network and overlap; the B from the initial
+                        batch up that maximises throughput x statistical efficiency; > 5% gain to switch.
+- ``speed-split``       keep B, split it so that all ranks arrive at the allreduce together.
+
+``goodput`` and ``speed-split`` are the model-based proposal (:mod:`dynamix_hvd.control.proposal`)
+with other settings: one implementation of the cost fits and of the split.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
 
-import numpy as np
-
 from .actions import BatchBounds
 from ..data.plan import split_proportional
 from .policy import DecisionInput, DecisionOutput
-from .state import RankReport
-
-
-def rank_speeds(reports: Sequence[RankReport]) -> list[float]:
-    """Compute speed of each rank in samples/s (1.0 for all when unknown)."""
-    speeds = [r.local_batch / r.compute_s if r.compute_s > 0 else 0.0 for r in reports]
-    return speeds if all(s > 0 for s in speeds) else [1.0] * len(reports)
+from .proposal import ModelPolicy, ProposalConfig
 
 
 def split(global_batch: int, weights: Sequence[float], bounds: BatchBounds) -> list[int]:
@@ -120,61 +115,27 @@ class NoiseScaleRule(_Rule):
         return int(global_batch), [1.0] * len(inp.sizes)
 
 
-class SpeedSplit(_Rule):
+class SpeedSplit(ModelPolicy):
+    """Keep B; split it so that every rank arrives at the allreduce together, from the fitted
+    per-rank costs a_i + c_i*b (fixed costs included, so no rank is driven to one sample by them)."""
+
     name = "speed-split"
 
-    def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
-        return self.base, rank_speeds(inp.reports)
+    def __init__(self, dither: float = 0.04) -> None:
+        super().__init__(ProposalConfig(search_batch=False, trust=None, dither=dither))
 
 
-class Goodput(_Rule):
-    """Pollux-style: maximise predicted goodput over candidate global batches, 5% hysteresis."""
+class Goodput(ModelPolicy):
+    """Pollux/AdaptDL: the B from the initial global batch up to the memory bounds that maximises
+    predicted goodput (fitted compute, network and overlap; alpha pinned to half the measured time
+    while one size was seen; the point estimate of the noise scale), split by fitted cost; switch
+    only for a predicted gain above `hysteresis`. No trust region and no dither, as AdaptDL."""
 
     name = "goodput"
 
     def __init__(self, hysteresis: float = 0.05, candidates: int = 32) -> None:
-        super().__init__()
-        self.hysteresis, self.candidates = hysteresis, candidates
-        self.history: list[list[tuple[int, float]]] = []  # per rank: (batch, compute seconds)
-
-    def _fit(self, rank: int) -> tuple[float, float]:
-        """Least-squares alpha + beta * b of the rank's compute time (beta only with one size seen)."""
-        points = np.array(self.history[rank])
-        if len(np.unique(points[:, 0])) < 2:
-            b, t = points[-1]
-            return 0.0, t / b
-        beta, alpha = np.polyfit(points[:, 0], points[:, 1], 1)
-        return max(alpha, 0.0), max(beta, 1e-9)
-
-    def _predict(self, global_batch: int, fits: list[tuple[float, float]], overhead: float, phi: float,
-                 base: int) -> tuple[float, list[float]]:
-        speeds = [1.0 / beta for _, beta in fits]
-        shares = [global_batch * s / sum(speeds) for s in speeds]
-        step = max(a + b * n for (a, b), n in zip(fits, shares)) + overhead
-        efficiency = (phi + base) / (phi + global_batch) if math.isfinite(phi) else 1.0
-        return global_batch / step * efficiency, speeds
-
-    def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
-        if len(self.history) != len(inp.reports):
-            self.history = [[] for _ in inp.reports]
-        for r in inp.reports:
-            if r.compute_s > 0:
-                self.history[r.rank].append((r.local_batch, r.compute_s))
-        current = sum(inp.sizes)
-        if any(not h for h in self.history):
-            return current, [1.0] * len(inp.sizes)
-        fits = [self._fit(r) for r in range(len(inp.reports))]
-        overhead = float(np.mean([r.step_s - r.compute_s - r.sync_wait_s for r in inp.reports]))
-        overhead = max(overhead, 0.0) + min(r.sync_wait_s for r in inp.reports)  # allreduce + data
-        phi = inp.ctx.noise_scale
-        lo, hi = len(inp.sizes) * inp.bounds.min_batch, sum(inp.bounds.upper(r) for r in range(len(inp.sizes)))
-        grid = np.unique(np.geomspace(lo, hi, self.candidates).astype(int))
-        scored = [(self._predict(int(b), fits, overhead, phi, self.base)[0], int(b)) for b in grid]
-        best_goodput, best = max(scored)
-        now_goodput, speeds = self._predict(current, fits, overhead, phi, self.base)
-        if best_goodput < (1 + self.hysteresis) * now_goodput:
-            best = current
-        return best, speeds
+        super().__init__(ProposalConfig(hysteresis=hysteresis, candidates=candidates, trust=None, noise="point",
+                                        dither=0.0))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}

@@ -4,7 +4,7 @@ Pure NumPy: no MPI, no Horovod. Every value is a float64, so integers (sizes, by
 floats (NaN included) survive the round trip exactly and decisions are the same as on typed objects.
 
 One rank's report for one decision (n steps in the interval, L parameters with layer means, or L = 0
-when the optimizer had none), ``report_length(n, L) = 22 + 4 n + 2 L`` values::
+when the optimizer had none), ``report_length(n, L) = 22 + 7 n + 2 L`` values::
 
     [0]            n                       steps in the interval
     [1]            L                       parameters with layer means (0: none)
@@ -14,6 +14,9 @@ when the optimizer had none), ``report_length(n, L) = 22 + 4 n + 2 L`` values::
     [.. +n]        local_sq per step
     [.. +n]        global_sq per step
     [.. +n]        loss per step           NaN where the rank recorded none
+    [.. +n]        compute_s per step      NaN where not timed (so for the three below)
+    [.. +n]        data_wait_s per step
+    [.. +n]        sync_wait_s per step
     [.. +L]        layer local_sq means
     [.. +L]        layer global_sq means
 
@@ -32,18 +35,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .core import MEMORY_KINDS, LayerMeans, RankInput, StepSeries
+from .core import MEMORY_KINDS, TIMED, LayerMeans, RankInput, StepSeries
 from .state import RankReport
 
 REPORT_FIELDS = tuple(f.name for f in fields(RankReport))
 _INT_FIELDS = frozenset(f.name for f in fields(RankReport) if f.type in (int, "int"))
 _HEADER = 3
 _FIXED = _HEADER + len(REPORT_FIELDS)
+_SERIES = ("local_batch", "local_sq", "global_sq", "losses", *TIMED)
 
 
 def report_length(steps: int, layers: int) -> int:
     """Values in one rank's encoded report (see the module docstring)."""
-    return _FIXED + 4 * steps + 2 * layers
+    return _FIXED + len(_SERIES) * steps + 2 * layers
 
 
 def decision_length(world_size: int) -> int:
@@ -58,8 +62,8 @@ def encode_report(inp: RankInput) -> np.ndarray:
     out[:_HEADER] = (n, L, MEMORY_KINDS.index(s.memory_kind))
     out[_HEADER:_FIXED] = [getattr(inp.report, k) for k in REPORT_FIELDS]
     at = _FIXED
-    for series in (s.local_batch, s.local_sq, s.global_sq, s.losses):
-        out[at:at + n] = series
+    for name in _SERIES:
+        out[at:at + n] = getattr(s, name)
         at += n
     if layers is not None:
         out[at:at + L] = layers.local_sq
@@ -79,11 +83,12 @@ def decode_report(row: np.ndarray) -> RankInput:
     values: dict[str, Any] = {}
     for k, v in zip(REPORT_FIELDS, row[_HEADER:_FIXED].tolist()):
         values[k] = int(v) if k in _INT_FIELDS else v
-    series = [row[_FIXED + i * n:_FIXED + (i + 1) * n].tolist() for i in range(4)]
-    steps = StepSeries([int(b) for b in series[0]], series[1], series[2], series[3], MEMORY_KINDS[kind])
+    series = [row[_FIXED + i * n:_FIXED + (i + 1) * n].tolist() for i in range(len(_SERIES))]
+    steps = StepSeries([int(b) for b in series[0]], series[1], series[2], series[3], MEMORY_KINDS[kind],
+                       *series[4:])
     layers = None
     if L:
-        at = _FIXED + 4 * n
+        at = _FIXED + len(_SERIES) * n
         layers = LayerMeans(row[at:at + L].tolist(), row[at + L:at + 2 * L].tolist())
     return RankInput(RankReport(**values), steps, layers)
 

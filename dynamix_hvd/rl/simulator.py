@@ -362,7 +362,9 @@ class ClusterSimulator:
         kind = "cuda" if s.gpu else "rss"
         glob = global_sq.tolist()
         self.inputs = [RankInput(rep, StepSeries([batches[r]] * k, local_sq[:, r].tolist(), glob,
-                                                 losses[:, r].tolist(), kind)) for r, rep in enumerate(self.reports)]
+                                                 losses[:, r].tolist(), kind, compute[:, r].tolist(),
+                                                 data[:, r].tolist(), wait[:, r].tolist()))
+                       for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
         self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch)
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward

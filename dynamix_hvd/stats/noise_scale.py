@@ -263,7 +263,7 @@ SNAPSHOT_FIELDS: Dict[str, str] = {
 }
 
 
-_EMAS = ("_grad_sq", "_trace", "_layer_grad_sq", "_layer_trace")
+_EMAS = ("_grad_sq", "_trace", "_layer_grad_sq", "_layer_trace", "_grad_sq_sq", "_trace_sq")
 
 
 def _ema_state(ema: BiasCorrectedEMA) -> Dict[str, object]:
@@ -288,6 +288,9 @@ class GradientStatistics:
         self._trace = BiasCorrectedEMA(self.config.ema_beta)
         self._layer_grad_sq = BiasCorrectedEMA(self.config.ema_beta)
         self._layer_trace = BiasCorrectedEMA(self.config.ema_beta)
+        # second moments of the per-step estimates, for the standard errors of the two EMAs
+        self._grad_sq_sq = BiasCorrectedEMA(self.config.ema_beta)
+        self._trace_sq = BiasCorrectedEMA(self.config.ema_beta)
         self.loss = LossStatistics(self.config.loss_window, self.config.loss_ema_beta)
         self.steps = 0
         self.skipped_nonfinite = 0
@@ -351,8 +354,11 @@ class GradientStatistics:
         if est is None:
             return None
         g2, tr = np.asarray(est.grad_sq), np.asarray(est.trace_sigma)
-        self._grad_sq.update_many(g2.reshape(len(ls), -1).sum(1))
-        self._trace.update_many(tr.reshape(len(ls), -1).sum(1))
+        g2_steps, tr_steps = g2.reshape(len(ls), -1).sum(1), tr.reshape(len(ls), -1).sum(1)
+        self._grad_sq.update_many(g2_steps)
+        self._trace.update_many(tr_steps)
+        self._grad_sq_sq.update_many(g2_steps ** 2)
+        self._trace_sq.update_many(tr_steps ** 2)
         if self.config.per_layer and gs.ndim == 2:
             if self._layer_trace.count and np.shape(self._layer_trace.value) != gs.shape[1:]:
                 self._layer_grad_sq = BiasCorrectedEMA(self.config.ema_beta)  # layer set changed
@@ -392,6 +398,49 @@ class GradientStatistics:
         if self._trace.count == 0:
             return math.nan
         return float(noise_scale(self._trace.value, self._grad_sq.value, self.config.max_noise_scale))
+
+    def _standard_error(self, ema: BiasCorrectedEMA, ema_sq: BiasCorrectedEMA) -> float:
+        """Standard error of a bias-corrected EMA of per-step estimates, from their EMA variance and
+        the EMA weights (sum w^2 / (sum w)^2 = (1-b)(1+b^t) / ((1+b)(1-b^t)) after t updates; steps
+        treated as independent). Infinite while the second moment is unknown (state from an older
+        checkpoint)."""
+        if ema_sq.count == 0:
+            return math.inf
+        beta, t = ema.beta, ema.count
+        var = max(0.0, float(ema_sq.value) - float(ema.value) ** 2)
+        share = (1 - beta) * (1 + beta ** t) / ((1 + beta) * (1 - beta ** t)) if beta > 0 else 1.0 / t
+        return math.sqrt(var * share)
+
+    def noise_scale_interval(self, z: float = 1.0) -> tuple[float, float, float]:
+        """(lower, point, upper) estimate of B_noise, continuous in the statistics (no 0/cap jump when
+        the |G|^2 average crosses 0): with s_T, s_G the standard errors of tr(Sigma) and |G|^2,
+
+            lower = max(0, tr - z s_T) / max(|G|^2 + z s_G, s_G)
+            point = max(0, tr)         / max(|G|^2, s_G)
+            upper = (tr + z s_T)       / (|G|^2 - z s_G)     (the cap when that is <= 0)
+
+        all clipped to max_noise_scale; NaN before the first estimate. `noise_scale` keeps its
+        original definition (the PPO features and the shipped policy's reproduction depend on it)."""
+        if not (isinstance(z, (int, float)) and math.isfinite(z) and z >= 0):
+            raise ValueError(f"z={z!r} must be a finite number >= 0")
+        self._flush()
+        if self._trace.count == 0:
+            return math.nan, math.nan, math.nan
+        tr, g2 = float(self._trace.value), float(self._grad_sq.value)
+        s_t = self._standard_error(self._trace, self._trace_sq)
+        s_g = self._standard_error(self._grad_sq, self._grad_sq_sq)
+        cap = self.config.max_noise_scale
+        if not math.isfinite(s_g):  # no variance known: the plain ratio
+            point = float(noise_scale(tr, g2, cap))
+            return point, point, point
+
+        def ratio(num: float, den: float) -> float:
+            return min(cap, max(0.0, num) / den) if den > 0 else (cap if num > 0 else 0.0)
+
+        lower = ratio(tr - z * s_t, max(g2 + z * s_g, s_g))
+        point = ratio(tr, max(g2, s_g))
+        upper = ratio(tr + z * s_t, g2 - z * s_g) if g2 - z * s_g > 0 else cap
+        return lower, point, max(upper, point)
 
     def efficiency_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
         """Pollux efficiency for candidate global batch size(s) (NaN before the first estimate)."""

@@ -32,13 +32,22 @@ def main() -> None:
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
+    ap.add_argument("--sizes", default="", help="initial local batches, comma-separated (default 8 + 4 * rank)")
+    ap.add_argument("--samples", type=int, default=1200)
+    ap.add_argument("--sleep-per-sample", type=float, default=0.0,
+                    help="every rank sleeps this long per sample in forward/backward (a cost a + c*b)")
+    ap.add_argument("--sleep-fixed", type=float, default=0.0, help="... and this long per step")
+    ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's sleeps are --slow-factor times longer")
+    ap.add_argument("--slow-factor", type=float, default=1.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    train, _ = teacher_classification(1200, seed=0)
+    train, _ = teacher_classification(args.samples, seed=0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-    loader = dx.AdaptiveLoader(train, [8 + 4 * r for r in range(world)], rank, seed=1)
+    sizes = [int(b) for b in args.sizes.split(",")] if args.sizes else [8 + 4 * r for r in range(world)]
+    loader = dx.AdaptiveLoader(train, sizes, rank, seed=1)
+    slow = args.slow_factor if rank == args.slow_rank else 1.0
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
                                           loader, lr_rule="adascale")
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=args.every, max_batch=args.max_batch,
@@ -65,10 +74,16 @@ def main() -> None:
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
+            if args.sleep_per_sample or args.sleep_fixed:  # sleep, not spin: ranks share the cores
+                time.sleep(slow * (args.sleep_fixed + args.sleep_per_sample * len(x)))
             opt.step()
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s")}
                for d in controller.history]
+    for h, d in zip(history, controller.history):  # rank 0: what each rank measured before the decision
+        if "reports" in d:
+            h["compute_s"] = [r["compute_s"] for r in d["reports"]]
+            h["local_batch"] = [r["local_batch"] for r in d["reports"]]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "history": history, "backend": controller.channel.backend,
         "bounds": [controller.bounds.upper(r) for r in range(world)],

@@ -1,0 +1,287 @@
+"""Per-rank step costs fitted online from per-step records. Pure NumPy: no MPI, no Horovod, no comm.
+
+The model of one synchronous step (AdaptDL's form, with one cost line per rank):
+
+    arrival_i(b) = a_i + c_i * b                          data wait + forward/backward of rank i at batch b
+    T_sync       = (max_i arrival_i ** gamma + T_net ** gamma) ** (1 / gamma)
+    T_step       = T_sync + overhead                      (optimizer update and the rest)
+
+`a_i` is a fixed cost per step, `c_i` a cost per sample; per-sample time t/b = a/b + c depends on b,
+so only the pair is a speed. The fit:
+
+- per rank, a Huber-weighted least-squares line through the per-step (b, arrival) points (IRLS, the
+  residual scale from their median absolute deviation), so a few slow steps (a GC pause, a page
+  fault) do not move it;
+- exponential forgetting: a point's weight halves every `half_life_steps` steps, so a rank that
+  changes speed is followed within a few half-lives;
+- identifiability: the slope needs at least two batch sizes. While a rank's (weighted) sizes spread
+  less than `min_spread`, or its slope's standard error exceeds `max_rel_se` of it, its fit is
+  `identified = False` and the two uses differ: the split assumes
+  no fixed cost (sizes proportional to speed, which never pushes a rank below its equalising share),
+  the throughput model pins a_i to `pinned_fixed_share` of the measured time (AdaptDL pins alpha_c to
+  about half the compute, optimistic but bounded about larger batches). Policies that hold sizes
+  still dither them a little to keep the fits identified (see :mod:`dynamix_hvd.control.proposal`);
+- T_net and gamma by minimising the mean absolute log error of T_sync over a grid of gamma, T_net
+  the weighted median that fits each gamma; gamma = 1 (no overlap, pessimistic) unless another fits
+  clearly better, which needs arrival times that vary (by more than 20% among the recent points).
+
+Every step's points are kept (subsampled to `points_per_interval` per interval, each carrying the
+weight of the steps it stands for), at most `capacity` of them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
+
+
+@dataclass
+class CostConfig:
+    half_life_steps: float = 200.0
+    """Steps after which a point counts half (forgetting)."""
+    capacity: int = 512
+    """Points kept (per rank); the oldest go first."""
+    points_per_interval: int = 64
+    """Steps of one interval kept as points (evenly spaced), each weighted by the steps it stands for."""
+    huber_k: float = 1.345
+    """Huber threshold in robust standard deviations of the residuals."""
+    iterations: int = 6
+    """IRLS iterations."""
+    min_spread: float = 0.01
+    """Weighted coefficient of variation of a rank's batch sizes below which its slope is not identified."""
+    pinned_fixed_share: float = 0.5
+    """Fixed share of the measured time assumed by the throughput model while a rank is not identified."""
+    max_rel_se: float = 0.25
+    """A slope whose standard error exceeds this fraction of it does not count as identified (two
+    nearly equal sizes and timing noise give a line that would mislead the split)."""
+
+    def __post_init__(self) -> None:
+        if not (self.half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
+                and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
+                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0):
+            raise ValueError(f"invalid CostConfig {self}: half_life_steps, huber_k > 0; capacity >= 2; "
+                             f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1")
+
+
+@dataclass
+class CostFit:
+    """Fitted arrival-time lines of every rank (arrays [R])."""
+
+    fixed_s: np.ndarray
+    """a_i (s); for an unidentified rank the throughput model's pinned value."""
+    per_sample_s: np.ndarray
+    """c_i (s per sample); for an unidentified rank the throughput model's value."""
+    identified: np.ndarray
+    """Whether two or more batch sizes pin the slope down."""
+    fixed_se: np.ndarray
+    per_sample_se: np.ndarray
+    """Standard errors of a_i and c_i (inf where not identified): the confidence of the fit."""
+    spread: np.ndarray
+    """Weighted coefficient of variation of the rank's recorded batch sizes."""
+    mean_batch: np.ndarray
+    mean_time: np.ndarray
+
+    def split_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a, c) for splitting a batch: unidentified ranks as proportional to speed (a = 0)."""
+        a = np.where(self.identified, self.fixed_s, 0.0)
+        c = np.where(self.identified, self.per_sample_s, self.mean_time / self.mean_batch)
+        return a, c
+
+    def time_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a, c) for predicting step times (unidentified ranks: AdaptDL's pinned fixed cost)."""
+        return self.fixed_s, self.per_sample_s
+
+    def relative_speed(self, batch: float) -> np.ndarray:
+        """Samples per second of each rank at local batch `batch`, over the fastest rank's."""
+        a, c = self.split_coefficients()
+        speed = batch / (a + c * batch)
+        return speed / speed.max()
+
+    def summary(self) -> dict[str, list[float]]:
+        return {"fixed_s": self.fixed_s.tolist(), "per_sample_s": self.per_sample_s.tolist(),
+                "identified": [bool(x) for x in self.identified], "per_sample_rel_se":
+                (self.per_sample_se / self.per_sample_s).tolist()}
+
+
+@dataclass
+class NetworkFit:
+    net_s: float
+    """T_net: the allreduce time not hidden behind compute."""
+    gamma: float
+    """Overlap exponent (1: compute and allreduce add up)."""
+    overhead_s: float
+    """Per-step time after synchronisation (optimizer update)."""
+
+    def sync_time(self, arrival: np.ndarray | float) -> np.ndarray | float:
+        g = self.gamma
+        return (np.asarray(arrival, dtype=np.float64) ** g + self.net_s ** g) ** (1.0 / g)
+
+    def step_time(self, arrival: np.ndarray | float) -> np.ndarray | float:
+        return self.sync_time(arrival) + self.overhead_s
+
+
+def weighted_median(x: np.ndarray, w: np.ndarray) -> float:
+    if len(x) == 0 or w.sum() <= 0:
+        return 0.0
+    order = np.argsort(x)
+    cum = np.cumsum(w[order])
+    return float(x[order][int(np.searchsorted(cum, 0.5 * cum[-1]))])
+
+
+class CostModel:
+    """Per-step points of all ranks and the fits through them (computed on demand, cached)."""
+
+    def __init__(self, world_size: int, config: CostConfig | None = None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"CostModel world_size={world_size!r}; it must be an integer >= 1")
+        self.world_size = world_size
+        self.cfg = config or CostConfig()
+        R = world_size
+        self._b = np.zeros((0, R))
+        self._t = np.zeros((0, R))
+        self._sync = np.zeros(0)
+        self._arrival = np.zeros(0)
+        self._overhead = np.zeros(0)
+        self._at = np.zeros(0)      # step count of each point
+        self._mult = np.zeros(0)    # steps each point stands for
+        self.steps = 0.0
+        self._fit: CostFit | None = None
+        self._net: NetworkFit | None = None
+
+    @property
+    def points(self) -> int:
+        return len(self._at)
+
+    def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
+               overhead_s: float = 0.0, steps_each: float = 1.0) -> None:
+        """Add one interval: `batches`, `arrival` [n, R] per step (arrival = data wait + compute),
+        `sync_end` [n] the time from a step's start to the end of its allreduce (None: unknown, the
+        network is then fitted from other intervals), `overhead_s` the time after it. `steps_each`: steps
+        each row stands for (> 1 when only interval means are known). Non-finite or non-positive rows
+        are dropped."""
+        b = np.asarray(batches, dtype=np.float64)
+        t = np.asarray(arrival, dtype=np.float64)
+        R = self.world_size
+        if b.ndim != 2 or b.shape[1] != R or t.shape != b.shape:
+            raise ValueError(f"record needs batches and arrival of shape [n, {R}], got {b.shape} and {t.shape}")
+        n = len(b)
+        s = np.full(n, np.nan) if sync_end is None else np.asarray(sync_end, dtype=np.float64)
+        if s.shape != (n,):
+            raise ValueError(f"sync_end needs shape ({n},), got {s.shape}")
+        at = self.steps + steps_each * (np.arange(n) + 1.0)
+        self.steps += steps_each * n
+        ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
+        if not ok.any():
+            return
+        idx = np.flatnonzero(ok)
+        keep = idx[np.unique(np.linspace(0, len(idx) - 1, min(len(idx), self.cfg.points_per_interval)).round()
+                             .astype(int))]
+        mult = steps_each * len(idx) / len(keep)
+        over = overhead_s if math.isfinite(overhead_s) and overhead_s > 0 else 0.0
+        cap = self.cfg.capacity
+        self._b = np.concatenate([self._b, b[keep]])[-cap:]
+        self._t = np.concatenate([self._t, t[keep]])[-cap:]
+        self._arrival = np.concatenate([self._arrival, t[keep].max(1)])[-cap:]
+        self._sync = np.concatenate([self._sync, s[keep]])[-cap:]
+        self._overhead = np.concatenate([self._overhead, np.full(len(keep), over)])[-cap:]
+        self._at = np.concatenate([self._at, at[keep]])[-cap:]
+        self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
+        self._fit = self._net = None
+
+    def _weights(self) -> np.ndarray:
+        return self._mult * 0.5 ** ((self.steps - self._at) / self.cfg.half_life_steps)
+
+    def fit(self) -> CostFit | None:
+        """The per-rank lines (None before the first point)."""
+        if self._fit is None and self.points:
+            self._fit = self._fit_lines()
+        return self._fit
+
+    def _fit_lines(self) -> CostFit:
+        cfg, b, t = self.cfg, self._b, self._t
+        w = self._weights()[:, None] * np.ones_like(b)
+        W = w
+        for _ in range(cfg.iterations):
+            sw = W.sum(0)
+            mb, mt = (W * b).sum(0) / sw, (W * t).sum(0) / sw
+            vb = (W * (b - mb) ** 2).sum(0) / sw
+            spread = np.sqrt(vb) / mb
+            ident = spread >= max(cfg.min_spread, 1e-9)
+            cov = (W * (b - mb) * (t - mt)).sum(0) / sw
+            c = np.where(ident, cov / np.where(ident, vb, 1.0), mt / mb)
+            a = mt - c * mb
+            through_origin = (W * b * t).sum(0) / (W * b * b).sum(0)
+            c = np.where(a < 0, through_origin, c)       # a fixed cost is never negative
+            a = np.maximum(a, 0.0)
+            flat = c <= 0                                 # time falling with b: noise, keep a tiny slope
+            c = np.where(flat, 1e-6 * mt / mb, c)
+            a = np.where(flat, np.maximum(mt - c * mb, 0.0), a)
+            resid = t - a - c * b
+            # residual scale, floored at 0.1% of the time (timer resolution; exact points must not
+            # down-weight each other over rounding errors)
+            scale = np.maximum(1.4826 * np.median(np.abs(resid), axis=0), 1e-3 * mt)
+            huber = np.minimum(1.0, cfg.huber_k * scale / np.maximum(np.abs(resid), 1e-300))
+            W = w * huber
+        sw = W.sum(0)
+        n_eff = sw ** 2 / (W ** 2).sum(0)
+        sigma2 = (W * resid ** 2).sum(0) / sw * n_eff / np.maximum(n_eff - 2, 1e-9)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            se_c = np.where(ident, np.sqrt(sigma2 / (n_eff * vb)), np.inf)
+            se_a = np.where(ident, np.sqrt(sigma2 * (1 / n_eff + mb ** 2 / (n_eff * vb))), np.inf)
+        ident = ident & (se_c < cfg.max_rel_se * c)
+        se_c, se_a = np.where(ident, se_c, np.inf), np.where(ident, se_a, np.inf)
+        pin = cfg.pinned_fixed_share
+        a = np.where(ident, a, pin * mt)
+        c = np.where(ident, c, (1 - pin) * mt / mb)
+        return CostFit(a, c, ident, se_a, se_c, spread, mb, mt)
+
+    def fit_network(self) -> NetworkFit:
+        """T_net, gamma and the overhead (T_net = 0, gamma = 1 before any synchronisation was timed)."""
+        if self._net is None:
+            self._net = self._fit_network()
+        return self._net
+
+    def _fit_network(self) -> NetworkFit:
+        w = self._weights()
+        overhead = weighted_median(self._overhead, w)
+        ok = np.isfinite(self._sync) & (self._sync > 0)
+        if not ok.any():
+            return NetworkFit(0.0, 1.0, overhead)
+        A, S, w = self._arrival[ok], np.maximum(self._sync[ok], self._arrival[ok]), w[ok]
+        best: tuple[float, float, float] | None = None
+        varied = A[w > 1e-3 * w.max()]
+        for g in GAMMAS if varied.max() > 1.2 * varied.min() else GAMMAS[:1]:
+            net = weighted_median((S ** g - A ** g) ** (1.0 / g), w)
+            err = float(np.sum(w * np.abs(np.log((A ** g + net ** g) ** (1.0 / g) / S))) / w.sum())
+            if best is None or err < 0.98 * best[0] - 1e-4:  # prefer no overlap unless clearly better
+                best = (err, net, g)
+        assert best is not None
+        return NetworkFit(best[1], best[2], overhead)
+
+    # --- plain state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "steps": self.steps,
+                **{k: getattr(self, "_" + k).tolist() for k in _ARRAYS}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["world_size"]) != self.world_size:
+            raise ValueError(f"cost model state for {state['world_size']} ranks, this model has {self.world_size}")
+        self.steps = float(state["steps"])
+        for k in _ARRAYS:
+            arr = np.asarray(state[k], dtype=np.float64)
+            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "t") else arr.reshape(-1))
+        self._fit = self._net = None
+
+
+_ARRAYS = ("b", "t", "sync", "arrival", "overhead", "at", "mult")
+
+
+def record_reports(model: CostModel, batches: Sequence[int], arrival: Sequence[float], sync_end: float,
+                   overhead_s: float, steps: float) -> None:
+    """Feed one interval known only by its means (one point per rank, standing for `steps` steps)."""
+    model.record(np.asarray([batches], dtype=np.float64), np.asarray([arrival], dtype=np.float64),
+                 np.asarray([sync_end]), overhead_s, steps_each=max(float(steps), 1.0))

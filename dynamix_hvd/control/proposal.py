@@ -1,0 +1,239 @@
+"""The model-based proposal: split and global batch from the fitted costs. Pure: no MPI, no Horovod.
+
+Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and the noise scale:
+
+- **split**: for a global batch B, the sizes that make every rank arrive at the allreduce together,
+  b_i = (T - a_i) / c_i with T such that sum b_i = B, each clipped to the rank's bounds (fast ranks
+  fill up to the slow rank's arrival); rounded to integers that keep B, the leftover samples going to
+  the ranks that arrive earliest with them;
+- **global batch**: the B in [initial global batch, memory bounds] that maximises predicted goodput
+  B * E(B) / T_step(B), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
+  scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
+  `trust`x per decision, each rank's size too) and with hysteresis (B changes only when the predicted
+  goodput improves by more than `hysteresis`, as AdaptDL);
+- **dither**: while some rank's cost line is not identified (its recent sizes hardly vary), sizes
+  alternate by +-`dither` around the proposal (B kept), so the next fit sees two sizes.
+
+:class:`ModelPolicy` (policy "model") applies the proposal; the rules "goodput" and "speed-split"
+(:mod:`dynamix_hvd.control.rules`) are the same code with other settings.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .actions import BatchBounds
+from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
+from .policy import DecisionInput, DecisionOutput
+from .state import RankReport
+
+
+@dataclass
+class ProposalConfig:
+    search_batch: bool = True
+    """Choose the global batch (False: keep it and only split it)."""
+    hysteresis: float = 0.05
+    """Change B only for a predicted goodput gain above this fraction."""
+    trust: float | None = 2.0
+    """Largest factor by which B and each rank's size may change per decision (None: no limit)."""
+    noise: str = "lower"
+    """Noise scale used in E(B): "lower" (a lower confidence bound) or "point" (the estimate)."""
+    dither: float = 0.04
+    """Relative size dither while a rank's cost line is not identified (0: none)."""
+    candidates: int = 64
+    """Global batches scored per decision (a geometric grid over the allowed range)."""
+
+    def __post_init__(self) -> None:
+        if self.noise not in ("lower", "point"):
+            raise ValueError(f"ProposalConfig.noise={self.noise!r}; choose 'lower' or 'point'")
+        if self.trust is not None and not (math.isfinite(self.trust) and self.trust > 1):
+            raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
+        if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
+            raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
+
+
+def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
+             hi: np.ndarray) -> np.ndarray:
+    """Real-valued arrival-equalising shares [K, R] for global batches [K] (within sum(lo)..sum(hi)):
+    b_i = clip((T - a_i) / c_i, lo_i, hi_i) with the common T found by bisection."""
+    B = np.atleast_1d(np.asarray(global_batch, dtype=np.float64))
+    B = np.clip(B, lo.sum(), hi.sum())
+    t_lo = np.full(len(B), float((fixed + per_sample * lo).min()))
+    t_hi = np.full(len(B), float((fixed + per_sample * hi).max()))
+    for _ in range(100):
+        mid = 0.5 * (t_lo + t_hi)
+        total = np.clip((mid[:, None] - fixed) / per_sample, lo, hi).sum(1)
+        below = total < B
+        t_lo, t_hi = np.where(below, mid, t_lo), np.where(below, t_hi, mid)
+    return np.clip((t_hi[:, None] - fixed) / per_sample, lo, hi)
+
+
+def round_split(shares: np.ndarray, global_batch: int, fixed: np.ndarray, per_sample: np.ndarray,
+                lo: np.ndarray, hi: np.ndarray) -> list[int]:
+    """Integer sizes summing to `global_batch` (when the bounds allow): floors of the shares, then one
+    more sample at a time to the rank that arrives earliest with it."""
+    sizes = np.clip(np.floor(shares + 1e-9), lo, hi).astype(np.int64)
+    _fill(sizes, int(global_batch), fixed, per_sample, lo, hi)
+    return sizes.tolist()
+
+
+def _fill(sizes: np.ndarray, target: int, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
+          hi: np.ndarray) -> None:
+    """Move `sizes` (in place) to sum `target`: add where arrival after +1 is earliest, remove where
+    the arrival is latest."""
+    while sizes.sum() < target:
+        after = np.where(sizes < hi, fixed + per_sample * (sizes + 1), np.inf)
+        if not np.isfinite(after).any():
+            return
+        sizes[int(np.argmin(after))] += 1
+    while sizes.sum() > target:
+        now = np.where(sizes > lo, fixed + per_sample * sizes, -np.inf)
+        if not np.isfinite(now).any():
+            return
+        sizes[int(np.argmax(now))] -= 1
+
+
+def efficiency(noise: float, batch: np.ndarray, base_batch: float) -> np.ndarray:
+    """Pollux E(B) = (phi + B0) / (phi + B); phi = 0 (nothing known) makes a larger batch worth nothing."""
+    phi = noise if math.isfinite(noise) and noise > 0 else (1e300 if noise == math.inf else 0.0)
+    return (phi + base_batch) / (phi + np.asarray(batch, dtype=np.float64))
+
+
+@dataclass
+class Proposal:
+    sizes: list[int]
+    global_batch: int
+    predicted_step_s: float
+    predicted_goodput: float
+    goodput_now: float
+    """Predicted goodput of the current B with the equalised split."""
+    switched: bool
+    dithered: bool
+    noise_scale: float
+
+    def info(self) -> dict[str, Any]:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()
+                if k != "sizes"}
+
+
+def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
+            base_batch: int, noise: float, index: int) -> Proposal:
+    """The proposal for the next interval (see the module docstring); `index` drives the dither."""
+    R = len(sizes)
+    cur = np.asarray(sizes, dtype=np.int64)
+    B_cur = int(cur.sum())
+    lo = np.full(R, bounds.min_batch, dtype=np.int64)
+    hi = np.array([bounds.upper(r) for r in range(R)], dtype=np.int64)
+    if cfg.trust is not None:
+        lo = np.minimum(np.maximum(lo, np.ceil(cur / cfg.trust)), hi).astype(np.int64)
+        hi = np.maximum(np.minimum(hi, np.floor(cur * cfg.trust)), lo).astype(np.int64)
+    a_s, c_s = fit.split_coefficients()
+    a_t, c_t = fit.time_coefficients()
+    B_lo, B_hi = float(max(base_batch, lo.sum())), float(hi.sum())
+    if cfg.trust is not None:
+        B_lo = max(B_lo, B_cur / cfg.trust)
+    B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
+
+    def goodput(Bs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        shares = equalise(Bs, a_s, c_s, lo, hi)
+        step = np.asarray(net.step_time((a_t + c_t * shares).max(1)))
+        total = shares.sum(1)
+        return total * efficiency(noise, total, base_batch) / step, step, shares
+
+    B_keep = int(round(min(max(B_cur, B_lo), B_hi)))
+    keep_gp, keep_step, _ = goodput(np.array([B_keep]))
+    B_new, switched = B_keep, False
+    if cfg.search_batch and B_hi > B_lo:
+        grid = np.unique(np.round(np.geomspace(B_lo, B_hi, cfg.candidates)))
+        gp, _, _ = goodput(grid)
+        k = int(np.argmax(gp))
+        if gp[k] > (1 + cfg.hysteresis) * keep_gp[0]:
+            B_new, switched = int(grid[k]), True
+    gp_new, step_new, shares = goodput(np.array([B_new]))
+    out = np.array(round_split(shares[0], B_new, a_s, c_s, lo, hi), dtype=np.int64)
+    dithered = False
+    if cfg.dither > 0 and not fit.identified.all() and R > 1:
+        out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
+        dithered = True
+    return Proposal(out.tolist(), int(out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
+                    switched, dithered, float(noise))
+
+
+def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,
+            bounds: BatchBounds) -> np.ndarray:
+    """Alternate each rank's size by +-amount (sign by rank and decision parity), keeping the sum."""
+    R = len(sizes)
+    lo = np.full(R, bounds.min_batch)
+    hi = np.array([bounds.upper(r) for r in range(R)])
+    sign = np.where((np.arange(R) + index) % 2 == 0, 1, -1)
+    step = np.maximum(1, np.round(amount * sizes)).astype(np.int64)
+    out = np.clip(sizes + sign * step, lo, hi).astype(np.int64)
+    _fill(out, int(sizes.sum()), fixed, per_sample, lo, hi)
+    return out
+
+
+class ModelPolicy:
+    """Policy "model": the proposal, applied as is. Fits come from the decision core's per-step cost
+    model (`DecisionInput.costs`); handed none (a DecisionInput built by hand), it fits its own from
+    the reports' interval means."""
+
+    name = "model"
+
+    def __init__(self, config: ProposalConfig | None = None, costs: CostConfig | None = None, **kwargs: Any) -> None:
+        self.cfg = config or ProposalConfig(**kwargs)
+        self.costs_cfg = costs or CostConfig()
+        self.decisions = 0
+        self._own: CostModel | None = None
+        self.last: Proposal | None = None
+
+    def _costs(self, inp: DecisionInput) -> CostModel:
+        if inp.costs is not None:
+            return inp.costs
+        R = len(inp.reports)
+        if self._own is None or self._own.world_size != R:
+            self._own = CostModel(R, self.costs_cfg)
+        feed_means(self._own, inp.reports)
+        return self._own
+
+    def noise(self, inp: DecisionInput) -> float:
+        value = inp.noise_lower if self.cfg.noise == "lower" else inp.noise_point
+        return value if math.isfinite(value) else inp.ctx.noise_scale
+
+    def decide(self, inp: DecisionInput) -> DecisionOutput:
+        costs = self._costs(inp)
+        fit = costs.fit()
+        if fit is None:  # no timed step yet: keep the sizes
+            return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
+        self.last = propose(self.cfg, fit, costs.fit_network(), inp.sizes, inp.bounds, inp.ctx.base_batch,
+                            self.noise(inp), self.decisions)
+        self.decisions += 1
+        net = costs.fit_network()
+        info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
+                "net_s": net.net_s, "gamma": net.gamma}
+        return DecisionOutput(self.last.sizes, info)
+
+    def after_decision(self) -> dict[str, float]:
+        return {}
+
+    def reset_world(self, world_size: int) -> None:
+        self._own = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decisions": self.decisions}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decisions = int(state["decisions"])
+
+
+def feed_means(model: CostModel, reports: Sequence[RankReport]) -> None:
+    """One interval known only by its reports' means (what a hand-built DecisionInput carries)."""
+    arrival = [r.compute_s + max(r.data_wait_s, 0.0) for r in reports]
+    if not all(t > 0 and math.isfinite(t) for t in arrival):
+        return
+    sync = float(np.median([t + max(r.sync_wait_s, 0.0) for t, r in zip(arrival, reports)]))
+    overhead = float(np.median([r.step_s - t - max(r.sync_wait_s, 0.0) for t, r in zip(arrival, reports)]))
+    record_reports(model, [r.local_batch for r in reports], arrival, sync, overhead,
+                   max(min(r.steps for r in reports), 1))
