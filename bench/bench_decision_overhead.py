@@ -7,7 +7,7 @@ every rank; the figure per decision is the slowest rank's time (the job moves on
 rank has the decision). Includes online PPO updates (one every 16 decisions). The epoch share uses
 the example MLP epoch (8192 samples, local batch 16) at the measured step time of the same job.
 
-Bytes per decision (`decision_bytes`): every rank sends rank 0 one float64 report of F + 4k + 2L
+Bytes per decision (`decision_bytes`): every rank sends rank 0 one float64 report of F + 7k + 2L
 values (F fixed fields, k steps since the last decision, L parameter tensors for the layer means) and
 rank 0 sends every rank 3 + 2R float64 back. A cost model, t(R) = c + alpha * hops(R) + bytes(R) / beta
 with hops = log2(R) (tree) or R - 1 (rank 0 handles each message, as comm's point-to-point gather
@@ -26,21 +26,23 @@ from pathlib import Path
 
 import numpy as np
 
+from dynamix_hvd.control.wire import decision_length, report_length
 from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
 REPO = Path(__file__).resolve().parents[1]
 FLOAT_BYTES = 8
-REPORT_FIXED_FIELDS = 20  # F: fixed fields of one rank's report (the layout is defined in dynamix_hvd.control)
+REPORT_FIXED_FIELDS = report_length(0, 0)  # F: fixed values of one rank's report
+PER_STEP = report_length(1, 0) - REPORT_FIXED_FIELDS  # values per step since the last decision
 
 
 def report_values(fields: int, steps: int, tensors: int) -> int:
-    """Float64 values in one rank's report: F fixed fields, 4 per step since the last decision, 2 per tensor."""
-    return fields + 4 * steps + 2 * tensors
+    """Float64 values in one rank's report (`dynamix_hvd.control.wire` layout, F overridable)."""
+    return report_length(steps, tensors) - REPORT_FIXED_FIELDS + fields
 
 
 def broadcast_values(ranks: int) -> int:
-    """Float64 values in the decision rank 0 sends back: 3 scalars and 2 per rank."""
-    return 3 + 2 * ranks
+    """Float64 values in the decision rank 0 sends back (`wire.decision_length`)."""
+    return decision_length(ranks)
 
 
 def decision_bytes(ranks: int, fields: int, steps: int, tensors: int) -> dict[str, int]:
@@ -105,7 +107,7 @@ def main() -> None:
               f"{r['mean_s'] * 1e3:>8.2f} {epoch_s:>8.2f} {100 * r['median_s'] / epoch_s:>9.2f}% "
               f"{r['median_s'] / base:>9.2f}x {r['bytes']['total']:>10d}", flush=True)
     k, tensors = rows[0]["steps_between"], rows[0]["param_tensors"]
-    print(f"\nbytes per decision B(R) = (R-1)*8*(F + 4k + 2L) + (R-1)*8*(3 + 2R), here F={args.fields}, k={k}, "
+    print(f"\nbytes per decision B(R) = (R-1)*8*(F + {PER_STEP}k + 2L) + (R-1)*8*(3 + 2R), here F={args.fields}, k={k}, "
           f"L={tensors}: B({args.predict}) = {decision_bytes(args.predict, args.fields, k, tensors)['total']:,} bytes")
     models = {}
     for hops in HOPS:
