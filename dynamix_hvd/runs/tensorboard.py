@@ -68,7 +68,7 @@ def scalars(steps: pd.DataFrame, decisions: Mapping[str, np.ndarray], t0: float 
     per_rank = {"sizes": "batch_size", "reward": "reward"}
     for key, name in per_rank.items():
         table = decisions.get(key)
-        if table is None:
+        if table is None or len(table) == 0:
             continue
         for i, row in enumerate(np.asarray(table, dtype=float).reshape(len(table), -1)):
             for rank, v in enumerate(row):
