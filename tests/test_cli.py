@@ -153,7 +153,7 @@ def test_bench(tmp_path: Path, cli_here):
 def test_every_option_is_explained(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"run", "check", "policy", "summarize", "plot", "bench"}
+    assert set(sub.choices) == {"run", "check", "policy", "summarize", "plot", "tensorboard", "bench"}
     for name, p in sub.choices.items():
         for action in p._actions:
             if action.dest != "help":

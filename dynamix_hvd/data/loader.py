@@ -124,8 +124,10 @@ class AdaptiveLoader:
         return plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
 
     def __len__(self) -> int:
-        """Steps left in the current epoch under the current sizes (all of them at epoch start)."""
-        return len(self.remaining_steps())
+        """Steps of the current epoch under the current sizes: those handed out plus those left.
+        Constant through an epoch whose sizes do not change, as a DataLoader's length is (training
+        scripts use it mid-epoch, e.g. for LR warm-up by fraction of the epoch)."""
+        return self._step + len(self.remaining_steps())
 
     def _indices(self, order: torch.Tensor, step: PlannedStep) -> list[int]:
         lo, hi = step.rank_range(self.rank)

@@ -12,7 +12,9 @@ writes ``OUT/``:
   attribute;
 * ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
-  decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads).
+  decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads);
+* ``tensorboard/``: TensorBoard event files, with ``RunLog(..., tensorboard=True)`` (optional; see
+  `dynamix_hvd.runs.tensorboard` for the tags).
 
 `dynamix_hvd.runs.rundir.read_run` loads a run directory back (used by ``dynamix-hvd summarize`` and `dynamix_hvd.runs.report`).
 ``wall_s`` is seconds since the earliest rank started its RunLog (`RunLog.t0`, agreed on by every rank
@@ -64,7 +66,13 @@ class RunLog:
 
     def __init__(self, out_dir: str | os.PathLike, loader: Any, *, controller: Any = None,
                  meta: dict[str, Any] | None = None, progress: Progress | None = None,
-                 gather: Callable[[Any], list[Any]] | None = None, max_trace_steps: int = 500_000) -> None:
+                 gather: Callable[[Any], list[Any]] | None = None, max_trace_steps: int = 500_000,
+                 tensorboard: bool = False) -> None:
+        if tensorboard:  # on every rank, before training: a missing package fails now, not at the end
+            from .tensorboard import require_tensorboard
+
+            require_tensorboard()
+        self.tensorboard = tensorboard
         self.out = Path(out_dir)
         self.loader, self.controller, self.progress = loader, controller, progress
         self.rank, self.world_size = loader.rank, loader.world_size
@@ -197,6 +205,10 @@ class RunLog:
         if len(epochs) and "accuracy" in epochs:
             meta["final_accuracy"] = float(epochs[epochs.epoch == epochs.epoch.max()].accuracy.mean())
         write_run(self.out, meta, steps, epochs, decisions, history or [])
+        if self.tensorboard:
+            from .tensorboard import write_tensorboard
+
+            write_tensorboard(self.out / "tensorboard", steps, decisions, t0)
         if report:
             if importlib.util.find_spec("matplotlib") is None:
                 get_logger(__name__).warning("matplotlib is not installed: no %s/report.png (pip install "

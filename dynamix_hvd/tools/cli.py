@@ -154,6 +154,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    from ..runs.tensorboard import write_run_tensorboard
+
+    try:
+        out = write_run_tensorboard(args.run_dir, args.logdir)
+    except (FileNotFoundError, ImportError) as exc:
+        return _fail(str(exc), 1)
+    print(out)
+    return 0
+
+
 # --- bench -------------------------------------------------------------------------------------------
 def bench_scripts() -> dict[str, Path]:
     """Benchmarks in bench/: name (file stem without 'bench_') -> script; "suite" is bench/suite.py."""
@@ -226,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
     p.add_argument("-o", "--output", default=None, help="PNG to write (default RUN_DIR/report.png)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("tensorboard", help="write TensorBoard event files of a finished run",
+                       description="Per-rank batch size, throughput, allreduce wait, LR and loss per step, "
+                                   "and the controller's sizes, rewards, noise scale, efficiency, throughput "
+                                   "and LR gain per decision (needs the tensorboard package).")
+    p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5)")
+    p.add_argument("--logdir", default=None, help="where to write (default RUN_DIR/tensorboard)")
+    p.set_defaults(func=cmd_tensorboard)
 
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. decision_overhead)")
     p.add_argument("name", nargs="?", help="benchmark name: bench/bench_NAME.py")

@@ -1,0 +1,5 @@
+"""Run outputs: the run-log writer (`runlog`: epochs.csv, trace.h5, meta.json, gathered through
+`comm`'s named collectives), the reader of a finished run directory (`rundir`), the PNG report drawn
+from it (`report`) and optional TensorBoard event files (`tensorboard`). May import `data`, `comm`,
+`logs` and `tools.progress`.
+"""
