@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd import sqnorm
+from dynamix_hvd.stats import sqnorm
 from dynamix_hvd.stats.sqnorm import backend_for, multi_tensor_sq_norms, segment_sq_norms
 
 ROOT = Path(__file__).resolve().parents[1]
