@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm import ControlChannel
+from ..comm import ControlChannel, StallWatchdog, abort_world
 from ..data.loader import AdaptiveLoader
 from ..data.plan import split_proportional
 from ..logs import get_logger
@@ -108,6 +108,10 @@ class Checkpointer:
         self._steps = 0
         self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
+        # Without a controller nobody else watches the gradient allreduce for a stopped rank (MPI only).
+        self.watchdog = (StallWatchdog(self.channel, lambda: self.loader.tracker.sync_wait_started(),
+                                       self.channel.timeout_s)
+                         if controller is None and self.channel.backend == "mpi4py" else None)
 
     # --- signals -----------------------------------------------------------------------------------
     def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> "Checkpointer":
@@ -125,6 +129,8 @@ class Checkpointer:
         self._previous_handlers.clear()
         if self._on_step_end in self.loader.step_end_callbacks:
             self.loader.step_end_callbacks.remove(self._on_step_end)
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -139,8 +145,15 @@ class Checkpointer:
         self._steps += 1
         if self._steps % self.check_every:
             return
-        if self.channel.any_true(self.requested, what="preemption flag"):
-            path = self.save()
+        try:
+            stop = self.channel.any_true(self.requested, what="preemption flag")
+            path = self.save() if stop else None
+        except Exception as exc:  # inside the loop: under MPI the other ranks would wait for this one
+            if self.channel.backend != "mpi4py":
+                raise
+            abort_world(f"rank {self.channel.rank}: preemption check at step {self.loader.step} of epoch "
+                        f"{self.loader.epoch} failed: {type(exc).__name__}: {exc}")
+        if stop:
             if self.channel.rank == 0:
                 log.warning("stop requested: checkpoint written to %s; exiting with code %d", path, self.exit_code)
             sys.exit(self.exit_code)
