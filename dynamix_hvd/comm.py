@@ -79,7 +79,7 @@ class ControlChannel:
             everyone = self._hvd_guarded(lambda h: h.allgather_object(obj, name=f"dx.gather.{self._seq}"), what)
             return everyone if self.rank == 0 else None
         if self.rank != 0:
-            self._wait([self._comm.isend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
+            self._wait([self._comm.issend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
             return None
         requests = [self._comm.irecv(source=src, tag=_TAG_GATHER) for src in range(1, self.size)]
         received = self._wait(requests, list(range(1, self.size)), f"gathering {what} on rank 0")
@@ -91,7 +91,9 @@ class ControlChannel:
             return self._hvd_guarded(
                 lambda h: h.broadcast_object(obj, root_rank=0, name=f"dx.bcast.{self._seq}"), what)
         if self.rank == 0:
-            sends = [self._comm.isend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
+            # Synchronous sends: rank 0 leaves only once every rank has taken the object, so it cannot
+            # exit (and have Horovod finalize MPI everywhere) while a rank still waits for it.
+            sends = [self._comm.issend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
             self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0")
             return obj
         return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
