@@ -94,7 +94,7 @@ class ControlChannel:
             # Synchronous sends: rank 0 leaves only once every rank has taken the object, so it cannot
             # exit (and have Horovod finalize MPI everywhere) while a rank still waits for it.
             sends = [self._comm.issend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
-            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0")
+            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0", sends_may_drop=True)
             return obj
         return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
                           f"receiving {what} from rank 0", grace_s=self._root_grace())[0]
@@ -260,8 +260,10 @@ class ControlChannel:
     def _root_grace(self) -> float:
         return 1.0 + 0.1 * self.timeout_s
 
-    def _wait(self, requests: list, peers: list[int], doing: str, grace_s: float = 0.0) -> list[Any]:
-        """Poll nonblocking requests until all complete or the deadline (+ `grace_s`) passes."""
+    def _wait(self, requests: list, peers: list[int], doing: str, grace_s: float = 0.0,
+              sends_may_drop: bool = False) -> list[Any]:
+        """Poll nonblocking requests until all complete or the deadline (+ `grace_s`) passes.
+        `sends_may_drop`: the requests are rank 0's sends of a broadcast (see `_mpi_poll`)."""
         waited_s = self.timeout_s + grace_s
         deadline = time.monotonic() + waited_s
         results: list[Any] = [None] * len(requests)
@@ -269,6 +271,8 @@ class ControlChannel:
         spin_until = time.monotonic() + 0.002  # most answers arrive within microseconds: spin first
         while pending:
             if self._comm is not None and self._mpi_finalized():
+                if sends_may_drop:
+                    return results
                 raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {doing} (another rank "
                                           "exited: Horovod finalizes MPI on every rank when one shuts down)")
             for i in list(pending):
@@ -380,7 +384,7 @@ class ControlChannel:
         if self.rank == root:
             sends = {dst: self._comm.issend(("ok", op.name, obj), dest=dst, tag=_tag(op))
                      for dst in range(self.size) if dst != root}
-            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}")
+            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}", sends_may_drop=True)
             return obj
         kind, value = self._mpi_poll(op, {}, [root], deadline, f"receiving from rank {root}")[root]
         if kind == "missing":
@@ -391,8 +395,11 @@ class ControlChannel:
         return value
 
     def _mpi_poll(self, op: Collective, sends: dict[int, Any], sources: list[int], deadline: float,
-                  doing: str) -> dict[int, tuple[str, Any]]:
+                  doing: str, sends_may_drop: bool = False) -> dict[int, tuple[str, Any]]:
         """Complete `sends` ({peer: request}) and take one message from each of `sources` by `deadline`.
+
+        `sends_may_drop`: a root's broadcast, whose receivers may take it and end (Horovod then
+        finalizes MPI here before our synchronous sends report completion): that is success.
 
         Receives are matched probes (improbe), so nothing is posted that would have to be cancelled."""
         from mpi4py import MPI
@@ -401,6 +408,8 @@ class ControlChannel:
         spin_until = time.monotonic() + 0.002
         while True:
             if MPI.Is_finalized():  # Horovod, when it initialised MPI, finalises it once any rank has ended
+                if not waiting and sends_may_drop:
+                    return received  # only our sends were pending: the peers took them and ended
                 raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete: MPI was "
                                         "finalised under it (Horovod shut down: another rank ended)",
                                         missing=sorted({*waiting, *sends}))

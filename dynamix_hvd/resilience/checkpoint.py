@@ -131,9 +131,11 @@ class Checkpointer:
                          if controller is None and self.channel.backend == "mpi4py" else None)
 
     # --- signals -----------------------------------------------------------------------------------
-    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> "Checkpointer":
+    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1),
+                                ) -> "Checkpointer":
         """Make `signals` request a checkpoint and exit at the next step boundary (main thread only).
-        The handlers they replace come back with `close()`."""
+        The handlers they replace come back with `close()`. SIGUSR1 is what mpirun forwards to every
+        rank at once (launch/slurm_mpirun.sbatch turns the TERM it receives into it)."""
         for sig in signals:
             previous = signal.signal(sig, self._on_signal)
             self._previous_handlers.setdefault(sig, previous)
