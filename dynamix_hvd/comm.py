@@ -25,7 +25,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 
@@ -35,16 +35,6 @@ _TAG_GATHER, _TAG_BCAST = 7301, 7302
 
 class ControlPlaneTimeout(RuntimeError):
     """A rank did not take part in a control-plane collective within the deadline."""
-
-
-class _BufferRequest:
-    """Adapts a buffer request (Test() -> bool) to the object-request interface (test() -> (bool, value))."""
-
-    def __init__(self, request) -> None:
-        self._request = request
-
-    def test(self):
-        return self._request.Test(), None
 
 
 # Requests given up on after a timeout. MPI may still write into their buffers, so they must outlive
@@ -89,7 +79,7 @@ class ControlChannel:
             everyone = self._hvd_guarded(lambda h: h.allgather_object(obj, name=f"dx.gather.{self._seq}"), what)
             return everyone if self.rank == 0 else None
         if self.rank != 0:
-            self._wait([self._comm.isend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
+            self._wait([self._comm.issend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
             return None
         requests = [self._comm.irecv(source=src, tag=_TAG_GATHER) for src in range(1, self.size)]
         received = self._wait(requests, list(range(1, self.size)), f"gathering {what} on rank 0")
@@ -101,11 +91,13 @@ class ControlChannel:
             return self._hvd_guarded(
                 lambda h: h.broadcast_object(obj, root_rank=0, name=f"dx.bcast.{self._seq}"), what)
         if self.rank == 0:
-            sends = [self._comm.isend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
-            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0")
+            # Synchronous sends: rank 0 leaves only once every rank has taken the object, so it cannot
+            # exit (and have Horovod finalize MPI everywhere) while a rank still waits for it.
+            sends = [self._comm.issend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
+            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0", sends_may_drop=True)
             return obj
         return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
-                          f"receiving {what} from rank 0")[0]
+                          f"receiving {what} from rank 0", grace_s=self._root_grace())[0]
 
     # --- numeric arrays: fixed-size float64 buffers, no pickling ------------------------------------
     # Under MPI the gather is point-to-point into buffers on rank 0 (not Igather), so that a silent
@@ -204,7 +196,9 @@ class ControlChannel:
         peers = (list(range(1, self.size)) if self.rank == 0 else [0]) or [0]
         doing = f"sending {what} from rank 0" if self.rank == 0 else f"receiving {what} from rank 0"
         request = self._KeepBuffer(self._comm.Ibcast(buf, root=0), buf, doing, self.rank)
-        self._wait([request] * len(peers), peers, doing)  # one collective; a timeout names every peer
+        # One collective; a timeout names every peer. The other ranks wait a grace longer than rank 0, so
+        # that when a third rank is the silent one, rank 0 (which can name it) ends the job first.
+        self._wait([request] * len(peers), peers, doing, grace_s=0.0 if self.rank == 0 else self._root_grace())
         return buf
 
     @staticmethod
@@ -239,13 +233,10 @@ class ControlChannel:
             t = torch.tensor([1 if flag else 0], dtype=torch.int32)
             out = self._hvd_guarded(lambda h: h.allreduce(t, op=h.Max, name=f"dx.any.{self._seq}"), what)
             return bool(out.item())
-        import numpy as np
-        from mpi4py import MPI
-
-        send, recv = np.array([1 if flag else 0], dtype=np.int32), np.zeros(1, dtype=np.int32)
-        request = self._comm.Iallreduce(send, recv, op=MPI.MAX)
-        self._wait([_BufferRequest(request)], list(range(self.size)), f"agreeing on the {what}")
-        return bool(recv[0])
+        # Rooted (gather on rank 0, then broadcast) rather than one Iallreduce, so a timeout names the
+        # rank that did not answer, on every rank (rank 0 tells the others whom it missed).
+        flags = self.allgather_object(bool(flag), Collective(f"dx.any_true.{what}", self.timeout_s))
+        return any(flags)
 
     def rebind(self, rank: int, size: int) -> None:
         """After an elastic reset (Horovod object collectives only: no MPI world there)."""
@@ -266,14 +257,22 @@ class ControlChannel:
 
         return bool(MPI.Is_finalized())
 
-    def _wait(self, requests: list, peers: list[int], doing: str) -> list[Any]:
-        """Poll nonblocking requests until all complete or the deadline passes."""
-        deadline = time.monotonic() + self.timeout_s
+    def _root_grace(self) -> float:
+        return 1.0 + 0.1 * self.timeout_s
+
+    def _wait(self, requests: list, peers: list[int], doing: str, grace_s: float = 0.0,
+              sends_may_drop: bool = False) -> list[Any]:
+        """Poll nonblocking requests until all complete or the deadline (+ `grace_s`) passes.
+        `sends_may_drop`: the requests are rank 0's sends of a broadcast (see `_mpi_poll`)."""
+        waited_s = self.timeout_s + grace_s
+        deadline = time.monotonic() + waited_s
         results: list[Any] = [None] * len(requests)
         pending = set(range(len(requests)))
         spin_until = time.monotonic() + 0.002  # most answers arrive within microseconds: spin first
         while pending:
             if self._comm is not None and self._mpi_finalized():
+                if sends_may_drop:
+                    return results
                 raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {doing} (another rank "
                                           "exited: Horovod finalizes MPI on every rank when one shuts down)")
             for i in list(pending):
@@ -287,7 +286,7 @@ class ControlChannel:
                 _ABANDONED.extend(requests[i] for i in pending)
                 missing = sorted(peers[i] for i in pending)
                 raise ControlPlaneTimeout(
-                    f"rank {self.rank}: timed out after {self.timeout_s:.0f} s {doing} "
+                    f"rank {self.rank}: timed out after {waited_s:.0f} s {doing} "
                     f"(control message #{self._seq}); rank(s) {missing} did not answer. A rank that "
                     "crashed, hangs, or skipped the decision point (different step counts) causes this.")
             if time.monotonic() > spin_until:
@@ -385,7 +384,7 @@ class ControlChannel:
         if self.rank == root:
             sends = {dst: self._comm.issend(("ok", op.name, obj), dest=dst, tag=_tag(op))
                      for dst in range(self.size) if dst != root}
-            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}")
+            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}", sends_may_drop=True)
             return obj
         kind, value = self._mpi_poll(op, {}, [root], deadline, f"receiving from rank {root}")[root]
         if kind == "missing":
@@ -396,8 +395,11 @@ class ControlChannel:
         return value
 
     def _mpi_poll(self, op: Collective, sends: dict[int, Any], sources: list[int], deadline: float,
-                  doing: str) -> dict[int, tuple[str, Any]]:
+                  doing: str, sends_may_drop: bool = False) -> dict[int, tuple[str, Any]]:
         """Complete `sends` ({peer: request}) and take one message from each of `sources` by `deadline`.
+
+        `sends_may_drop`: a root's broadcast, whose receivers may take it and end (Horovod then
+        finalizes MPI here before our synchronous sends report completion): that is success.
 
         Receives are matched probes (improbe), so nothing is posted that would have to be cancelled."""
         from mpi4py import MPI
@@ -406,6 +408,8 @@ class ControlChannel:
         spin_until = time.monotonic() + 0.002
         while True:
             if MPI.Is_finalized():  # Horovod, when it initialised MPI, finalises it once any rank has ended
+                if not waiting and sends_may_drop:
+                    return received  # only our sends were pending: the peers took them and ended
                 raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete: MPI was "
                                         "finalised under it (Horovod shut down: another rank ended)",
                                         missing=sorted({*waiting, *sends}))
@@ -546,3 +550,157 @@ def _exit_barrier(channel: ControlChannel, op: Collective = EXIT_BARRIER) -> Non
                              f"{op.deadline_s:g} s; exiting anyway\n")
             return
         time.sleep(0.001)
+
+
+# ==================================================================================================
+# Ending the job. Under MPI an exception on one rank does not end the others (they wait for it in
+# the next collective), and a rank that raises while Horovod's background thread is blocked in MPI
+# hangs at exit in horovod_shutdown(). So a fault that one rank detects aborts the whole MPI world.
+# ==================================================================================================
+ABORT_CODE = 70
+"""Exit code of a job ended by `abort_world` (mpirun returns it; the other ranks are killed)."""
+
+
+def abort_world(message: str, code: int = ABORT_CODE) -> NoReturn:
+    """Write `message` to stderr and end every rank of the job now: ``MPI.COMM_WORLD.Abort(code)``
+    under an MPI launcher, ``os._exit(code)`` otherwise (under Gloo the launcher ends the rest)."""
+    sys.stderr.write(f"[dynamix_hvd] {message}\n[dynamix_hvd] ending the job (exit code {code})\n")
+    sys.stderr.flush()
+    if launched_under_mpi():
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
+
+
+_TAG_PING, _TAG_PONG = 7321, 7322
+
+
+class StallWatchdog:
+    """Ends the job when this rank has waited `deadline_s` in the gradient allreduce and some rank no
+    longer answers (stopped, dead, or wedged holding the GIL).
+
+    A background thread answers liveness probes from the other ranks and, once this rank's current
+    wait in the gradient allreduce (``waiting_since()``: its start in `time.perf_counter` seconds, or
+    None when not waiting) passes `deadline_s`, probes every other rank. A rank that does not answer
+    within `probe_s` is named and the MPI world is aborted (`abort_world`). Ranks that answer but are
+    busy elsewhere (e.g. one rank evaluates while the others wait) are logged, and waited for: for
+    those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. MPI only (under Gloo,
+    Horovod's own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE, which Horovod asks for.
+    """
+
+    def __init__(self, channel: ControlChannel, waiting_since: Callable[[], float | None], deadline_s: float,
+                 probe_s: float | None = None, poll_s: float = 0.2) -> None:
+        from mpi4py import MPI
+
+        self.channel, self.waiting_since, self.deadline_s = channel, waiting_since, deadline_s
+        self.probe_s = probe_s if probe_s is not None else min(10.0, 2.0 + 0.1 * deadline_s)
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._sends: list = []
+        self._probe = 0
+        if channel._comm is None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            self._thread = None
+            return
+        import atexit
+
+        self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # after Horovod's handler, so it runs first: stopped before MPI is finalized
+
+    @property
+    def active(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the thread (before the channel's communicator is freed). Idempotent."""
+        import atexit
+
+        atexit.unregister(self.close)
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        _ABANDONED.extend(self._sends)
+        self._sends = []
+
+    # --- the thread ---------------------------------------------------------------------------------
+    def _alive(self) -> bool:
+        from mpi4py import MPI
+
+        return not self._stop.is_set() and self.channel._comm is not None and not MPI.Is_finalized()
+
+    def _answer(self) -> dict[int, Any]:
+        """Answer every pending probe; return the answers to our own probes that arrived ({rank: status})."""
+        from mpi4py import MPI
+
+        comm, pongs, status_ = self.channel._comm, {}, MPI.Status()
+        while True:
+            message = comm.improbe(tag=_TAG_PING, status=status_)
+            if message is None:
+                break
+            source, probe = status_.Get_source(), message.recv()
+            since = self.waiting_since()
+            status = None if since is None else time.perf_counter() - since
+            self._sends.append(comm.isend((probe, status), dest=source, tag=_TAG_PONG))
+        while True:
+            message = comm.improbe(tag=_TAG_PONG, status=status_)
+            if message is None:
+                break
+            source, (probe, status) = status_.Get_source(), message.recv()
+            if probe == self._probe:
+                pongs[source] = status
+        self._sends = [r for r in self._sends if not r.Test()]
+        return pongs
+
+    def _run(self) -> None:
+        checked_wait = None  # the wait we already probed for, and when to probe again
+        recheck_at = 0.0
+        while self._alive():
+            self._answer()
+            since = self.waiting_since()
+            now = time.perf_counter()
+            if since is not None and now - since > self.deadline_s and (checked_wait != since or now > recheck_at):
+                checked_wait, recheck_at = since, now + self.deadline_s
+                self._probe_peers(now - since)
+            self._stop.wait(self.poll_s)
+
+    def _probe_peers(self, waited_s: float) -> None:
+        rank, size, comm = self.channel.rank, self.channel.size, self.channel._comm
+        self._probe += 1
+        peers = [r for r in range(size) if r != rank]
+        for dst in peers:
+            self._sends.append(comm.isend(self._probe, dest=dst, tag=_TAG_PING))
+        answers: dict[int, Any] = {}
+        end = time.perf_counter() + self.probe_s
+        while self._alive() and len(answers) < len(peers) and time.perf_counter() < end:
+            answers.update(self._answer())
+            time.sleep(0.01)
+        if not self._alive():
+            return
+        missing = [r for r in peers if r not in answers]
+        waiting = sorted([rank, *(r for r, s in answers.items() if s is not None)])
+        if missing:
+            abort_world(f"rank {rank}: waited {waited_s:.0f} s in the gradient allreduce (deadline {self.deadline_s:g} s); "
+                        f"rank(s) {missing} did not answer a liveness probe within {self.probe_s:g} s (stopped, "
+                        f"crashed or hung); rank(s) {waiting} were waiting in the allreduce.")
+        busy = sorted(r for r, s in answers.items() if s is None)
+        if busy:
+            sys.stderr.write(f"[dynamix_hvd] rank {rank}: waited {waited_s:.0f} s in the gradient allreduce; rank(s) "
+                             f"{busy} are alive but elsewhere (e.g. evaluating); still waiting\n")
+
+
+# Horovod's own stall handling (read by hvd.init()): a warning naming the ranks that did not submit a
+# tensor after CHECK seconds, and Horovod shut down after SHUTDOWN seconds (0: never). It covers a rank
+# that is alive but away from the gradient allreduce (e.g. hung in its data loader); a stopped or dead
+# rank blocks Horovod's own negotiation too, and is caught by `StallWatchdog` instead.
+STALL_DEFAULTS = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "900"}
+
+
+def set_horovod_stall_defaults(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set `STALL_DEFAULTS` in `environ` (default os.environ) where the user has not set them; call it
+    before ``hvd.init()``. Returns the values in force. The launch wrappers set the same defaults."""
+    env = os.environ if environ is None else environ
+    for name, value in STALL_DEFAULTS.items():
+        env.setdefault(name, value)
+    return {name: env[name] for name in STALL_DEFAULTS}

@@ -26,6 +26,9 @@ MODULE=${MODULE:-dynamix_hvd.examples.mlp_train} PYTHON=${PYTHON:-$(command -v p
 OVERSUBSCRIBE=${OVERSUBSCRIBE:-0} ALLOW_RUN_AS_ROOT=${ALLOW_RUN_AS_ROOT:-1}
 MPIRUN=${MPIRUN:-mpirun} HOROVODRUN_ARGS=${HOROVODRUN_ARGS:-} DRY_RUN=${DRY_RUN:-0}
 if [ "$GLOO" = 1 ]; then launcher=horovodrun-gloo mode=--gloo; else launcher=horovodrun mode=--mpi; fi
+# Horovod's stall warning and shutdown (README "A rank that stops answering"); set them to override.
+export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-60}
+export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DYNAMIX_LAUNCHER=$launcher
 if [[ "$MPIRUN" == */* && -x "$MPIRUN" ]]; then PATH="$(dirname "$MPIRUN"):$PATH"; export PATH; fi
 # Ranks cannot tell whether a person watches (Open MPI gives them a pty anyway): we can.

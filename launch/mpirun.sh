@@ -25,6 +25,9 @@ NP=${NP:-2} HOSTFILE=${HOSTFILE:-} HOSTS=${HOSTS:-} SCRIPT=${SCRIPT:-} SCRIPT_AR
 MODULE=${MODULE:-dynamix_hvd.examples.mlp_train} PYTHON=${PYTHON:-$(command -v python)}
 OVERSUBSCRIBE=${OVERSUBSCRIBE:-0} ALLOW_RUN_AS_ROOT=${ALLOW_RUN_AS_ROOT:-1}
 MPIRUN=${MPIRUN:-mpirun} MPIRUN_ARGS=${MPIRUN_ARGS:-} DRY_RUN=${DRY_RUN:-0}
+# Horovod's stall warning and shutdown (README "A rank that stops answering"); set them to override.
+export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-60}
+export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DYNAMIX_LAUNCHER=mpirun
 # Ranks cannot tell whether a person watches (Open MPI gives them a pty anyway): we can.
 if [ -t 2 ]; then export DYNAMIX_PROGRESS=${DYNAMIX_PROGRESS:-bar}; fi
@@ -38,7 +41,8 @@ cmd=("$MPIRUN" -np "$NP" --bind-to none)
 if [ -n "$HOSTFILE" ]; then cmd+=(--hostfile "$HOSTFILE"); elif [ -n "$HOSTS" ]; then cmd+=(-H "$HOSTS"); fi
 if [ "$OVERSUBSCRIBE" = 1 ]; then cmd+=(--oversubscribe); fi
 for var in PATH LD_LIBRARY_PATH PYTHONPATH OMP_NUM_THREADS DYNAMIX_LAUNCHER EPOCHS BATCH_SIZES OUT POLICY \
-           POLICY_FILE DYNAMIX_POLICY_DIR DYNAMIX_PROGRESS OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM; do
+           POLICY_FILE DYNAMIX_POLICY_DIR DYNAMIX_PROGRESS OMPI_ALLOW_RUN_AS_ROOT OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
+           HOROVOD_STALL_CHECK_TIME_SECONDS HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; do
   if [ -n "${!var+x}" ]; then cmd+=(-x "$var"); fi
 done
 # shellcheck disable=SC2206  # word-splitting of the *_ARGS variables is intended

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +18,9 @@ from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.controller import POLICY_NAMES
 from dynamix_hvd.control.policy_store import PolicyError, load_policy
 from dynamix_hvd.control.reward import RewardConfig
+from dynamix_hvd.data.loader import AdaptiveLoader
+from dynamix_hvd.dba.selection import DBAConfig
+from dynamix_hvd.stats.noise_scale import StatsConfig
 from launching import launch
 
 FUZZ_EXAMPLES = 400
@@ -116,15 +120,51 @@ BAD_CONTROLLER = {
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
                              st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
                              st.lists(st.text(max_size=2), min_size=1, max_size=3),
-                             st.just([1.0, math.nan]), st.just([1.0, math.inf])),
+                             st.just([1.0, math.nan]), st.just([1.0, math.inf]),
+                             st.integers(), st.floats(), st.none(), st.text(min_size=1, max_size=3),
+                             st.just((1.0, True))),
+    # nested configs: anything but the right type, or the right type holding a bad value
+    "reward": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.booleans(), st.builds(PPOConfig),
+                        st.sampled_from([f.name for f in dataclasses.fields(RewardConfig)]).flatmap(
+                            lambda name: st.booleans().map(lambda b: RewardConfig(**{name: b})))),
+    "ppo": st.one_of(NOT_A_NUMBER, st.integers(), st.booleans(), st.builds(RewardConfig), st.builds(StatsConfig)),
+    "stats": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.builds(RewardConfig), st.builds(PPOConfig)),
 }
+UNIT_OPEN = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
+                      st.floats(max_value=-1e-9, allow_infinity=False))
+BAD_STATS = {
+    "ema_beta": UNIT_OPEN, "loss_ema_beta": UNIT_OPEN, "max_noise_scale": NOT_POSITIVE,
+    "base_batch": not_an_int(1).filter(lambda v: v is not None), "loss_window": not_an_int(2),
+    "per_layer": NOT_A_BOOL,
+}
+BAD_DBA = {
+    "metric": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("variance", "snr")), st.none(), st.integers()),
+    "search": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("greedy", "rank")), st.none()),
+    "granularity": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("model", "layer")), st.none()),
+    "estimator": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("subset", "importance")), st.none()),
+    "engine": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("auto", "ghost", "func")), st.none()),
+    "min_subset": not_an_int(2),
+    "min_fraction": st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0 + 1e-9),
+                              st.floats(max_value=-1e-9)),
+    "tolerance": UNIT_OPEN,
+    "min_cosine": st.one_of(st.text(max_size=3), NONFINITE, st.booleans(), st.floats(min_value=1.0 + 1e-9),
+                            st.floats(max_value=-1.0 - 1e-9)),
+    "max_noise": NOT_POSITIVE,
+    "seed": st.one_of(st.none(), st.text(max_size=3), st.booleans(), st.floats()),
+}
+BAD_LOADER = {"seed": not_an_int(0), "shuffle": NOT_A_BOOL,
+              "last_step": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("partial", "drop")), st.none()),
+              "rank": st.one_of(st.integers(max_value=-1), st.integers(min_value=2)),
+              "batch_sizes": st.one_of(st.just([]), st.lists(st.integers(max_value=0), min_size=2, max_size=2),
+                                       st.just([4, True]), st.just([4, 2.5]))}
 
 
 def test_every_field_has_bad_values():
     """A field added to a config without a generator of bad values fails here."""
     assert set(BAD_PPO) == {f.name for f in dataclasses.fields(PPOConfig)}
-    nested = {"reward", "ppo", "stats"}  # validated by their own configs
-    assert set(BAD_CONTROLLER) == {f.name for f in dataclasses.fields(ControllerConfig)} - nested
+    assert set(BAD_CONTROLLER) == {f.name for f in dataclasses.fields(ControllerConfig)}
+    assert set(BAD_STATS) == {f.name for f in dataclasses.fields(StatsConfig)}
+    assert set(BAD_DBA) == {f.name for f in dataclasses.fields(DBAConfig)}
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
@@ -149,6 +189,53 @@ def test_controller_config_rejects_bad_values(data, field):
     value = data.draw(BAD_CONTROLLER[field], label=field)
     with pytest.raises(ValueError, match=field):
         ControllerConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_STATS)))
+def test_stats_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_STATS[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        StatsConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_DBA)))
+def test_dba_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_DBA[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        DBAConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_LOADER)))
+def test_loader_rejects_bad_values(data, field):
+    import torch
+
+    kwargs = {"batch_sizes": [4, 4], "rank": 0, field: data.draw(BAD_LOADER[field], label=field)}
+    with pytest.raises(ValueError):
+        AdaptiveLoader(torch.utils.data.TensorDataset(torch.zeros(20, 1)), **kwargs)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(field=st.sampled_from(sorted(f.name for f in dataclasses.fields(StatsConfig))), value=values)
+def test_stats_config_fuzz(field, value):
+    TRIED["configs"] += 1
+    try:
+        StatsConfig(**{field: value})
+    except ValueError as exc:
+        assert field in str(exc)
+
+
+def test_nested_configs_named_in_the_error():
+    for kwargs, needle in ((dict(multipliers=5), "multipliers=5"), (dict(reward="x"), "reward='x'"),
+                           (dict(stats=StatsConfig), "stats="), (dict(ppo={}), "ppo={}"),
+                           (dict(reward=RewardConfig(idle_weight=True)), "reward.idle_weight=True")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            ControllerConfig(**kwargs)
+    for beta in (math.nan, 1.5):
+        with pytest.raises(ValueError, match="ema_beta"):
+            StatsConfig(ema_beta=beta)
 
 
 def test_report_fuzz_counts():

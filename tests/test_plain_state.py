@@ -18,6 +18,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import pytest
 import torch
 
 import dynamix_hvd
@@ -135,6 +136,7 @@ def test_resource_thread_stops_within_a_second_of_close():
 
 _IMPORT_PROBE = r"""
 import importlib, json, logging, signal, sys, threading, warnings
+import pytest
 import torch
 import horovod.torch
 from horovod.torch.elastic import state as hvd_state
@@ -216,3 +218,30 @@ def test_rank_prefixed_logging_is_opt_in(monkeypatch):
     monkeypatch.delenv("SLURM_PROCID")
     monkeypatch.delenv("HOROVOD_RANK")
     assert RankFormatter().prefix == "[dynamix_hvd]"  # not launched: no rank to name
+
+
+@pytest.fixture
+def small_mounts(tmp_path):
+    """A full-able 1 MB tmpfs and a read-only one (we run as root), unmounted at teardown."""
+    full, readonly = tmp_path / "full", tmp_path / "readonly"
+    mounted = []
+    try:
+        for path, options in ((full, "size=1m"), (readonly, "ro,size=1m")):
+            path.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True,
+                           capture_output=True, text=True)
+            mounted.append(path)
+        yield full, readonly
+    finally:
+        for path in mounted:
+            subprocess.run(["umount", str(path)], check=False)
+
+
+def test_restore_is_all_or_nothing_and_saves_clean_up(tmp_path, small_mounts):
+    full, readonly = small_mounts
+    out = launch("mpirun", 2, "ckpt_faults.py", "fit", "nothing", "full", "readonly", "--ckpt", str(tmp_path / "ck"),
+                 "--full", str(full), "--readonly", str(readonly)).stdout
+    for ok in ("FIT-FALLBACK-OK step-00000-0000002", "APPLY-ROLLED-BACK-OK", "DATASET-REFUSED-OK",
+               "FULL-DISK-CLEAN-OK", "READONLY-REFUSED-OK"):
+        assert out.count(ok) == 2, f"{ok} missing on a rank:\n{out}"
+    assert "skipping checkpoint" in out and "step-00000-0000009/state.pt does not fit this job" in out, out

@@ -7,6 +7,7 @@ Slurm test (cluster start and stop included).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dynamix_hvd.runs.rundir import read_run
+from launching import WORKERS, launch
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,6 +93,53 @@ def test_sbatch_script_runs_two_ranks(cluster: SlurmCluster, jobs, script: str, 
     assert len(run.epochs) == 4  # 2 epochs x 2 ranks
     # every sample of every epoch was trained on exactly once, split over the two ranks
     assert (run.steps.groupby("epoch").local_batch.sum() == 2048).all()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[list[float]]:
+    """Final parameters of resume.py run start to end under mpirun (what a resumed job must reproduce)."""
+    d = tmp_path_factory.mktemp("plain")
+    launch("mpirun", 2, "resume.py", "--out", str(d), "--ckpt", str(d / "ck"))
+    return json.loads((d / "rank0.json").read_text())["params"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scancel_term_writes_a_checkpoint_and_a_resubmission_resumes_exactly(cluster: SlurmCluster, script: str,
+                                                                             tmp_path: Path, uninterrupted, capsys):
+    ckpt, first, again, started = tmp_path / "ck", tmp_path / "first", tmp_path / "again", tmp_path / "started"
+    first.mkdir(), again.mkdir()
+
+    def submit(out: Path, extra: str) -> int:
+        env = {"DYNAMIX_ROOT": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+               "SCRIPT": str(WORKERS / "resume.py"), "SCRIPT_ARGS": f"--out {out} --ckpt {ckpt} {extra}"}
+        return cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO}", str(REPO / "launch" / script),
+                              env=env)
+
+    job = submit(first, f"--step-sleep 0.3 --started {started}")
+    end = time.monotonic() + 240
+    while not started.exists():
+        assert time.monotonic() < end and cluster.job_info(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), \
+            f"{script}: training never started: {cluster.job_info(job)}\n{cluster.logs()}"
+        time.sleep(0.5)
+    time.sleep(1.0)
+    # srun's ranks are a job step and get the signal as they are; mpirun's batch script traps and forwards it.
+    batch = ["--batch"] if script == "slurm_mpirun.sbatch" else []
+    cluster.run("scancel", "--signal=TERM", *batch, str(job))
+    info = cluster.wait_job(job, timeout=180)
+    text = Path(info["StdOut"]).read_text()
+    _say(capsys, f"{script}: scancel --signal=TERM {' '.join(batch)}-> {info.get('JobState')} {info.get('ExitCode')}")
+    assert "stop requested: checkpoint written" in text, f"{info}\n{text}"
+    assert info["ExitCode"] != "0:0" and not (first / "rank0.json").exists(), f"{info}\n{text}"
+    latest = (ckpt / "latest").read_text()
+    assert (ckpt / latest / "state.pt").is_file() and not list(ckpt.glob(".*")), sorted(p.name for p in ckpt.iterdir())
+
+    again_job = submit(again, "")
+    info = cluster.wait_job(again_job, timeout=300)
+    text = Path(info["StdOut"]).read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text}"
+    assert f"RESUMED-FROM {ckpt / latest}" in text, text
+    resumed = json.loads((again / "rank0.json").read_text())["params"]
+    assert resumed == uninterrupted, "the resumed job did not end where the uninterrupted one did"
 
 
 def test_slurm_wall_time(cluster: SlurmCluster, capsys):

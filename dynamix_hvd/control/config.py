@@ -85,7 +85,21 @@ class ControllerConfig:
         if isinstance(self.resource_period_s, bool) or not isinstance(self.resource_period_s, (int, float)) \
                 or not math.isfinite(self.resource_period_s) or self.resource_period_s < 0:
             raise ValueError(f"ControllerConfig.resource_period_s={self.resource_period_s!r}; use seconds >= 0")
-        ActionSpace(tuple(self.multipliers))  # validates the action set
+        if isinstance(self.multipliers, (str, bytes)) or not isinstance(self.multipliers, (tuple, list)) \
+                or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m)
+                           for m in self.multipliers):
+            raise ValueError(f"ControllerConfig.multipliers={self.multipliers!r}; give a tuple of finite numbers, "
+                             "e.g. (0.5, 1.0, 2.0)")
+        try:
+            ActionSpace(tuple(self.multipliers))  # validates the action set
+        except ValueError as exc:
+            raise ValueError(f"ControllerConfig.multipliers={self.multipliers!r}: {exc}") from None
+        for name, kind in (("reward", RewardConfig), ("ppo", PPOConfig), ("stats", StatsConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"ControllerConfig.{name}={getattr(self, name)!r}; it must be a {kind.__name__}")
+        for name, value in vars(self.reward).items():  # RewardConfig takes bools as 0/1: not here
+            if isinstance(value, bool):
+                raise ValueError(f"ControllerConfig.reward.{name}={value!r}; a reward weight is a number, not a bool")
 
 
 def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:

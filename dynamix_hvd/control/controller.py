@@ -33,7 +33,7 @@ from .core import LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
-from ..comm import ControlChannel
+from ..comm import ControlChannel, StallWatchdog, abort_world
 from ..data.loader import AdaptiveLoader
 from ..data.metrics import StepRecord
 from ..data.resources import ResourceSampler
@@ -73,6 +73,10 @@ class DynamixController:
         self.core = make_core(self.cfg, loader.world_size, loader.global_batch_size, self.optimizer.param_names)
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
+        # Under MPI: a rank that waits in the gradient allreduce longer than timeout_s probes the others
+        # and ends the job naming any that no longer answer (a stopped or dead rank would hang it).
+        self.watchdog = (StallWatchdog(self.channel, lambda: self.loader.tracker.sync_wait_started(), self.cfg.timeout_s)
+                         if self.channel.backend == "mpi4py" else None)
 
     @property
     def policy(self) -> BatchSizePolicy:
@@ -111,11 +115,20 @@ class DynamixController:
         self._total_steps += 1
         k = self.cfg.decide_every_steps
         if (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0):
-            self.decide()
+            try:
+                self.decide()
+            except Exception as exc:  # inside the training loop: the other ranks would wait for this one
+                if self.channel.backend != "mpi4py":
+                    raise
+                abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:
-        """One decision on every rank; returns this rank's record of it (rank 0's is the full one)."""
+        """One decision on every rank; returns this rank's record of it (rank 0's is the full one).
+
+        Called directly, a failure (e.g. `ControlPlaneTimeout` naming a silent rank) raises to the
+        caller; the decisions the controller takes by itself inside the loop abort the MPI world
+        instead (`comm.abort_world`), since the other ranks would wait for this one forever."""
         t0 = time.perf_counter()
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
         # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
@@ -199,6 +212,8 @@ class DynamixController:
         if self._on_step_end in self.loader.step_end_callbacks:
             self.loader.step_end_callbacks.remove(self._on_step_end)
         self.resources.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.channel.close()
 
     def __enter__(self) -> "DynamixController":

@@ -43,6 +43,10 @@ class AdaptiveLoader:
             if bad in loader_kwargs:
                 raise ValueError(f"AdaptiveLoader plans batches itself; do not pass {bad}="
                                  f"{loader_kwargs[bad]!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"AdaptiveLoader seed={seed!r}; it must be an integer >= 0")
+        if not isinstance(shuffle, bool):
+            raise ValueError(f"AdaptiveLoader shuffle={shuffle!r}; it must be True or False")
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples < len(sizes):

@@ -98,6 +98,12 @@ class StepTracker:
     def synchronized(self) -> None:
         self._t_sync = time.perf_counter()
 
+    def sync_wait_started(self) -> float | None:
+        """When (``time.perf_counter()``) the current wait in the gradient allreduce began; None when
+        this rank is not waiting there (read by the stall watchdog's thread)."""
+        t_step, t_sync = self._t_step, self._t_sync
+        return t_step if t_step > t_sync else None
+
     def step_finished(self, **extra: Any) -> StepRecord | None:
         """Close the open step; `extra` fills optional fields (lr, grad norms)."""
         rec = self._open

@@ -26,6 +26,8 @@ full batch's mean (per layer), which is what stops the elimination before it rea
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -119,14 +121,16 @@ class DBAConfig:
                 raise ValueError(f"DBAConfig.{name}={value!r}; choose one of {', '.join(allowed)}")
         if isinstance(self.min_subset, bool) or not isinstance(self.min_subset, int) or self.min_subset < 2:
             raise ValueError(f"DBAConfig.min_subset={self.min_subset!r}; it must be an integer >= 2")
-        if not (isinstance(self.min_fraction, (int, float)) and 0.0 <= self.min_fraction <= 1.0):
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not (number(self.min_fraction) and 0.0 <= self.min_fraction <= 1.0):
             raise ValueError(f"DBAConfig.min_fraction={self.min_fraction!r}; it must be in [0, 1]")
-        if not (isinstance(self.tolerance, (int, float)) and 0.0 <= self.tolerance < 1.0):
+        if not (number(self.tolerance) and 0.0 <= self.tolerance < 1.0):
             raise ValueError(f"DBAConfig.tolerance={self.tolerance!r}; it must be in [0, 1)")
-        if self.min_cosine is not None and not (isinstance(self.min_cosine, (int, float))
-                                                and -1.0 <= self.min_cosine <= 1.0):
+        if self.min_cosine is not None and not (number(self.min_cosine) and -1.0 <= self.min_cosine <= 1.0):
             raise ValueError(f"DBAConfig.min_cosine={self.min_cosine!r}; it must be None or in [-1, 1]")
-        if isinstance(self.max_noise, bool) or not (isinstance(self.max_noise, (int, float)) and self.max_noise > 0):
+        if not (number(self.max_noise) and math.isfinite(self.max_noise) and self.max_noise > 0):
             raise ValueError(f"DBAConfig.max_noise={self.max_noise!r}; it must be > 0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"DBAConfig.seed={self.seed!r}; it must be an integer")

@@ -11,8 +11,11 @@ Nothing happens on construction: `install_signal_handlers()` turns signals into 
 
 A checkpoint is a directory ``step-<N>`` holding ``state.pt`` (model, optimizer, loader position,
 controller) and ``state.sha256``; it is written under a temporary name and renamed, then the file
-``latest`` is replaced atomically. ``restore()`` takes the newest directory whose checksum verifies
-and falls back to the previous good one when the newest is corrupt. The last `keep` are kept.
+``latest`` is replaced atomically; a failed write (a full disk, say) removes its temporary files and
+raises `CheckpointError` naming the path on every rank. The directory is checked writable at
+construction. ``restore()`` is all or nothing: it takes the newest checkpoint that reads, verifies
+and fits this job, and falls back to the previous one (with a warning naming the file and the reason)
+otherwise. The last `keep` are kept.
 
 Plain data only: the state holds tensors and plain Python values (checked on `save()`, naming the
 offending entry) and is read with ``torch.load(weights_only=True)``, so a crafted ``state.pt`` is
@@ -21,6 +24,7 @@ refused with an error naming the file and both versions.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import os
@@ -33,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm import ControlChannel
+from ..comm import ControlChannel, StallWatchdog, abort_world
 from ..data.loader import AdaptiveLoader
 from ..data.plan import split_proportional
 from ..logs import get_logger
@@ -89,6 +93,18 @@ def _reason(exc: Exception) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
+def _check_writable(directory: Path) -> None:
+    """Create `directory` if needed and write a probe file there, so that a directory that cannot take
+    a checkpoint is an error at construction, not at preemption time when the checkpoint would be lost."""
+    probe = directory / f".probe.{os.uname().nodename}.{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint directory {directory} cannot take checkpoints: {exc}") from None
+
+
 class Checkpointer:
     """Write a checkpoint when any rank is signalled; restore the newest good one on start-up.
 
@@ -101,6 +117,7 @@ class Checkpointer:
         if check_every < 1 or keep < 1:
             raise ValueError(f"check_every={check_every} and keep={keep} must both be >= 1")
         self.directory = Path(directory)
+        _check_writable(self.directory)
         self.model, self.optimizer, self.loader, self.controller = model, optimizer, loader, controller
         self.channel = channel or (controller.channel if controller is not None else ControlChannel())
         self.check_every, self.exit_code, self.keep = check_every, exit_code, keep
@@ -108,11 +125,17 @@ class Checkpointer:
         self._steps = 0
         self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
+        # Without a controller nobody else watches the gradient allreduce for a stopped rank (MPI only).
+        self.watchdog = (StallWatchdog(self.channel, lambda: self.loader.tracker.sync_wait_started(),
+                                       self.channel.timeout_s)
+                         if controller is None and self.channel.backend == "mpi4py" else None)
 
     # --- signals -----------------------------------------------------------------------------------
-    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> "Checkpointer":
+    def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1),
+                                ) -> "Checkpointer":
         """Make `signals` request a checkpoint and exit at the next step boundary (main thread only).
-        The handlers they replace come back with `close()`."""
+        The handlers they replace come back with `close()`. SIGUSR1 is what mpirun forwards to every
+        rank at once (launch/slurm_mpirun.sbatch turns the TERM it receives into it)."""
         for sig in signals:
             previous = signal.signal(sig, self._on_signal)
             self._previous_handlers.setdefault(sig, previous)
@@ -125,6 +148,8 @@ class Checkpointer:
         self._previous_handlers.clear()
         if self._on_step_end in self.loader.step_end_callbacks:
             self.loader.step_end_callbacks.remove(self._on_step_end)
+        if self.watchdog is not None:
+            self.watchdog.close()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -139,8 +164,15 @@ class Checkpointer:
         self._steps += 1
         if self._steps % self.check_every:
             return
-        if self.channel.any_true(self.requested, what="preemption flag"):
-            path = self.save()
+        try:
+            stop = self.channel.any_true(self.requested, what="preemption flag")
+            path = self.save() if stop else None
+        except Exception as exc:  # inside the loop: under MPI the other ranks would wait for this one
+            if self.channel.backend != "mpi4py":
+                raise
+            abort_world(f"rank {self.channel.rank}: preemption check at step {self.loader.step} of epoch "
+                        f"{self.loader.epoch} failed: {type(exc).__name__}: {exc}")
+        if stop:
             if self.channel.rank == 0:
                 log.warning("stop requested: checkpoint written to %s; exiting with code %d", path, self.exit_code)
             sys.exit(self.exit_code)
@@ -162,11 +194,11 @@ class Checkpointer:
         if self.channel.rank == 0:
             try:
                 self._write(step, final)
-            except (TypeError, OSError) as exc:
+            except Exception as exc:  # disk full, permissions, not plain data...: nothing half-written stays
                 problem = f"{type(exc).__name__}: {exc}"
         problem = self.channel.broadcast(problem, what="checkpoint written")  # others leave once it exists
         if problem is not None:
-            raise CheckpointError(f"checkpoint {final} was not written: {problem}")
+            raise CheckpointError(f"checkpoint {final} was not written: {problem} (its temporary files were removed)")
         return final
 
     def _write(self, step: str, final: Path) -> None:
@@ -179,15 +211,20 @@ class Checkpointer:
         torch.save(state, buf)
         data = buf.getvalue()
         tmp = self.directory / f".{step}.tmp{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "state.pt").write_bytes(data)
-        (tmp / "state.sha256").write_text(hashlib.sha256(data).hexdigest())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         latest_tmp = self.directory / f".latest.tmp{os.getpid()}"
-        latest_tmp.write_text(step)
-        os.replace(latest_tmp, self.directory / "latest")
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            (tmp / "state.pt").write_bytes(data)
+            (tmp / "state.sha256").write_text(hashlib.sha256(data).hexdigest())
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            latest_tmp.write_text(step)
+            os.replace(latest_tmp, self.directory / "latest")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            latest_tmp.unlink(missing_ok=True)
+            raise
         for old in self._checkpoints()[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -197,8 +234,11 @@ class Checkpointer:
 
     def _read(self, path: Path) -> dict[str, Any]:
         file = path / "state.pt"
-        data = file.read_bytes()
-        if hashlib.sha256(data).hexdigest() != (path / "state.sha256").read_text().strip():
+        try:
+            data, digest = file.read_bytes(), (path / "state.sha256").read_text().strip()
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
+        if hashlib.sha256(data).hexdigest() != digest:
             raise CheckpointError(f"checkpoint {path} fails its checksum (corrupt or partly written)")
         try:
             state = torch.load(io.BytesIO(data), weights_only=True)  # never runs code from the file
@@ -206,7 +246,9 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {file} is refused: it holds something other than tensors and "
                                   f"plain values, or is no torch.save file ({_reason(exc)}); nothing in it "
                                   "was run") from None
-        found = state.get("version") if isinstance(state, dict) and state.get("format") == FORMAT else None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {file} holds a {type(state).__name__}, not a checkpoint")
+        found = state.get("version") if state.get("format") == FORMAT else None
         if found != FORMAT_VERSION:
             raise CheckpointVersionError(
                 f"checkpoint {file} has format version {found if found is not None else '1 or unknown'}, "
@@ -214,29 +256,103 @@ class Checkpointer:
                 "wrote it, or start without it")
         return state
 
+    def _check(self, path: Path, state: Any) -> None:
+        """Every check that can fail, before anything is applied: the header, the world size, the
+        dataset size, the model's names and shapes, the optimizer's groups and the controller."""
+        file = path / "state.pt"
+
+        def bad(reason: str) -> CheckpointError:
+            return CheckpointError(f"checkpoint {file} does not fit this job: {reason}")
+
+        missing = [k for k in ("model", "optimizer", "loader", "controller", "world_size") if k not in state]
+        if missing:
+            raise bad(f"it lacks {missing}")
+        world = state["world_size"]
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise bad(f"world_size={world!r}")
+        loader = state["loader"]
+        if not isinstance(loader, dict) or not {"num_samples", "batch_sizes", "epoch", "cursor", "step"} <= set(loader):
+            raise bad("its loader state is incomplete")
+        if loader["num_samples"] != self.loader.num_samples:
+            raise bad(f"it was taken on a dataset of {loader['num_samples']} samples, this one has "
+                      f"{self.loader.num_samples}")
+        if len(loader["batch_sizes"]) != world:
+            raise bad(f"{len(loader['batch_sizes'])} batch sizes for a world of {world}")
+        ours, theirs = self.model.state_dict(), state["model"]
+        if not isinstance(theirs, dict) or set(theirs) != set(ours):
+            names = set(theirs) if isinstance(theirs, dict) else set()
+            raise bad(f"the model's entries differ (missing {sorted(set(ours) - names)[:5]}, "
+                      f"unexpected {sorted(names - set(ours))[:5]})")
+        for name, tensor in ours.items():
+            other = theirs[name]
+            if isinstance(tensor, torch.Tensor) and (not isinstance(other, torch.Tensor) or other.shape != tensor.shape):
+                raise bad(f"model entry {name!r} has shape {tuple(getattr(other, 'shape', ()))}, this model "
+                          f"{tuple(tensor.shape)}")
+        groups = self.optimizer.state_dict()["param_groups"]
+        saved = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], dict) else None
+        if not isinstance(saved, list) or [len(g["params"]) for g in saved] != [len(g["params"]) for g in groups]:
+            raise bad("the optimizer's parameter groups differ from this optimizer's")
+        if state["controller"] is not None and not isinstance(state["controller"], dict):
+            raise bad("its controller state is not a dict")
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What restore() may overwrite, to put back when applying a checkpoint fails half-way."""
+        snap = {"model": copy.deepcopy(self.model.state_dict()), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "loader": copy.deepcopy(self.loader.state_dict()), "controller": None}
+        if self.controller is not None:
+            snap["controller"] = copy.deepcopy(self.controller.state_dict())
+            snap["controller"]["root"] = copy.deepcopy(self.controller.core.state_dict())
+        return snap
+
+    def _apply(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        sizes = None
+        if state["world_size"] != self.loader.world_size:
+            sizes = redistribute(sum(state["loader"]["batch_sizes"]), self.loader.world_size)
+        self.loader.load_state_dict(state["loader"], batch_sizes=sizes)
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+
+    def _put_back(self, snap: dict[str, Any]) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.loader.load_state_dict(snap["loader"])
+        if snap["controller"] is not None:
+            self.controller.load_state_dict(snap["controller"])
+
     def restore(self) -> Path | None:
-        """Load the newest good checkpoint (None when there is none). Works on a different world size:
-        the global batch is kept and split evenly over the new ranks."""
+        """Load the newest usable checkpoint (None when there is none). Works on a different world size:
+        the global batch is kept and split evenly over the new ranks.
+
+        All or nothing: a checkpoint is read, verified (checksum, format version) and checked against
+        this job (`_check`: world size, dataset size, model names and shapes, optimizer groups) before
+        anything is applied; should applying it still fail, model, optimizer, loader and controller are
+        put back as they were. A checkpoint that cannot be read or does not fit is skipped with a
+        warning naming the file and the reason, and the previous one is tried; with none usable,
+        `CheckpointError` lists them all. A checkpoint of another format version stops the restore
+        (`CheckpointVersionError`): falling back past it would silently resume from an older state."""
         candidates = self._checkpoints()
         errors = []
         for path in reversed(candidates):
             try:
                 state = self._read(path)
+                self._check(path, state)
+                snap = self._snapshot()
+                try:
+                    self._apply(state)
+                except Exception as exc:
+                    self._put_back(snap)
+                    raise CheckpointError(f"checkpoint {path / 'state.pt'} could not be applied "
+                                          f"({type(exc).__name__}: {exc}); nothing was changed") from None
             except CheckpointVersionError:
-                raise  # an older good checkpoint must not silently replace a newer one of another version
+                raise
             except (OSError, CheckpointError) as exc:
                 errors.append(f"{path.name}: {exc}")
                 log.warning("skipping checkpoint %s: %s", path, exc)
                 continue
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            sizes = None
-            if state["world_size"] != self.loader.world_size:
-                sizes = redistribute(sum(state["loader"]["batch_sizes"]), self.loader.world_size)
-            self.loader.load_state_dict(state["loader"], batch_sizes=sizes)
-            if self.controller is not None and state["controller"] is not None:
-                self.controller.load_state_dict(state["controller"])
             return path
         if candidates:
-            raise CheckpointError("no checkpoint in " + str(self.directory) + " is usable: " + "; ".join(errors))
+            raise CheckpointError(f"no checkpoint in {self.directory} is usable (model, optimizer, loader and "
+                                  "controller are unchanged): " + "; ".join(errors))
         return None

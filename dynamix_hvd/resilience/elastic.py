@@ -21,7 +21,8 @@ elsewhere in the same process keeps Horovod's behaviour.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import os
+from typing import Any, Mapping
 
 import horovod.torch as hvd
 from horovod.torch.elastic.state import StateHandler, TorchState
@@ -73,6 +74,29 @@ class ControllerStateHandler(StateHandler):
         self.value.load_state_dict(self._saved)
 
 
+GLOO_TIMEOUT_DEFAULT_S = 30.0
+"""Horovod's Gloo timeout when neither --gloo-timeout-seconds nor HOROVOD_GLOO_TIMEOUT_SECONDS sets it."""
+
+
+def check_timeouts(timeout_s: float, environ: Mapping[str, str] | None = None) -> float:
+    """Refuse a control-plane deadline that is not longer than Gloo's timeout; returns Gloo's timeout.
+
+    Under Gloo a control-plane collective that misses its deadline ends the process (it cannot be
+    abandoned). A worker that dies is reported by Gloo after its timeout, which is what lets Horovod
+    elastic reset the world; a shorter deadline ends the survivors first, and Horovod then blacklists
+    every host."""
+    raw = (os.environ if environ is None else environ).get("HOROVOD_GLOO_TIMEOUT_SECONDS")
+    try:
+        gloo = float(raw) if raw is not None else GLOO_TIMEOUT_DEFAULT_S
+    except ValueError:
+        raise ValueError(f"HOROVOD_GLOO_TIMEOUT_SECONDS={raw!r} is not a number of seconds") from None
+    if not timeout_s > gloo:
+        raise ValueError(f"ControllerConfig.timeout_s={timeout_s:g} s must be longer than Gloo's timeout of {gloo:g} s "
+                         "(--gloo-timeout-seconds / HOROVOD_GLOO_TIMEOUT_SECONDS): a lost worker would end the "
+                         "surviving ones before Horovod elastic could reset. Raise timeout_s or lower the Gloo timeout.")
+    return gloo
+
+
 class ElasticState(TorchState):
     """``TorchState`` over the model, the optimizer, the loader and the controller.
 
@@ -82,6 +106,8 @@ class ElasticState(TorchState):
 
     def __init__(self, model: Any, optimizer: Any, loader: AdaptiveLoader,
                  controller: DynamixController | None = None, **kwargs: Any) -> None:
+        if controller is not None:
+            check_timeouts(controller.cfg.timeout_s)
         inner = getattr(optimizer, "_hvd", optimizer)  # Horovod's handler wants a torch.optim.Optimizer
         own: dict[str, StateHandler] = {"dx_loader": LoaderStateHandler(loader)}
         if controller is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import launchcheck
+from ..comm import set_horovod_stall_defaults
 from ..control.controller import POLICY_NAMES
 from ..logs import configure_logging
 
@@ -82,6 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job += [a for a in args.extra if a != "--"]
     env = dict(os.environ, **plan.env, DYNAMIX_LAUNCHER=args.launcher)
     env.setdefault("OMP_NUM_THREADS", "1")
+    set_horovod_stall_defaults(env)
     if sys.stderr.isatty():  # ranks cannot tell (Open MPI gives them a pty anyway): ask for the bar
         env.setdefault("DYNAMIX_PROGRESS", "bar")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))

@@ -192,7 +192,7 @@ def check(launcher: str, np: int, *, hostfile: str | None = None, hosts: str | N
 
 
 FORWARD = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "DYNAMIX_LAUNCHER", "DYNAMIX_PROGRESS",
-           "DYNAMIX_POLICY_DIR")
+           "DYNAMIX_POLICY_DIR", "HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
 
 
 def command(plan: LaunchPlan, argv: Sequence[str], mpirun: str = "mpirun",

@@ -63,8 +63,9 @@ def main() -> None:
         except ControlPlaneTimeout as exc:
             print(f"TIMEOUT-OK rank {rank}: {exc}", flush=True)
             # Stay until the other waiting ranks hit their own deadlines: Horovod finalizes MPI on
-            # every rank as soon as one exits, which would cut their waits short.
-            time.sleep(2)
+            # every rank as soon as one exits, which would cut their waits short (rank 1 waits for rank 0
+            # a grace of 1 + 0.1 timeout longer than rank 0 does).
+            time.sleep(3)
             return
         sys.exit("expected a ControlPlaneTimeout")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

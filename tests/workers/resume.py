@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -27,6 +28,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--sigterm-at", type=int, default=-1, help="global step at which rank 1 gets SIGTERM")
+    ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (to be preempted)")
+    ap.add_argument("--started", default="", help="file rank 0 writes after its first step")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
@@ -54,6 +57,9 @@ def main() -> None:
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             served.append({"epoch": epoch, "indices": idx.tolist()})
+            if args.started and rank == 0 and len(served) == 1:
+                Path(args.started).write_text("started")
+            time.sleep(args.step_sleep)
             if rank == 1 and epoch * 1000 + loader.step == args.sigterm_at:
                 os.kill(os.getpid(), signal.SIGTERM)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({

@@ -1,0 +1,64 @@
+"""A rank stopped with SIGSTOP under mpirun: the job ends within timeout_s plus the documented margin,
+with a message naming the stopped rank and a non-zero exit (no rank left hanging in Horovod)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dynamix_hvd.comm import ABORT_CODE
+from launching import WORKERS, command, job_env
+
+TIMEOUT_S = 4.0
+# README "A rank that stops answering": the probe (min(10, 2 + 0.1 timeout_s)) plus a few seconds for
+# mpirun to end the ranks; 15 s more on this loaded two-core machine.
+MARGIN_S = 2.0 + 0.1 * TIMEOUT_S + 3.0 + 15.0
+
+
+def _kill_victim(out: Path) -> None:
+    marker = out / "victim.json"
+    if marker.exists():
+        pid = json.loads(marker.read_text())["pid"]
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                break
+
+
+@pytest.mark.parametrize("case, ranks, extra, names", [
+    ("checkpointer", 2, ["--ckpt", "CKPT"], "preemption check"),       # stuck in the preemption vote
+    ("allreduce", 3, [], "in the gradient allreduce"),                 # no collective of ours: the watchdog
+    ("decide-every-step", 2, ["--every", "1"], "decision"),            # stuck in the controller's gather
+])
+def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names):
+    extra = [str(tmp_path / "ck") if a == "CKPT" else a for a in extra]
+    argv = [sys.executable, str(WORKERS / "stall.py"), "--out", str(tmp_path), "--timeout", str(TIMEOUT_S), *extra]
+    proc = subprocess.Popen(command("mpirun", ranks, argv), env=job_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{case}: the job hung (killed after 300 s):\n{out[-4000:]}")
+    finally:
+        _kill_victim(tmp_path)
+    assert (tmp_path / "victim.json").exists(), f"the victim never stopped: the test proved nothing\n{out[-3000:]}"
+    took = ended - json.loads((tmp_path / "victim.json").read_text())["t"]
+    print(f"{case}: job ended {took:.1f} s after rank 1 stopped (timeout_s {TIMEOUT_S:g}, bound "
+          f"{TIMEOUT_S + MARGIN_S:g} s), exit code {proc.returncode}")
+    assert proc.returncode == ABORT_CODE, f"{case}: exit {proc.returncode}\n{out[-4000:]}"
+    assert "FINISHED" not in out, out[-4000:]
+    assert "rank(s) [1] did not answer" in out and names in out, out[-4000:]
+    assert "rank 0:" in out and "ending the job" in out, out[-4000:]
+    if case == "allreduce":
+        assert "rank(s) [0, 2] were waiting in the allreduce" in out, out[-4000:]
+    assert took < TIMEOUT_S + MARGIN_S, f"{case}: took {took:.1f} s"

@@ -1,0 +1,63 @@
+"""Worker: rank --victim stops itself with SIGSTOP at global step --stop-at; the others must end the job.
+
+Before stopping, the victim writes <out>/victim.json (its pid and the wall time); the test kills it
+(SIGCONT + SIGKILL) at teardown if it is still there. --ckpt adds a Checkpointer (preemption vote at
+every step), --every k decides every k steps (0: at the end of every epoch).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+from torch import nn
+
+import dynamix_hvd as dx
+from dynamix_hvd.data.synthetic import teacher_classification
+from dynamix_hvd.resilience.checkpoint import Checkpointer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--every", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=4.0)
+    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--stop-at", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    dx.configure_logging()
+    rank, world = hvd.rank(), hvd.size()
+    train, _ = teacher_classification(4000, seed=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10))
+    loader = dx.AdaptiveLoader(train, [8] * world, rank, seed=1)
+    opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                          loader)
+    controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
+        policy="static", decide_every_steps=args.every, timeout_s=args.timeout))
+    if args.ckpt:
+        Checkpointer(args.ckpt, model, opt, loader, controller).install_signal_handlers()
+    step = 0
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            step += 1
+            if rank == args.victim and step == args.stop_at:
+                Path(args.out, "victim.json").write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+                os.kill(os.getpid(), signal.SIGSTOP)
+    print(f"rank {rank}: FINISHED", flush=True)
+
+
+if __name__ == "__main__":
+    main()
