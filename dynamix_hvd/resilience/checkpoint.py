@@ -44,7 +44,7 @@ from ..logs import get_logger
 
 FORMAT = "dynamix_hvd.checkpoint"
 FORMAT_VERSION = 2
-"""1: pickled live objects (0.1, read with weights_only=False); 2: plain data with this header."""
+"""1: pickled live objects (0.1, read by unrestricted unpickling); 2: plain data with this header."""
 
 log = get_logger(__name__)
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -86,7 +86,7 @@ def non_plain_entry(value: Any, where: str = "state") -> str | None:
 
 
 def _reason(exc: Exception) -> str:
-    """The cause of a failed load, without torch's advice to retry with weights_only=False."""
+    """The cause of a failed load, without torch's advice to retry with unrestricted unpickling."""
     boilerplate = ("Weights only load failed", "Check the documentation of torch.load")
     lines = [line.split("WeightsUnpickler error:")[-1].strip() for line in str(exc).splitlines()]
     text = " ".join(line for line in lines if line and not line.startswith(boilerplate))
