@@ -605,6 +605,9 @@ class StallWatchdog:
             return
         import atexit
 
+        # The library channel's exit barrier keeps every rank from shutting Horovod down (which finalizes
+        # MPI on all ranks) while another rank's watchdog may still be polling: that would crash it.
+        library_channel()
         self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # after Horovod's handler, so it runs first: stopped before MPI is finalized
