@@ -34,7 +34,8 @@ def test_every_collective_delivers_in_rank_order(tmp_path, launcher, ranks):
 
 
 def _timeouts(out: str) -> dict[int, tuple[float, str]]:
-    found = re.findall(r"TIMEOUT-OK rank (\d+) after ([\d.]+) s: (.*)", out)
+    # Lines of different ranks can arrive run together: a message ends at the next rank's marker.
+    found = re.findall(r"TIMEOUT-OK rank (\d+) after ([\d.]+) s: (.*?)(?=TIMEOUT-OK rank|RETURNED rank|$)", out, re.M)
     return {int(r): (float(s), msg) for r, s, msg in found}
 
 

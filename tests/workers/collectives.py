@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -55,12 +56,19 @@ def silent(op_name: str, silent_rank: int, deadline: float) -> None:
     start = time.monotonic()
     try:
         call()
-        print(f"RETURNED rank {rank}", flush=True)
+        _say(f"RETURNED rank {rank}")
     except ControlPlaneTimeout as exc:
-        print(f"TIMEOUT-OK rank {rank} after {time.monotonic() - start:.2f} s: {exc}", flush=True)
+        _say(f"TIMEOUT-OK rank {rank} after {time.monotonic() - start:.2f} s: {exc}")
     # Stay until the others are done: a rank that exits ends Horovod everywhere, which (having initialised
     # MPI) finalises it under the feet of ranks still polling.
     time.sleep(max(0.0, start + deadline + 6 - time.monotonic()))
+
+
+def _say(line: str) -> None:
+    # One write per line: print() writes text and newline separately, and mpirun's output forwarding can
+    # put another rank's line between them.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
