@@ -338,6 +338,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         engine.set_backward_passes_per_step(self.backward_passes_per_step)
         self._synced, self._micro = None, []
         self._clear_local()
+        self._status_handle = None  # a restore after a failed collective (elastic): that handle is void
+        self._status.zero_()
         _inner(self, "load_state_dict")(self, state_dict)
         if own is not None:
             self.lr_gain = float(own["lr_gain"])
@@ -400,9 +402,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         tracker = self.loader.tracker
         tracker.step_started()
         self._submit_status()  # no-op when the last gradient's hook launched it
+        handle, self._status_handle = self._status_handle, None  # void after a failure, too
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
-        handle, self._status_handle = self._status_handle, None
         failed = [int(v) for v in hvd.synchronize(handle).tolist()]  # a CPU tensor: no device sync
         self._status.zero_()
         tracker.synchronized()
