@@ -35,7 +35,8 @@ import horovod.torch as hvd
 import torch
 
 from ..data.loader import AdaptiveLoader
-from .lr_scaling import LR_RULES, lr_factor
+from .lr_scaling import LR_RULES, LRCoupling
+from .progress import ProgressAccounting
 from ..stats.sqnorm import SegmentSqNorms, backend_for
 
 
@@ -117,7 +118,7 @@ def _inner(obj: Any, name: str) -> Callable[..., Any]:
     raise AttributeError(name)
 
 
-class WeightedDistributedOptimizer(torch.optim.Optimizer):
+class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     """Wrap a torch optimizer so each step applies the exact mean gradient over all ranks' samples.
 
     The object returned is a real ``torch.optim.Optimizer`` of the user's class, like Horovod's
@@ -127,10 +128,16 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     ``state_dict``/``load_state_dict`` and ``hvd.broadcast_optimizer_state`` work on it.
 
     Learning rate, in this order at every step: an LR scheduler (or the user) owns ``group["lr"]``, the
-    *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B and by
-    ``lr_gain`` (AdaScale), runs the inner optimizer, and restores ``group["lr"]``. So the effective LR
-    of a step is ``scheduler_lr * lr_factor(rule, B, base_batch_size, lr_gain)``, the scheduler never
-    sees (and never compounds) the factor, and ``state_dict()`` stores the base LR.
+    *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B (for
+    ``adascale``, the default, that factor is ``lr_gain``, the AdaScale gain the controller sets at each
+    decision from its gradient statistics, 1 until it has some), eased in over ``lr_warmup_steps`` after
+    B grows, runs the inner optimizer, and restores ``group["lr"]``. So the effective LR of a step is
+    ``scheduler_lr * ramp(lr_factor(rule, B, base_batch_size, lr_gain))``, the scheduler never sees (and
+    never compounds) the factor, and ``state_dict()`` stores the base LR. An explicit ``lr_rule`` is
+    what runs: the controller only sets ``lr_gain``, which only ``adascale`` reads. Progress: each step
+    adds its factor to ``scale_invariant_steps`` (AdaScale's tau, in base iterations; also
+    ``scale_invariant_epochs``); drive a schedule by it with `dynamix_hvd.optim.progress.ProgressScheduler`
+    and stop at ``progress_done(total_base_steps)``, so schedules and budgets mean the same when B changes.
 
     Mixed precision follows Horovod's pattern::
 
@@ -168,7 +175,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         loss_reduction: "mean" if the loss is the mean over the local batch (PyTorch's default),
             "sum" if it is the sum.
         max_grad_norm: clip the synchronised gradient to this norm (identical on every rank).
-        lr_rule: couple the learning rate to the global batch: none / linear / sqrt / adascale.
+        lr_rule: couple the learning rate to the global batch (`dynamix_hvd.optim.lr_scaling`):
+            "adascale" (default; the controller's gain, 1 without a controller), "linear" (SGD while B
+            stays below the noise scale), "sqrt" (Adam-type), "none".
+        lr_warmup_steps: after B grows, ramp the factor from its last value to the new one over this
+            many optimizer steps (0: at once; None: 3% of an epoch at the new B, at least 2).
         base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
             times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
@@ -200,7 +211,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
                  loss_reduction: Literal["mean", "sum"] = "mean", max_grad_norm: float | None = None,
-                 lr_rule: str = "none", base_batch_size: int | None = None,
+                 lr_rule: str = "adascale", lr_warmup_steps: int | None = None,
+                 base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
                  backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
         if loss_reduction not in ("mean", "sum"):
@@ -229,7 +241,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         self.lr_rule = lr_rule
         self.backward_passes_per_step = backward_passes_per_step
         self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
-        self.lr_gain = 1.0  # AdaScale gain (or any extra factor) set by the controller
+        self.lr_gain = 1.0  # AdaScale gain set by the controller (read by the adascale rule only)
+        self.lr_coupling = LRCoupling(lr_warmup_steps)  # warm-up ramp and progress (tau), plain state
         self.track_grad_norms = track_grad_norms
         self.grad_scaler = grad_scaler
         self.param_names = [n for n, _ in named]
@@ -326,7 +339,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The torch optimizer's state plus this wrapper's own (plain values under "dynamix")."""
         state = _inner(self, "state_dict")(self)
-        state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps)}
+        state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps),
+                            "lr_coupling": self.lr_coupling.state_dict()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,6 +358,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         if own is not None:
             self.lr_gain = float(own["lr_gain"])
             self.skipped_steps = dict(own["skipped_steps"])
+            if "lr_coupling" in own:  # absent in checkpoints from before progress accounting
+                self.lr_coupling.load_state_dict(own["lr_coupling"])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
@@ -481,6 +497,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
                     buf.mul_(clip)
         with self._scaled_lr() as lr, self._scaler_hidden():
             _inner(self, "step")(self)
+        self.lr_coupling.commit()  # the step happened: progress += its factor, the warm-up moves on
         self.last_grad_norm = grad_norm
         self.last_status = "ok"
         extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
@@ -497,8 +514,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
 
     @contextmanager
     def _scaled_lr(self) -> Iterator[float]:
-        factor = lr_factor(self.lr_rule, self.loader.global_batch_size * self.backward_passes_per_step,
-                           self.base_batch_size, gain=self.lr_gain)
+        batch = self.loader.global_batch_size * self.backward_passes_per_step
+        factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
+                                       math.ceil(self.loader.num_samples / batch))
         saved = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
