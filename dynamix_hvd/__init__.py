@@ -27,6 +27,7 @@ from .data.metrics import StepRecord, StepTracker
 from .data.plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
 from .logs import configure_logging
 from .optim.lr_scaling import lr_factor
+from .optim.progress import ProgressScheduler
 from .resilience import checkpoint
 from .resilience.checkpoint import Checkpointer
 from .rl.ppo import PPOConfig
@@ -34,7 +35,7 @@ from .rl.ppo import PPOConfig
 __version__ = "0.2.0"
 
 __all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig",
-           "PlannedStep", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
+           "PlannedStep", "ProgressScheduler", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 
 _compat.install()  # old flat import paths (dynamix_hvd.controller, ...) for one release
