@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
@@ -223,9 +224,10 @@ def select_subsets(gram: torch.Tensor, config: DBAConfig) -> tuple[torch.Tensor,
     best = _first_best(choice, config.tolerance).expand(L)          # [L] removals to keep
     rows = torch.arange(L, device=gram.device)
     mask = torch.ones(L, n, dtype=torch.bool, device=gram.device)
-    for r, j in enumerate(order):
-        drop = best > r
-        mask[rows[drop], j[drop]] = False
+    if order:  # removal r of layer l is applied when r < best[l]: one scatter for all of them
+        removed = torch.stack(order)                                 # [steps, L]
+        applied = torch.arange(len(order), device=gram.device)[:, None] < best[None, :]
+        mask[rows.expand_as(removed)[applied], removed[applied]] = False
     return mask, values[best, rows]
 
 
@@ -321,13 +323,16 @@ def _ranked(gram: torch.Tensor, diag: torch.Tensor, full_c: torch.Tensor, base: 
 def _first_best(values: torch.Tensor, tolerance: float) -> torch.Tensor:
     """Along dim 0 (subset path, largest first): the first point where later points never improve by
     more than `tolerance` relative. ``values`` is [P] or [P, L]; returns [L] (broadcast for [P])."""
-    best = torch.zeros(values.shape[1:], dtype=torch.long, device=values.device)
-    best_val = values[0].clone()
-    for r in range(1, values.shape[0]):
-        better = values[r] < best_val * (1.0 - tolerance)
-        best = torch.where(better, r, best)
-        best_val = torch.where(better, values[r], best_val)
-    return best
+    # A short sequential scan over a small array: on the host, one copy instead of two kernels a point.
+    host = values.detach().to("cpu", torch.float64).numpy()
+    flat = host.reshape(host.shape[0], -1)
+    best = np.zeros(flat.shape[1], dtype=np.int64)
+    for col in range(flat.shape[1]):
+        best_val = flat[0, col]
+        for r in range(1, flat.shape[0]):
+            if flat[r, col] < best_val * (1.0 - tolerance):
+                best[col], best_val = r, flat[r, col]
+    return torch.from_numpy(best.reshape(host.shape[1:])).to(values.device)
 
 
 # --- one step -------------------------------------------------------------------------------------
