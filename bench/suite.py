@@ -121,7 +121,8 @@ class Arm:
 def arms(w: Workload, names: list[str]) -> list[Arm]:
     """Arms by name: "plain" (plain Horovod), "static" (every static size), "static-N",
     "dataplane" (loader + weighted optimizer, no controller, default size), "rules" (every classic
-    rule), a rule name, "ppo" (shipped policy, greedy), "ppo-online" (it keeps learning)."""
+    rule), a rule name, "model" (the cost-model proposal alone), "ppo" (shipped policy, greedy),
+    "ppo-online" (it keeps learning)."""
     out: list[Arm] = []
     for name in names:
         if name == "plain":
@@ -137,6 +138,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name in RULES:
             kw = ("--policy-kwargs", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
             out.append(Arm(name, ("--policy", name, *kw)))
+        elif name == "model":
+            out.append(Arm("model", ("--policy", "model")))
         elif name in ("ppo", "ppo-online"):
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
                                   "1" if name == "ppo-online" else "0")))
@@ -145,13 +148,16 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
     return out
 
 
-ALL_ARMS = ["plain", "static", "rules", "ppo", "ppo-online"]
+ALL_ARMS = ["plain", "static", "rules", "model", "ppo", "ppo-online"]
 TIMING = ["none", "slow2x", "slow3x", "slow-varying", "stalls", "net10", "net1g-1ms"]
 # A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5).
 CONFIGS: dict[str, list[dict[str, Any]]] = {
     "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
                "seeds": 1}],
     "headline": [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5}],
+    # the headline's 3x row cut to what fits in half an hour: the references and the adaptive defaults
+    "headline-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"],
+                       "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 2}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
              "arms": ALL_ARMS, "seeds": 3}],
     "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
