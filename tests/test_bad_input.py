@@ -114,7 +114,8 @@ BAD_CONTROLLER = {
     "policy_kwargs": st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2)),
     "policy_file": st.one_of(st.integers(), st.floats(), st.lists(st.text(max_size=2), max_size=2)),
     "learn": NOT_A_BOOL,
-    "decide_every_steps": not_an_int(0), "keep_inputs": not_an_int(0), "min_batch": not_an_int(1),
+    "decide_every_steps": not_an_int(0).filter(lambda v: v is not None),  # None: the automatic cadence
+    "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0), "min_batch": not_an_int(1),
     "max_batch": not_an_int(1),
     "total_epochs": not_an_int(1).filter(lambda v: v is not None),
     "timeout_s": NOT_POSITIVE, "resource_period_s": NEGATIVE,

@@ -27,6 +27,28 @@ def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ra
     assert results[0]["final_sizes"] == histories[0][-1]["sizes"]
 
 
+@pytest.mark.parametrize("policy", ["static", "model"])
+def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, policy):
+    """decide_every_steps=None: every epoch end, and inside epochs so that the job gets about
+    target_decisions (32) decisions, never closer than min_decision_steps (8) nor in an epoch's last
+    half-interval; the same steps on every rank, also when decisions change the sizes (model)."""
+    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
+           "--policy", policy, "--max-batch", "40")
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    when = results[0]["when"]
+    assert results[1]["when"] == when, when
+    assert [d["sizes"] for d in results[1]["history"]] == [d["sizes"] for d in results[0]["history"]]
+    if policy == "static":  # 1200 samples, 8 + 12 per step: 60 steps an epoch, 32 / 4 epochs = 8 a epoch
+        assert when == [[e, s, 60] for e in range(4) for s in (8, 16, 24, 32, 40, 48, 56, 60)], when
+        return
+    assert len({tuple(d["sizes"]) for d in results[0]["history"]}) > 1  # the sizes did change
+    for epoch in range(4):
+        steps = [s for e, s, _ in when if e == epoch]
+        assert steps and steps[-1] == [n for e, _, n in when if e == epoch][-1], (epoch, when)  # its end
+        gaps = [b - a for a, b in zip([0] + steps, steps)]
+        assert min(gaps[:-1], default=8) >= 8, (epoch, when)
+
+
 def test_silent_rank_triggers_timeout_naming_it():
     out = launch("mpirun", 3, "controller.py", "--mode", "silent", "--silent", "2", "--timeout", "3").stdout
     assert "TIMEOUT-OK rank 0" in out and "rank(s) [2] did not answer" in out, out

@@ -34,8 +34,16 @@ class ControllerConfig:
     """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
     False acts greedily with the loaded policy, which did better for the shipped policy in the
     simulator (1.50x vs 1.42x faster than static); a fresh policy should learn (True)."""
-    decide_every_steps: int = 0
-    """Decide every k optimizer steps; 0 decides at the end of every epoch."""
+    decide_every_steps: int | None = None
+    """Decide every k optimizer steps; 0 decides at the end of every epoch only; None (default) decides
+    at every epoch end and, with `total_epochs` known, also inside epochs, every
+    ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps but at least
+    `min_decision_steps` apart, so that a short job still gets dozens of decisions."""
+    target_decisions: int = 32
+    """With decide_every_steps=None: the decisions a job of `total_epochs` epochs aims for."""
+    min_decision_steps: int = 8
+    """With decide_every_steps=None: fewest steps between two decisions inside an epoch (the cost fits
+    and the noise scale need a few steps per interval)."""
     min_batch: int = 1
     """Smallest local batch any rank may get."""
     max_batch: int = 1024
@@ -73,7 +81,10 @@ class ControllerConfig:
             raise ValueError(f"ControllerConfig.policy_file={self.policy_file!r}; give a policy name, a path or None")
         if not isinstance(self.learn, bool):
             raise ValueError(f"ControllerConfig.learn={self.learn!r}; it must be True or False")
-        integer("decide_every_steps", 0)
+        if self.decide_every_steps is not None:
+            integer("decide_every_steps", 0)
+        integer("target_decisions", 1)
+        integer("min_decision_steps", 1)
         integer("keep_inputs", 0)
         if integer("min_batch", 1) > integer("max_batch", 1):
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")

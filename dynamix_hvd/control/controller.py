@@ -64,6 +64,9 @@ class DynamixController:
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
+        self._since_decision = 0   # steps since the last decision
+        self._interval: int | None = None  # automatic cadence: steps between decisions inside this epoch
+        self._epoch_steps = 0              # and the epoch's length under the sizes of the last decision
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
@@ -113,14 +116,34 @@ class DynamixController:
 
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._total_steps += 1
+        self._since_decision += 1
         k = self.cfg.decide_every_steps
-        if (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0):
+        if k is None:
+            due = epoch_end or self._auto_due(loader)
+        else:
+            due = (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0)
+        if due:
+            self._since_decision = 0
             try:
                 self.decide()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
                 if self.channel.backend != "mpi4py":
                     raise
                 abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
+
+    def _auto_due(self, loader: AdaptiveLoader) -> bool:
+        """The automatic cadence inside an epoch (the same answer on every rank: it depends only on the
+        shared plan). The epoch's length is read once per epoch and after each decision (it changes
+        with the sizes), not per step: it replans the rest of the epoch."""
+        if not self.cfg.total_epochs:
+            return False
+        if self._interval is None or self._since_decision == 1:
+            per_epoch = -(-self.cfg.target_decisions // self.cfg.total_epochs)
+            self._epoch_steps = len(loader)
+            self._interval = max(self.cfg.min_decision_steps, -(-self._epoch_steps // per_epoch))
+        # No decision in the last half-interval of an epoch: its end decides anyway.
+        left = self._epoch_steps - loader.step
+        return self._since_decision >= self._interval and left >= self._interval // 2
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:

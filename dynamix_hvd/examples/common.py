@@ -22,7 +22,7 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, default_batch: int,
-                     decide_every: int = 0, lr: float, run_log: bool = True) -> None:
+                     decide_every: int | None = None, lr: float, run_log: bool = True) -> None:
     """The flags every example has; `run_log` adds --progress and --no-report (jobs writing a RunLog)."""
     ap.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", epochs)),
                     help="training epochs (env EPOCHS)")
@@ -41,7 +41,8 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                     help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
     ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
     ap.add_argument("--decide-every", type=int, default=decide_every,
-                    help="decide every k steps (0: at the end of every epoch)")
+                    help="decide every k steps (0: at the end of every epoch only; default: at every epoch "
+                         "end and inside epochs, so that the run gets about 32 decisions)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
     ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--out", default=os.environ.get("OUT", out), help="run directory for the records (env OUT)")

@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--policy", default="ppo")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--every", type=int, default=5, help="decide every k steps; -1: the automatic cadence")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
@@ -50,7 +50,8 @@ def main() -> None:
     slow = args.slow_factor if rank == args.slow_rank else 1.0
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
                                           loader, lr_rule="adascale")
-    cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=args.every, max_batch=args.max_batch,
+    cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
+                              max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
                               ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs)
     controller = dx.DynamixController(loader, opt, cfg)
@@ -69,8 +70,17 @@ def main() -> None:
             return
         sys.exit("expected a ControlPlaneTimeout")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    when = []  # (epoch, steps into it, its length under the sizes it ran with) at each decision
+    length = [0]
+
+    def after_controller(ldr: dx.AdaptiveLoader, epoch_end: bool) -> None:  # runs after the controller's
+        if len(controller.history) > len(when):
+            when.append([ldr.epoch, ldr.step, length[0]])
+            length[0] = len(ldr)  # a decision may change the sizes, hence the epoch's length
+    loader.step_end_callbacks.append(after_controller)
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
+        length[0] = len(loader)
         for x, y in loader:
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(x), y)
@@ -86,7 +96,7 @@ def main() -> None:
             h["compute_s"] = [r["compute_s"] for r in d["reports"]]
             h["local_batch"] = [r["local_batch"] for r in d["reports"]]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
-        "history": history, "backend": controller.channel.backend,
+        "history": history, "backend": controller.channel.backend, "when": when,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
         "final_sizes": list(loader.batch_sizes)}))
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
