@@ -23,7 +23,8 @@ import torch
 
 import dynamix_hvd
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.policy import PPOPolicy, StaticPolicy
+from dynamix_hvd.control.policy import StaticPolicy
+from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.rules import BASELINES, make_baseline
 from dynamix_hvd.control.state import GLOBAL_FEATURES, RANK_FEATURES
 from dynamix_hvd.data.loader import AdaptiveLoader

@@ -13,7 +13,8 @@ import torch
 
 from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.rl.calibrate import calibrate, load_run, mape, step_table
-from dynamix_hvd.control.policy import PPOPolicy, StaticPolicy
+from dynamix_hvd.control.policy import StaticPolicy
+from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.policy_store import load_policy
 from dynamix_hvd.rl.pretrain import (DEFAULT_POLICY, PretrainConfig, actions_from_sizes, dataclass_parser, field_docs,
                                   finetune_on_transitions, make_learner, pretrain, read_transitions_h5,
