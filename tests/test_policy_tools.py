@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.control.policy_store import PolicyError, default_policy_dir, save_policy
 from dynamix_hvd.tools.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
                                       sample_observations, validate_policy)
@@ -31,7 +32,7 @@ def store(tmp_path: Path) -> Path:
     """A policy directory with a copy of the shipped default and a fresh (untrained) policy."""
     for suffix in (".pt", ".json"):
         shutil.copy(default_policy_dir() / f"{DEFAULT_POLICY}{suffix}", tmp_path / f"{DEFAULT_POLICY}{suffix}")
-    fresh = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n, PPOConfig(seed=3))
+    fresh = make_learner(ActionSpace(), PPOConfig(seed=3))
     save_policy(fresh, ActionSpace(), "fresh", {"command": "unit test", "num_updates": 0}, directory=tmp_path)
     return tmp_path
 

@@ -75,7 +75,7 @@ def sample_observations(n: int = 256, seed: int = 0) -> torch.Tensor:
         sim = ClusterSimulator(sample_cluster(rng, scenario), seed=int(rng.integers(2**31)))
         rows.append(sim.reset(float(rng.uniform(0, 0.8))))
         for _ in range(int(rng.integers(1, 8))):
-            rows.append(sim.step(rng.integers(0, sim.actions.n, sim.R).tolist())[0])
+            rows.append(sim.step(rng.integers(0, sim.actions.n, sim.R + 1).tolist())[0])
     return torch.cat(rows)[:n]
 
 
