@@ -236,10 +236,12 @@ def summarize_train(ranks: list[dict[str, Any]], dev: torch.device) -> dict[str,
     out: dict[str, Any] = {}
     worst = {k: max((c[k] for c in checks), default=math.nan)
              for k in ("local_sq_err", "global_sq_err", "fused_per_param_err", "allreduce_rel_err")}
-    # The fused kernel and the local norms read the same float32 values as the reference: ~1e-15.
-    # The global ones went through a float32 allreduce (sums of two ranks rounded): ~1e-7.
+    # The local norms are taken in the gradient's precision (float32 here): ~1e-7. The fused kernel on
+    # CUDA accumulates in float64 (~1e-15); the CPU data plane's multi-tensor norm in float32 (~1e-7).
+    # The global ones went through a float32 allreduce too (sums of two ranks rounded): ~1e-7.
+    fused_tol = 1e-9 if cuda else 1e-5
     out["statistics_match_float64"] = dict(worst, checked_steps=len(checks), pass_=bool(checks)
-                                           and worst["local_sq_err"] < 1e-9 and worst["fused_per_param_err"] < 1e-9
+                                           and worst["local_sq_err"] < 1e-5 and worst["fused_per_param_err"] < fused_tol
                                            and worst["global_sq_err"] < 1e-5 and worst["allreduce_rel_err"] < 1e-5)
     kinds = sorted({s["memory_kind"] for r in ranks for s in r["steps"]})
     peaks = [(s["peak_memory_bytes"], s["my_peak_bytes"]) for s in train]

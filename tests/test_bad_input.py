@@ -20,6 +20,7 @@ from dynamix_hvd.control.policy_store import PolicyError, load_policy
 from dynamix_hvd.control.reward import RewardConfig
 from dynamix_hvd.data.loader import AdaptiveLoader
 from dynamix_hvd.dba.selection import DBAConfig
+from dynamix_hvd.optim.lr_scaling import LRCoupling
 from dynamix_hvd.stats.noise_scale import StatsConfig
 from launching import launch
 
@@ -214,6 +215,53 @@ def test_loader_rejects_bad_values(data, field):
     kwargs = {"batch_sizes": [4, 4], "rank": 0, field: data.draw(BAD_LOADER[field], label=field)}
     with pytest.raises(ValueError):
         AdaptiveLoader(torch.utils.data.TensorDataset(torch.zeros(20, 1)), **kwargs)
+
+
+# The LR coupling's warm-up, ProgressScheduler's arguments and the progress budgets (name: (make, bad)).
+BAD_LR = {
+    "lr_warmup_steps": (lambda v: LRCoupling(v), not_an_int(0).filter(lambda v: v is not None)),
+    "per": (lambda v: _progress_scheduler(per=v), st.one_of(
+        st.text(max_size=6).filter(lambda t: t not in ("step", "epoch")), st.none(), st.integers())),
+    "limit": (lambda v: _progress_scheduler(limit=v), not_an_int(0).filter(lambda v: v is not None)),
+    "total_base_steps": (lambda v: _progress_done(total_base_steps=v), NEGATIVE.filter(lambda v: v is not None)),
+    "epochs": (lambda v: _progress_done(epochs=v), NEGATIVE.filter(lambda v: v is not None)),
+}
+
+
+def _counted():
+    import torch
+
+    from dynamix_hvd.optim.progress import ProgressAccounting
+
+    class Counted(torch.optim.SGD, ProgressAccounting):
+        def __init__(self) -> None:
+            super().__init__([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+            self.lr_coupling, self.base_batch_size = LRCoupling(), 8
+            self.loader = type("L", (), {"num_samples": 80})()
+
+    return Counted()
+
+
+def _progress_scheduler(**kwargs):
+    import torch
+
+    from dynamix_hvd.optim.progress import ProgressScheduler
+
+    opt = _counted()
+    return ProgressScheduler(torch.optim.lr_scheduler.StepLR(opt, 2), opt, **kwargs)
+
+
+def _progress_done(**kwargs):
+    return _counted().progress_done(**kwargs)
+
+
+@settings(max_examples=FUZZ_EXAMPLES // 2, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_LR)))
+def test_lr_coupling_and_progress_reject_bad_values(data, field):
+    make, bad = BAD_LR[field]
+    value = data.draw(bad, label=field)
+    with pytest.raises(ValueError, match=field):
+        make(value)
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)

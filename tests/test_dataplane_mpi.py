@@ -6,12 +6,14 @@ this process as single-process full-batch training: the parameters must match to
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from dynamix_hvd.optim.lr_scaling import LRCoupling
 from launching import launch
 from workers.dataplane import CONFIGS, IndexedData, make_model
 
@@ -34,13 +36,18 @@ def reference_params(config: str, steps: list[list[dict]]) -> dict[str, torch.Te
     model = make_model()
     opt = make_opt(model.parameters())
     base_lr = [g["lr"] for g in opt.param_groups]
+    coupling = LRCoupling()
     for per_rank in zip(*steps):
         idx = torch.tensor([i for s in per_rank for i in s["indices"]])
         opt.zero_grad()
         nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
         if "max_grad_norm" in kwargs:
             nn.utils.clip_grad_norm_(model.parameters(), kwargs["max_grad_norm"])
-        factor = sum(per_rank[0]["sizes"]) / kwargs["base_batch_size"] if "lr_rule" in kwargs else 1.0
+        factor = 1.0
+        if "lr_rule" in kwargs:  # B / B0, eased in over the default warm-up after B grows
+            B = sum(per_rank[0]["sizes"])
+            factor = coupling.plan(kwargs["lr_rule"], B, kwargs["base_batch_size"], None, math.ceil(SAMPLES / B))
+            coupling.commit()
         for g, lr in zip(opt.param_groups, base_lr):
             g["lr"] = lr * factor
         opt.step()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from dynamix_hvd.optim.lr_scaling import LRCoupling
 from launching import launch
 from workers.dataplane import IndexedData, make_model
 from workers.dropin import B0, INF_STEP, SAMPLES, SCHEDULERS
@@ -73,11 +74,19 @@ def test_scheduler_and_lr_rule_compose_without_compounding(results, name):
     runs = [r["schedulers"][name] for r in results]
     steps = runs[0]["steps"]
     assert len({tuple(s["sizes"]) for s in steps}) > 1, "the global batch never changed"
+    coupling = LRCoupling()  # the optimizer's default warm-up after B grows (8 -> 11 at step 3)
+    ramped = 0
     for s in steps:
         B = sum(s["sizes"])
         factor = s["gain"] if name.endswith("adascale") else math.sqrt(B / B0)
-        assert s["effective_lr"] == s["base_lr"] * factor, s   # exactly: scheduler LR x rule x gain
+        applied = coupling.plan("adascale" if name.endswith("adascale") else "sqrt", B, B0, s["gain"],
+                                math.ceil(SAMPLES / B))
+        coupling.commit()
+        ramped += applied != factor
+        assert applied <= factor
+        assert s["effective_lr"] == s["base_lr"] * applied, s   # exactly: scheduler LR x ramped rule factor
         assert s["after_lr"] == s["base_lr"], "the rule's factor leaked into group['lr']"
+    assert ramped == (0 if name.endswith("adascale") else 1), "the warm-up after B grew is missing"
     base = [s["base_lr"] for s in steps]
     assert len(set(base)) > 1, f"{name} never changed the learning rate"
     if name in SCHEDULERS and name != "plateau":  # the schedule is the one a plain optimizer gets

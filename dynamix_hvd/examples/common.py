@@ -14,6 +14,7 @@ import torch
 
 import dynamix_hvd as dx
 from dynamix_hvd.control.controller import POLICY_NAMES
+from dynamix_hvd.optim.lr_scaling import LR_RULES
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
@@ -29,8 +30,10 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                     help="comma-separated local batch size per rank, e.g. 16,48 (env BATCH_SIZES); "
                          f"default {default_batch} on every rank")
     ap.add_argument("--lr", type=float, default=lr, help="learning rate at the base global batch")
-    ap.add_argument("--lr-rule", default="sqrt", choices=["none", "linear", "sqrt", "adascale"],
-                    help="how the LR follows the global batch")
+    ap.add_argument("--lr-rule", default="adascale", choices=list(LR_RULES),
+                    help="how the LR follows the global batch: adascale (default; the "
+                         "controller's AdaScale gain, under which its efficiency model holds), linear "
+                         "(B/B0: SGD while B stays below the noise scale), sqrt (sqrt(B/B0): Adam-type), none")
     ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
                     help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
     ap.add_argument("--policy-kwargs", default="{}", help="JSON parameters of a classic rule, e.g. '{\"end\": 512}'")
@@ -240,7 +243,9 @@ class PlainHorovodLoader:
 def plain_horovod_optimizer(optimizer: torch.optim.Optimizer, model: torch.nn.Module, args: argparse.Namespace,
                             global_batch: int, base_batch: int) -> torch.optim.Optimizer:
     """``hvd.DistributedOptimizer(op=hvd.Average)`` with the LR the weighted optimizer would use at
-    this fixed global batch (the same `--lr-rule` factor, set once, as a user scales it by hand)."""
+    this fixed global batch (the same `--lr-rule` factor, set once, as a user scales it by hand;
+    adascale has no gradient statistics here, so its factor is 1, as the weighted optimizer's is
+    without a controller)."""
     import horovod.torch as hvd
 
     from dynamix_hvd.optim.lr_scaling import lr_factor

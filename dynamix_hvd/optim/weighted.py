@@ -14,9 +14,15 @@ gradient norm is one pass, and the gradient statistics can read all layers at on
 Failed steps. A step whose synchronised gradient is not finite (NaN/inf loss or gradient on any
 rank) is skipped on every rank alike, because all ranks see the same allreduced norm; its samples
 count as seen. An out-of-memory error inside ``with opt.guard():`` is caught; at ``step()`` the ranks
-agree through a one-element-per-rank status allreduce (launched before ``synchronize()`` so Horovod
-fuses it with the gradients), skip the update, shrink the failed rank's batch (``oom_handler``) and
-rewind the loader so the same samples are redone.
+agree through a one-element-per-rank status allreduce, skip the update, shrink the failed rank's batch
+(``oom_handler``) and rewind the loader so the same samples are redone.
+
+Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): the status
+allreduce is launched from the weighting hook of the step's last gradient, in the gradients' dtype, so
+Horovod negotiates and fuses it with them in the same cycle (launched later, from ``synchronize()``, it
+would cost a cycle of its own); the local squared norms are one reduction per parameter in the
+gradient's own precision, kept on the device; and ``step()`` reads back one small tensor (the global
+and local squared norms, and the scaler's inf flag) for the non-finite check and the step record.
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ import horovod.torch as hvd
 import torch
 
 from ..data.loader import AdaptiveLoader
-from .lr_scaling import LR_RULES, lr_factor
+from .lr_scaling import LR_RULES, LRCoupling
+from .progress import ProgressAccounting
 from ..stats.sqnorm import SegmentSqNorms, backend_for
 
 
@@ -55,9 +62,25 @@ class FlatGradients:
             self.buffers.append(buf)
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
             self.members.append(members)
-        # Prepared once per buffer: each call is then a single compiled pass over the buffer.
-        self._norms = [SegmentSqNorms(buf, off) for buf, off in zip(self.buffers, self.offsets)]
+        # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
+        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which costs the
+        # same per step as the Numba CPU kernel but nothing at start-up (loading that kernel from
+        # Numba's cache takes 0.3-0.6 s at the first step of every process).
+        self.backend = backend_for(self.buffers[0])
+        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
+                       for buf, off, members in zip(self.buffers, self.offsets, self.members)]
         self.attach()
+
+    def _foreach(self, members: list[int]) -> Callable[[], torch.Tensor]:
+        views = [self.views[i] for i in members]
+        half = views[0].dtype in (torch.float16, torch.bfloat16)
+
+        def norms() -> torch.Tensor:
+            found = torch._foreach_norm(views, 2, dtype=torch.float32) if half else torch._foreach_norm(views)
+            return torch.stack(found).to(torch.float64).square()
+        if self.backend == "numba-cpu":
+            self.backend = "torch-foreach"
+        return norms
 
     def attach(self) -> None:
         """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere."""
@@ -95,7 +118,7 @@ def _inner(obj: Any, name: str) -> Callable[..., Any]:
     raise AttributeError(name)
 
 
-class WeightedDistributedOptimizer(torch.optim.Optimizer):
+class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     """Wrap a torch optimizer so each step applies the exact mean gradient over all ranks' samples.
 
     The object returned is a real ``torch.optim.Optimizer`` of the user's class, like Horovod's
@@ -105,10 +128,16 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     ``state_dict``/``load_state_dict`` and ``hvd.broadcast_optimizer_state`` work on it.
 
     Learning rate, in this order at every step: an LR scheduler (or the user) owns ``group["lr"]``, the
-    *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B and by
-    ``lr_gain`` (AdaScale), runs the inner optimizer, and restores ``group["lr"]``. So the effective LR
-    of a step is ``scheduler_lr * lr_factor(rule, B, base_batch_size, lr_gain)``, the scheduler never
-    sees (and never compounds) the factor, and ``state_dict()`` stores the base LR.
+    *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B (for
+    ``adascale``, the default, that factor is ``lr_gain``, the AdaScale gain the controller sets at each
+    decision from its gradient statistics, 1 until it has some), eased in over ``lr_warmup_steps`` after
+    B grows, runs the inner optimizer, and restores ``group["lr"]``. So the effective LR of a step is
+    ``scheduler_lr * ramp(lr_factor(rule, B, base_batch_size, lr_gain))``, the scheduler never sees (and
+    never compounds) the factor, and ``state_dict()`` stores the base LR. An explicit ``lr_rule`` is
+    what runs: the controller only sets ``lr_gain``, which only ``adascale`` reads. Progress: each step
+    adds its factor to ``scale_invariant_steps`` (AdaScale's tau, in base iterations; also
+    ``scale_invariant_epochs``); drive a schedule by it with `dynamix_hvd.optim.progress.ProgressScheduler`
+    and stop at ``progress_done(total_base_steps)``, so schedules and budgets mean the same when B changes.
 
     Mixed precision follows Horovod's pattern::
 
@@ -146,7 +175,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         loss_reduction: "mean" if the loss is the mean over the local batch (PyTorch's default),
             "sum" if it is the sum.
         max_grad_norm: clip the synchronised gradient to this norm (identical on every rank).
-        lr_rule: couple the learning rate to the global batch: none / linear / sqrt / adascale.
+        lr_rule: couple the learning rate to the global batch (`dynamix_hvd.optim.lr_scaling`):
+            "adascale" (default; the controller's gain, 1 without a controller), "linear" (SGD while B
+            stays below the noise scale), "sqrt" (Adam-type), "none".
+        lr_warmup_steps: after B grows, ramp the factor from its last value to the new one over this
+            many optimizer steps (0: at once; None: 3% of an epoch at the new B, at least 2).
         base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
             times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
@@ -178,7 +211,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
                  loss_reduction: Literal["mean", "sum"] = "mean", max_grad_norm: float | None = None,
-                 lr_rule: str = "none", base_batch_size: int | None = None,
+                 lr_rule: str = "adascale", lr_warmup_steps: int | None = None,
+                 base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
                  backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
         if loss_reduction not in ("mean", "sum"):
@@ -207,23 +241,33 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         self.lr_rule = lr_rule
         self.backward_passes_per_step = backward_passes_per_step
         self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
-        self.lr_gain = 1.0  # AdaScale gain (or any extra factor) set by the controller
+        self.lr_gain = 1.0  # AdaScale gain set by the controller (read by the adascale rule only)
+        self.lr_coupling = LRCoupling(lr_warmup_steps)  # warm-up ramp and progress (tau), plain state
         self.track_grad_norms = track_grad_norms
         self.grad_scaler = grad_scaler
         self.param_names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
         device = self._params[0].device
-        self._local_sq = torch.zeros(len(self._params), dtype=torch.float64, device=device)
+        # Per parameter: squared norm of this rank's local gradient of the step (a 0-d tensor on the
+        # gradient's device, or None before its hook ran), turned into one float64 tensor in synchronize().
+        self._local_parts: list[torch.Tensor | None] = [None] * len(self._params)
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
         # Per-parameter sums over the steps since the controller last read them (no host sync).
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
         self._layer_steps = 0
-        self.sqnorm_backend = backend_for(self.flat.buffers[0])
+        self.sqnorm_backend = self.flat.backend
         self._micro: list[Any] = []   # the loader steps (micro-batches) accumulated since the last step
         self._group_t0 = 0.0
         self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
-        # status[r] > 0: rank r ran out of memory this step with that many samples
-        self._status = torch.zeros(loader.world_size, dtype=torch.float64)
+        self._hooked = 0              # weighting hooks run in this backward
+        self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of the hooks
+        # status[r] > 0: rank r ran out of memory this step with that many samples. Same dtype as the
+        # gradients where exact (counts < 2^24 in float32), so Horovod fuses it with them.
+        first = self.flat.buffers[0].dtype
+        self._status_dtype = first if first in (torch.float32, torch.float64) else torch.float32
+        self._status = torch.zeros(loader.world_size, dtype=self._status_dtype)
+        self._status_handle: int | None = None
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
         self.last_status = "ok"
         self.skipped_steps = {"nonfinite": 0, "oom": 0}
@@ -238,32 +282,65 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     # --- gradient weighting (runs inside backward, once per parameter) ---------------------------
     def _make_weight_hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def weight(grad: torch.Tensor) -> torch.Tensor:
+            planned, scale, unit = self._step_scale
             step = self.loader.current_step
-            if not self._micro or step is not self._micro[-1]:
-                if not self._micro:
-                    self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
-                self._micro.append(step)
-            local = step.counts[self.loader.rank]
+            if step is not planned:
+                planned, scale, unit = self._start_micro_step(step)
             if self.backward_passes_per_step == 1:
-                scale = (local if self.loss_reduction == "mean" else 1.0) / step.global_count
                 if self.track_grad_norms:
                     # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
-                    unit = 1.0 if self.loss_reduction == "mean" else 1.0 / local
-                    self._local_sq[index] = torch.linalg.vector_norm(grad, dtype=torch.float64).square() * unit**2
+                    self._local_parts[index] = _sq_norm(grad) * unit
+                self._hooked += 1
+                if self._hooked == len(self._params):
+                    # The last gradient of the step: the status goes with it (see the module docstring).
+                    self._submit_status()
                 return grad * scale
             # Accumulation: sums now, divided by the group's global count in synchronize().
-            out = grad * local if self.loss_reduction == "mean" else grad
+            out = grad * scale
             if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
                 acc = out if len(self._micro) == 1 else out + self._params[index].grad
-                self._local_sq[index] = torch.linalg.vector_norm(acc, dtype=torch.float64).square()
+                self._local_parts[index] = _sq_norm(acc)
             return out
         return weight
+
+    def _start_micro_step(self, step: Any) -> tuple[Any, float, float]:
+        """First hook of a loader step: its gradient factor and norm factor, computed once."""
+        if not self._micro:
+            self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
+        self._micro.append(step)
+        self._hooked = 0
+        local = step.counts[self.loader.rank]
+        mean = self.loss_reduction == "mean"
+        if self.backward_passes_per_step == 1:
+            scale, unit = (local if mean else 1.0) / step.global_count, (1.0 if mean else 1.0 / local**2)
+        else:
+            scale, unit = (float(local) if mean else 1.0), 1.0
+        self._step_scale = (step, scale, unit)
+        return self._step_scale
+
+    def _submit_status(self) -> None:
+        """Launch this step's status allreduce (once per step, from the last hook or synchronize())."""
+        if self._status_handle is not None:
+            return
+        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
+            self._status = torch.zeros(self.loader.world_size, dtype=self._status_dtype)
+        self._status_handle = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
+
+    def _local_sq(self) -> torch.Tensor:
+        """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
+        return torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
+
+    def _clear_local(self) -> None:
+        self._local_parts = [None] * len(self._params)
+        self._step_scale = (None, 1.0, 1.0)
+        self._hooked = 0
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The torch optimizer's state plus this wrapper's own (plain values under "dynamix")."""
         state = _inner(self, "state_dict")(self)
-        state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps)}
+        state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps),
+                            "lr_coupling": self.lr_coupling.state_dict()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -274,10 +351,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         engine._synchronized = False
         engine.set_backward_passes_per_step(self.backward_passes_per_step)
         self._synced, self._micro = None, []
+        self._clear_local()
+        self._status_handle = None  # a restore after a failed collective (elastic): that handle is void
+        self._status.zero_()
         _inner(self, "load_state_dict")(self, state_dict)
         if own is not None:
             self.lr_gain = float(own["lr_gain"])
             self.skipped_steps = dict(own["skipped_steps"])
+            if "lr_coupling" in own:  # absent in checkpoints from before progress accounting
+                self.lr_coupling.load_state_dict(own["lr_coupling"])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
@@ -286,7 +368,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
                                "allreduce is still running (or micro-batches are being accumulated); "
                                "call step() (or synchronize()) first")
         self.flat.zero()
-        self._local_sq.zero_()
+        self._clear_local()
         self._micro = []
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -303,11 +385,17 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
 
     @contextmanager
     def guard(self) -> Iterator[None]:
-        """Wrap forward+backward: an out-of-memory error becomes a redone step with a smaller batch."""
+        """Wrap forward+backward: an out-of-memory error becomes a redone step with a smaller batch.
+        One raised after the step's last gradient was complete (its status is then already on its way
+        to the other ranks) is not caught: the update goes ahead, and the error is the caller's."""
         try:
             yield
         except Exception as exc:
             if not is_out_of_memory(exc):
+                raise
+            if self._status_handle is not None:
+                # Every gradient of the step was complete and its status already sent: the update
+                # goes ahead; re-raise so the caller sees the error it has to handle itself.
                 raise
             self._status[self.loader.rank] = self.loader.current_step.counts[self.loader.rank]
             if torch.cuda.is_available():
@@ -329,22 +417,22 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
             return
         tracker = self.loader.tracker
         tracker.step_started()
-        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
-            self._status = torch.zeros(self.loader.world_size, dtype=torch.float64)
-        status = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
+        self._submit_status()  # no-op when the last gradient's hook launched it
+        handle, self._status_handle = self._status_handle, None  # void after a failure, too
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
-        failed = [int(v) for v in hvd.synchronize(status).tolist()]
+        failed = [int(v) for v in hvd.synchronize(handle).tolist()]  # a CPU tensor: no device sync
         self._status.zero_()
         tracker.synchronized()
         local_n = global_n = 0
+        local_sq = self._local_sq()
         if self.backward_passes_per_step > 1 and self._micro:
             local_n = sum(s.counts[self.loader.rank] for s in self._micro)
             global_n = sum(s.global_count for s in self._micro)
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / global_n)
-            self._local_sq.mul_(1.0 / local_n**2)
-        self._synced = {"failed": failed, "global_sq": self.flat.sq_norms(),
+            local_sq = local_sq / local_n**2
+        self._synced = {"failed": failed, "global_sq": self.flat.sq_norms(), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
 
     def _loss_scale(self) -> float:
@@ -377,20 +465,25 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         tracker = self.loader.tracker
         scale = self._loss_scale()
         global_sq = synced["global_sq"] / scale**2
-        grad_norm = float(global_sq.sum()) ** 0.5
+        local_sq = synced["local_sq"].to(global_sq.device) / scale**2
+        found_inf = vars(self).get("found_inf")
+        # The one read-back of the step: the non-finite check needs the norm on the host.
+        wanted = [global_sq.sum(), local_sq.sum()]
+        if found_inf is not None:
+            wanted.append(found_inf.to(global_sq.device, torch.float64).reshape(()))
+        read = torch.stack(wanted).tolist()
+        grad_norm, local_total = read[0] ** 0.5, read[1]
         if any(synced["failed"]):
             self._skip("oom", tracker, grad_norm)
             sizes = list(self.loader.batch_sizes)
             self.loader.redo_current_step(self.oom_handler(sizes, synced["failed"]))
             return
-        found_inf = vars(self).get("found_inf")
-        if not math.isfinite(grad_norm) or (found_inf is not None and float(found_inf) > 0):
+        if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
             self._skip("nonfinite", tracker, grad_norm)
             return
         if vars(self).get("grad_scale") is not None:  # the scaler left unscaling to us
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / scale)
-        local_sq = self._local_sq / scale**2
         if self.track_grad_norms:
             self._layer_sums[0] += local_sq
             self._layer_sums[1] += global_sq
@@ -404,23 +497,26 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
                     buf.mul_(clip)
         with self._scaled_lr() as lr, self._scaler_hidden():
             _inner(self, "step")(self)
+        self.lr_coupling.commit()  # the step happened: progress += its factor, the warm-up moves on
         self.last_grad_norm = grad_norm
         self.last_status = "ok"
         extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
         if self.track_grad_norms:
-            extra["local_grad_sq"] = float(local_sq.sum())
+            extra["local_grad_sq"] = local_total
             extra["global_grad_sq"] = grad_norm**2
         if synced["global_n"]:
             step_s = time.perf_counter() - self._group_t0
             extra.update(local_batch=synced["local_n"], global_batch=synced["global_n"], step_s=step_s,
                          samples_per_s=synced["local_n"] / step_s if step_s > 0 else float("nan"))
         self._micro = []
+        self._clear_local()
         tracker.step_finished(**extra)
 
     @contextmanager
     def _scaled_lr(self) -> Iterator[float]:
-        factor = lr_factor(self.lr_rule, self.loader.global_batch_size * self.backward_passes_per_step,
-                           self.base_batch_size, gain=self.lr_gain)
+        batch = self.loader.global_batch_size * self.backward_passes_per_step
+        factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
+                                       math.ceil(self.loader.num_samples / batch))
         saved = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
@@ -443,7 +539,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
         self.flat.zero()
-        self._local_sq.zero_()
+        self._clear_local()
         self._micro = []
         self.last_status = reason
         self.skipped_steps[reason] += 1
@@ -463,7 +559,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
             view = self.flat.views[i]
             view.copy_(grads[name].reshape(view.shape) * (local[name] / global_[name]))
             if self.track_grad_norms:
-                self._local_sq[i] = torch.linalg.vector_norm(grads[name], dtype=torch.float64).square()
+                self._local_parts[i] = _sq_norm(grads[name])
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
         """Mean per-parameter squared norms (local, global) since the last call, then reset."""
@@ -478,6 +574,14 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+def _sq_norm(grad: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm as a 0-d tensor on the gradient's device: in the gradient's precision (a float64
+    cast would copy the whole gradient), 16-bit gradients accumulated in float32 (they could overflow)."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(grad).square()
 
 
 def _check_passes(passes: Any) -> None:
