@@ -521,7 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     written = write_curve(curve, curve_path)
     provenance = {"command": command, "seed": cfg.seed, "pretrain_config": asdict(cfg),
                   "simulator": {"scenario": asdict(JobSampler(cfg).scenario), "reward": asdict(RewardConfig())},
-                  "num_updates": cfg.updates, "elapsed_s": round(elapsed, 1), "torch": torch.__version__,
+                  "num_updates": int(curve[-1]["update"]), "elapsed_s": round(elapsed, 1), "torch": torch.__version__,
                   "evaluation": {k: v for k, v in evaluation.items() if k != "rows"},
                   "learning_curve": {"first_eval_reward": curve[0]["eval_reward"],
                                      "last_eval_reward": curve[-1]["eval_reward"]}}
