@@ -37,7 +37,8 @@ class ControllerConfig:
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     decide_every_steps: int = 0
-    """Decide every k optimizer steps; 0 decides at the end of every epoch."""
+    """Also decide every k optimizer steps inside an epoch (0: only at epoch ends). Every epoch end
+    decides, except one under k/2 steps after the last decision (its steps go to the next one)."""
     min_batch: int = 1
     """Smallest local batch any rank may get."""
     max_batch: int = 1024

@@ -1,7 +1,7 @@
 """The DYNAMIX controller: every rank reports, rank 0 decides, every rank applies.
 
 The only module that knows rank 0 decides; it is transport only. Per decision (end of every epoch,
-or every k steps):
+and every k steps inside long epochs):
 
 1. every rank condenses its step records, resource use, losses and gradient norms into a typed
    report (:class:`~dynamix_hvd.control.core.RankInput`) and encodes it as one float64 array
@@ -64,6 +64,7 @@ class DynamixController:
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
+        self._steps_since = 0  # optimizer steps since the last decision (identical on every rank)
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
@@ -113,8 +114,11 @@ class DynamixController:
 
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._total_steps += 1
+        self._steps_since += 1
         k = self.cfg.decide_every_steps
-        if (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0):
+        # Every epoch end, and every k steps inside long epochs; an epoch end right after an in-epoch
+        # decision (under k/2 steps of records) waits, so no decision rests on one or two noisy steps.
+        if (epoch_end and self._steps_since >= (k + 1) // 2) or (k > 0 and self._steps_since >= k):
             try:
                 self.decide()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
@@ -130,6 +134,7 @@ class DynamixController:
         caller; the decisions the controller takes by itself inside the loop abort the MPI world
         instead (`comm.abort_world`), since the other ranks would wait for this one forever."""
         t0 = time.perf_counter()
+        self._steps_since = 0
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
         # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
         rows = self.channel.gather_arrays(mine, what="metrics")
@@ -189,6 +194,7 @@ class DynamixController:
         """Everything needed to continue, as plain values: on rank 0 also the decision core (policy,
         statistics, reward references)."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
+                                 "steps_since": self._steps_since,
                                  "learned_max": list(self.bounds.learned_max), "world_size": self.loader.world_size}
         if self.rank == 0:
             state["root"] = self.core.state_dict()
@@ -199,6 +205,7 @@ class DynamixController:
         (policy, statistics) but not what was per rank (memory bounds, the last sizes)."""
         self.history = list(state["history"])
         self._total_steps = int(state["total_steps"])
+        self._steps_since = int(state.get("steps_since", 0))
         if state["world_size"] == self.loader.world_size:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
