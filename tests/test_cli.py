@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.tools.cli import build_parser, main
 from dynamix_hvd.control.policy_store import save_policy
 from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
@@ -110,7 +111,7 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
 
 
 def _learner() -> PPOLearner:
-    learner = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n, PPOConfig(rollout_length=2, seed=3))
+    learner = make_learner(ActionSpace(), PPOConfig(rollout_length=2, seed=3))
     learner.act(torch.randn(2, OBS_DIM, generator=torch.Generator().manual_seed(0)))
     return learner
 

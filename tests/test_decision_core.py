@@ -19,7 +19,7 @@ from dynamix_hvd.control import wire
 from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.config import ControllerConfig, make_core
 from dynamix_hvd.control.core import DecisionCore, LayerMeans, RankInput, StepSeries
-from dynamix_hvd.control.policy import PPOPolicy
+from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.state import RankReport
 from dynamix_hvd.rl.simulator import ClusterSimulator

@@ -2,6 +2,7 @@
 wheel installed into a fresh virtual environment outside the repository loads the default policy."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import sysconfig
@@ -67,3 +68,5 @@ def test_wheel_in_a_fresh_venv_outside_the_repo_loads_the_default_policy(wheel, 
     out = run(str(venv / "bin" / "python"), "-c", CHECK, cwd=tmp_path, env=env)
     print(out)
     assert f"policy dir {venv}" in out and "dynamix_hvd/policies" in out
+    shipped = json.loads((REPO / "policies" / "default.json").read_text())["sha256"]
+    assert f"default policy sha256 {shipped} " in out, "the wheel carries this tree's default policy"

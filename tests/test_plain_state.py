@@ -23,7 +23,9 @@ import torch
 
 import dynamix_hvd
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.policy import PPOPolicy, StaticPolicy
+from dynamix_hvd.control.refine import make_learner
+from dynamix_hvd.control.policy import StaticPolicy
+from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.rules import BASELINES, make_baseline
 from dynamix_hvd.control.state import GLOBAL_FEATURES, RANK_FEATURES
 from dynamix_hvd.data.loader import AdaptiveLoader
@@ -104,7 +106,7 @@ def test_every_state_dict_is_plain_and_loads_weights_only():
     again.load_state_dict(_round_trip(loader.state_dict()))
     assert again.state_dict() == loader.state_dict()
 
-    learner = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n)
+    learner = make_learner(ActionSpace())
     obs = torch.randn(2, learner.obs_dim)
     learner.act(obs)
     learner.record([1.0, -1.0])

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.control.policy_store import PolicyError, list_policies, load_policy, save_policy
 from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
 from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 
 def _trained_learner() -> PPOLearner:
-    learner = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n, PPOConfig(rollout_length=4, seed=7))
+    learner = make_learner(ActionSpace(), PPOConfig(rollout_length=4, seed=7))
     obs = torch.randn(3, OBS_DIM, generator=torch.Generator().manual_seed(1))
     for t in range(4):
         learner.act(obs)

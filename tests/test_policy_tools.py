@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.policy_store import PolicyError, default_policy_dir, save_policy
+from dynamix_hvd.control.refine import make_learner
+from dynamix_hvd.control.policy_store import PolicyError, default_policy_dir, load_policy, save_policy
 from dynamix_hvd.tools.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
                                       sample_observations, validate_policy)
 from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
@@ -31,7 +32,7 @@ def store(tmp_path: Path) -> Path:
     """A policy directory with a copy of the shipped default and a fresh (untrained) policy."""
     for suffix in (".pt", ".json"):
         shutil.copy(default_policy_dir() / f"{DEFAULT_POLICY}{suffix}", tmp_path / f"{DEFAULT_POLICY}{suffix}")
-    fresh = PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), ActionSpace().n, PPOConfig(seed=3))
+    fresh = make_learner(ActionSpace(), PPOConfig(seed=3))
     save_policy(fresh, ActionSpace(), "fresh", {"command": "unit test", "num_updates": 0}, directory=tmp_path)
     return tmp_path
 
@@ -45,7 +46,7 @@ def test_list_and_inspect(store: Path) -> None:
     assert [r["name"] for r in rows] == [DEFAULT_POLICY, "fresh"]
     default = rows[0]
     assert default["has_weights"] and default["command"].startswith("python -m dynamix_hvd.rl.pretrain")
-    assert default["num_updates"] > 0 and default["speedup_vs_static"] > 1.0
+    assert default["num_updates"] > 0 and 0 < default["ppo_vs_best_static"] < 1.0, "beats the best static batch"
     info = inspect_policy(DEFAULT_POLICY, store)
     assert info["parameters"] > 1000 and info["rank_features"] == list(RANK_FEATURES)
     assert info["provenance"]["seed"] == 0 and "evaluation" in info["provenance"]
@@ -94,7 +95,14 @@ def test_compare_policies(store: Path) -> None:
     assert same["agreement_pct"] == 100.0 and abs(same["mean_kl_ab"]) < 1e-6 and same["mean_tv"] < 1e-6
     diff = compare_policies(DEFAULT_POLICY, "fresh", n_states=128, directory=store)
     assert diff["agreement_pct"] < 90 and diff["mean_kl_ab"] > 0.05 and diff["mean_kl_ba"] > 0
-    assert abs(sum(diff["mean_probs_b"]) - 1) < 1e-3 and max(diff["mean_probs_b"]) < 0.3, "untrained = near uniform"
+    neutral = diff["multipliers"].index(1.0)
+    probs_b = diff["mean_probs_b"]
+    assert abs(sum(probs_b) - 1) < 1e-3 and probs_b[neutral] > 0.5 and all(
+        p < 0.2 for i, p in enumerate(probs_b) if i != neutral), "untrained = biased to neutral (the proposal)"
+    fresh, _ = load_policy("fresh", ActionSpace(), store)
+    with torch.no_grad():
+        greedy = fresh.net.actor(sample_observations(128, seed=0)).argmax(-1)
+    assert (greedy == neutral).all(), "a fresh policy's greedy action is the proposal on every state"
     with pytest.raises(PolicyError):
         compare_policies(DEFAULT_POLICY, "missing", directory=store)
 

@@ -86,7 +86,7 @@ def test_same_observations_rewards_and_bounds_as_the_live_controller() -> None:
     _, decisions = drive_both(sim, schedule)
     assert decisions[0]["reward"] is None and decisions[1]["reward"] is not None
     assert all(math.isfinite(d["noise_scale"]) for d in decisions)
-    assert sim.obs.shape == (3, OBS_DIM) and torch.isfinite(sim.obs).all()
+    assert sim.obs.shape == (4, OBS_DIM) and torch.isfinite(sim.obs).all()
 
 
 def test_cpu_cluster_learns_memory_bounds_from_oom() -> None:
@@ -110,7 +110,7 @@ def test_step_time_physics_and_straggler_signal() -> None:
         assert rep.sync_wait_s >= 0 and rep.step_s >= rep.compute_s + rep.sync_wait_s
     waits = [r.sync_wait_s for r in sim.reports]
     assert np.argmin(waits) == 3 and np.argmax(waits) == 0, "the slowest rank waits least, the fastest most"
-    assert sim.obs[3, 2] > 0 > sim.obs[0, 2], "per-sample compute feature marks the slow rank"
+    assert sim.obs[3, 1] > 0 > sim.obs[0, 1], "the fitted per-sample cost marks the slow rank"
     t_small, t_big = sim.expected_step_time(np.array([32] * 4)), sim.expected_step_time(np.array([64] * 4))
     assert t_small < t_big < 2 * t_small, "fixed costs amortise over bigger batches"
     d = ClusterSimulator(spec(4, drift=[(0.5, 0, 2.0)]), seed=3)
@@ -166,11 +166,11 @@ def test_sampled_clusters_are_valid_and_runs_are_deterministic() -> None:
             s = sample_cluster(rng, ScenarioConfig(families=(family,)), world_size=R)
             assert s.world_size == R and s.name == family
             sim = ClusterSimulator(s, seed=1)
-            obs, reward, _, _ = sim.step([ActionSpace().keep] * R)
-            assert obs.shape == (R, OBS_DIM) and torch.isfinite(obs).all() and torch.isfinite(reward).all()
+            obs, reward, _, _ = sim.step([ActionSpace().keep] * (R + 1))
+            assert obs.shape == (R + 1, OBS_DIM) and torch.isfinite(obs).all() and torch.isfinite(reward).all()
             assert ClusterSpec.from_dict(s.to_dict()) == s
     a, b = ClusterSimulator(spec(3), seed=9), ClusterSimulator(spec(3), seed=9)
-    for act in ([4, 4, 4], [0, 2, 3]):
+    for act in ([4, 4, 4, 2], [0, 2, 3, 4]):
         oa, ra, _, _ = a.step(act)
         ob, rb, _, _ = b.step(act)
         assert torch.equal(oa, ob) and torch.equal(ra, rb)
@@ -184,8 +184,8 @@ def test_1024_ranks_are_fast() -> None:
     sim = ClusterSimulator(s, seed=0)
     t0 = time.perf_counter()
     for _ in range(20):
-        obs, reward, _, _ = sim.step(np.random.default_rng(0).integers(0, 5, 1024).tolist())
+        obs, reward, _, _ = sim.step(np.random.default_rng(0).integers(0, 5, 1025).tolist())
     per_decision = (time.perf_counter() - t0) / 20
-    assert obs.shape == (1024, OBS_DIM) and reward.shape == (1024,)
+    assert obs.shape == (1025, OBS_DIM) and reward.shape == (1024,)
     assert per_decision < 1.0, f"{per_decision * 1e3:.0f} ms per decision at 1024 ranks (~30 ms on an idle core)"
     assert math.isfinite(sim.ctx.noise_scale)

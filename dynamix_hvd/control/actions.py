@@ -1,7 +1,9 @@
 """Discrete batch-size actions and per-rank bounds. Pure maths: no MPI, no Horovod.
 
-The policy picks, for each rank, one multiplier of that rank's current batch size. The result is
-rounded and clipped to [min_batch, max_i], where max_i is the rank's memory bound: the configured
+The PPO policy corrects the model-based proposal (:mod:`dynamix_hvd.control.proposal`): one action
+per rank multiplies that rank's *proposed share*, and one action of the batch row multiplies the
+*proposed global batch* (:func:`compose`); the neutral action (1.0) of every row gives exactly the
+proposal. Sizes are clipped to [min_batch, max_i], where max_i is the rank's memory bound: the configured
 ceiling, lowered by what was learned from an out-of-memory error or from a fit of peak device memory
 against batch size (only on CUDA, where the allocator's peak is a per-step measurement).
 """
@@ -11,13 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-DEFAULT_MULTIPLIERS = (0.5, 0.8, 1.0, 1.25, 2.0)
+DEFAULT_MULTIPLIERS = (0.8, 0.9, 1.0, 1.1, 1.25)
+"""Corrections of a rank's proposed share and of the proposed global batch (1.0 = the proposal)."""
 
 
 @dataclass
 class ActionSpace:
     multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
-    """Factor applied to a rank's batch size by each action (must include 1.0 = keep)."""
+    """Factor applied to a rank's proposed share, or (batch row) to the proposed global batch, by each
+    action (must include 1.0 = the proposal)."""
 
     def __post_init__(self) -> None:
         ok = all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0
@@ -91,3 +95,42 @@ def apply_actions(space: ActionSpace, bounds: BatchBounds, sizes: Sequence[int],
             raise ValueError(f"action {a} of rank {rank} outside 0..{space.n - 1}")
         out.append(bounds.clip(rank, round(b * space.multipliers[int(a)])))
     return out
+
+
+def compose(space: ActionSpace, bounds: BatchBounds, proposed: Sequence[int], actions: Sequence[int]) -> list[int]:
+    """Sizes from the proposal and R + 1 actions (R share corrections, then the batch row's).
+
+    B = round(sum(proposed) * m_batch) within the bounds' total range; rank i's share is proposed_i *
+    m_i, normalised to B; integers by largest remainder within each rank's bounds, so the sum is B
+    whenever the bounds allow it. All actions neutral: exactly `proposed` (clipped to the bounds)."""
+    R = len(proposed)
+    if len(actions) != R + 1:
+        raise ValueError(f"{len(actions)} actions for {R} ranks; need one per rank plus the batch row's")
+    for row, a in enumerate(actions):
+        if not 0 <= int(a) < space.n:
+            raise ValueError(f"action {a} of row {row} outside 0..{space.n - 1}")
+    lo = [bounds.min_batch] * R
+    hi = [bounds.upper(r) for r in range(R)]
+    if all(int(a) == space.keep for a in actions):
+        return [bounds.clip(r, int(b)) for r, b in enumerate(proposed)]
+    target = round(sum(proposed) * space.multipliers[int(actions[R])])
+    target = max(sum(lo), min(sum(hi), target))
+    weights = [max(float(b), 1e-9) * space.multipliers[int(a)] for b, a in zip(proposed, actions[:R])]
+    total_w = sum(weights)
+    shares = [target * w / total_w for w in weights]
+    sizes = [max(lo[r], min(hi[r], math.floor(x))) for r, x in enumerate(shares)]
+    order = sorted(range(R), key=lambda r: shares[r] - math.floor(shares[r]), reverse=True)
+    total = sum(sizes)
+    while total != target:  # each pass moves at least one sample towards the target, or stops
+        step = 1 if total < target else -1
+        moved = False
+        for r in (order if step > 0 else order[::-1]):
+            if total == target:
+                break
+            if lo[r] <= sizes[r] + step <= hi[r]:
+                sizes[r] += step
+                total += step
+                moved = True
+        if not moved:
+            break
+    return sizes

@@ -6,11 +6,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .actions import ActionSpace
+from .actions import DEFAULT_MULTIPLIERS, ActionSpace
 from .core import DecisionCore
-from .policy import BatchSizePolicy, PPOPolicy, StaticPolicy
+from .policy import BatchSizePolicy, StaticPolicy
 from .policy_store import DEFAULT_POLICY, load_policy
-from .proposal import ModelPolicy
+from .proposal import ModelPolicy, ProposalConfig
+from .refine import PPOPolicy
 from .reward import RewardConfig
 from .rules import BASELINES, make_baseline
 from ..rl.ppo import PPOConfig
@@ -22,7 +23,8 @@ POLICY_NAMES = ("ppo", "static", "model", *sorted(BASELINES))
 @dataclass
 class ControllerConfig:
     policy: str = "ppo"
-    """Decision maker: "ppo" (DYNAMIX), "static", "model" (the cost-model proposal of
+    """Decision maker: "ppo" (DYNAMIX: a shared PPO actor refining the model-based proposal, see
+    `dynamix_hvd.control.refine`; policy_kwargs go to its ProposalConfig), "static", "model" (the cost-model proposal of
     `dynamix_hvd.control.proposal`; policy_kwargs go to its ProposalConfig), or a classic rule from
     `dynamix_hvd.control.rules` (linear-ramp, adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_kwargs: dict = field(default_factory=dict)
@@ -32,13 +34,14 @@ class ControllerConfig:
     shipped default (pretrained in the simulator, see policies/default.md) is used unless told otherwise."""
     learn: bool = False
     """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
-    False acts greedily with the loaded policy, which did better for the shipped policy in the
-    simulator (1.50x vs 1.42x faster than static); a fresh policy should learn (True)."""
+    False deploys the loaded policy's mode (the proposal where the actor is neutral; see
+    policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     decide_every_steps: int | None = None
-    """Decide every k optimizer steps; 0 decides at the end of every epoch only; None (default) decides
-    at every epoch end and, with `total_epochs` known, also inside epochs, every
-    ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps but at least
-    `min_decision_steps` apart, so that a short job still gets dozens of decisions."""
+    """When to decide besides every epoch end. None (default): with `total_epochs` known, also inside
+    epochs every ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps, at least
+    `min_decision_steps` apart and not in an epoch's last half-interval, so that a short job still gets
+    dozens of decisions. k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
+    decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
     target_decisions: int = 32
     """With decide_every_steps=None: the decisions a job of `total_epochs` epochs aims for."""
     min_decision_steps: int = 8
@@ -48,8 +51,8 @@ class ControllerConfig:
     """Smallest local batch any rank may get."""
     max_batch: int = 1024
     """Largest local batch any rank may get (lowered per rank by what memory allows)."""
-    multipliers: tuple[float, ...] = (0.5, 0.8, 1.0, 1.25, 2.0)
-    """The discrete actions: factors applied to a rank's batch size."""
+    multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
+    """The discrete actions: corrections of a rank's proposed share and of the proposed global batch."""
     total_epochs: int | None = None
     """Training budget in epochs, for the progress feature (None: progress stays 0)."""
     timeout_s: float = 120.0
@@ -129,7 +132,8 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
         # stored config, or load_policy refuses them by name.
         defaults = (PPOConfig(), ControllerConfig().ppo)
         learner = load_policy(cfg.policy_file, actions, ppo=cfg.ppo, ppo_defaults=defaults)[0]
-    return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo)
+    return PPOPolicy(learner, actions, learn=cfg.learn, config=cfg.ppo,
+                     proposal=ProposalConfig(**cfg.policy_kwargs))
 
 
 def make_core(cfg: ControllerConfig, world_size: int, base_batch: int,

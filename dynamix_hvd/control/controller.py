@@ -1,7 +1,7 @@
 """The DYNAMIX controller: every rank reports, rank 0 decides, every rank applies.
 
 The only module that knows rank 0 decides; it is transport only. Per decision (end of every epoch,
-or every k steps):
+and every k steps inside long epochs):
 
 1. every rank condenses its step records, resource use, losses and gradient norms into a typed
    report (:class:`~dynamix_hvd.control.core.RankInput`) and encodes it as one float64 array
@@ -64,7 +64,7 @@ class DynamixController:
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
-        self._since_decision = 0   # steps since the last decision
+        self._steps_since = 0  # optimizer steps since the last decision (identical on every rank)
         self._interval: int | None = None  # automatic cadence: steps between decisions inside this epoch
         self._epoch_steps = 0              # and the epoch's length under the sizes of the last decision
         for r, b in enumerate(loader.batch_sizes):
@@ -116,14 +116,15 @@ class DynamixController:
 
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._total_steps += 1
-        self._since_decision += 1
+        self._steps_since += 1
         k = self.cfg.decide_every_steps
         if k is None:
             due = epoch_end or self._auto_due(loader)
         else:
-            due = (k == 0 and epoch_end) or (k > 0 and self._total_steps % k == 0)
+            # Every epoch end, and every k steps inside long epochs; an epoch end right after an in-epoch
+            # decision (under k/2 steps of records) waits, so no decision rests on one or two noisy steps.
+            due = (epoch_end and self._steps_since >= (k + 1) // 2) or (k > 0 and self._steps_since >= k)
         if due:
-            self._since_decision = 0
             try:
                 self.decide()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
@@ -137,13 +138,13 @@ class DynamixController:
         with the sizes), not per step: it replans the rest of the epoch."""
         if not self.cfg.total_epochs:
             return False
-        if self._interval is None or self._since_decision == 1:
+        if self._interval is None or self._steps_since == 1:
             per_epoch = -(-self.cfg.target_decisions // self.cfg.total_epochs)
             self._epoch_steps = len(loader)
             self._interval = max(self.cfg.min_decision_steps, -(-self._epoch_steps // per_epoch))
         # No decision in the last half-interval of an epoch: its end decides anyway.
         left = self._epoch_steps - loader.step
-        return self._since_decision >= self._interval and left >= self._interval // 2
+        return self._steps_since >= self._interval and left >= self._interval // 2
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:
@@ -153,6 +154,7 @@ class DynamixController:
         caller; the decisions the controller takes by itself inside the loop abort the MPI world
         instead (`comm.abort_world`), since the other ranks would wait for this one forever."""
         t0 = time.perf_counter()
+        self._steps_since = 0
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
         # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
         rows = self.channel.gather_arrays(mine, what="metrics")
@@ -212,6 +214,7 @@ class DynamixController:
         """Everything needed to continue, as plain values: on rank 0 also the decision core (policy,
         statistics, reward references)."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
+                                 "steps_since": self._steps_since,
                                  "learned_max": list(self.bounds.learned_max), "world_size": self.loader.world_size}
         if self.rank == 0:
             state["root"] = self.core.state_dict()
@@ -222,6 +225,7 @@ class DynamixController:
         (policy, statistics) but not what was per rank (memory bounds, the last sizes)."""
         self.history = list(state["history"])
         self._total_steps = int(state["total_steps"])
+        self._steps_since = int(state.get("steps_since", 0))
         if state["world_size"] == self.loader.world_size:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:

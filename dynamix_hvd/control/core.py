@@ -25,7 +25,9 @@ import torch
 from .actions import BatchBounds
 from .costmodel import CostModel, record_reports
 from .policy import BatchSizePolicy, DecisionInput
-from .reward import RewardConfig, compute_reward, global_throughput
+from .costmodel import CostFit, NetworkFit
+from .reward import (RewardConfig, compute_reward, continuous_efficiency, global_throughput,
+                     predicted_goodput)
 from .state import GlobalContext, RankReport, build_observation
 from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate
 
@@ -115,6 +117,7 @@ class Observation:
     efficiency: float
     throughput: float
     layer_variance: dict[str, float] | None
+    fit: dict[str, Any] | None = None  # the cost and network fits the observation used (plain values)
 
 
 @dataclass
@@ -135,6 +138,9 @@ class Decision:
     policy: str
     info: dict[str, Any] = field(default_factory=dict)
     layer_variance: dict[str, float] | None = None
+    fit: dict[str, Any] | None = None
+    noise_interval: tuple[float, float] = (math.nan, math.nan)
+    """(lower bound, continuous point estimate) of the noise scale the observation used."""
 
     def record(self) -> dict[str, Any]:
         """The controller's history entry (plain values only)."""
@@ -142,7 +148,8 @@ class Decision:
                 "previous_sizes": self.previous_sizes, "lr_gain": self.lr_gain, "reward": self.reward,
                 "loss": self.loss, "noise_scale": self.noise_scale, "efficiency": self.efficiency,
                 "throughput": self.throughput, "reports": [r.to_dict() for r in self.reports],
-                "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance}
+                "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance, "fit": self.fit,
+                "noise_lower": self.noise_interval[0], "noise_point": self.noise_interval[1]}
 
 
 # --- the pieces shared with the transition rebuild ----------------------------------------------------
@@ -162,11 +169,30 @@ def progress_fraction(epoch: int, total_epochs: int | None) -> float:
 
 
 def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], base_batch: int, noise_scale: float,
-                    efficiency: float, trend: float, progress: float) -> tuple[GlobalContext, torch.Tensor]:
-    """The global context and the observation [R, OBS_DIM] the policy sees."""
+                    efficiency: float, trend: float, progress: float, noise_point: float = math.nan,
+                    noise_lower: float = math.nan, fit: dict[str, Any] | None = None
+                    ) -> tuple[GlobalContext, torch.Tensor]:
+    """The global context and the observation [R + 1, OBS_DIM] the policy sees (`fit`: `fit_record`)."""
     ctx = GlobalContext(global_batch=sum(sizes), base_batch=base_batch, noise_scale=noise_scale,
-                        efficiency=efficiency, loss_trend=trend, progress=progress, world_size=len(sizes))
-    return ctx, build_observation(reports, ctx)
+                        efficiency=efficiency, loss_trend=trend, progress=progress, world_size=len(sizes),
+                        noise_point=noise_point, noise_lower=noise_lower)
+    cost, net = fits_from_record(fit)
+    return ctx, build_observation(reports, ctx, cost, net)
+
+
+def fit_record(fit: CostFit | None, net: NetworkFit) -> dict[str, Any] | None:
+    """The fits as plain values (a decision's history record keeps them for the transition rebuild)."""
+    if fit is None:
+        return None
+    return {**{k: np.asarray(v).tolist() for k, v in asdict(fit).items()}, "net": asdict(net)}
+
+
+def fits_from_record(record: dict[str, Any] | None) -> tuple[CostFit | None, NetworkFit | None]:
+    if record is None:
+        return None, None
+    arrays = {k: np.asarray(v, dtype=bool if k == "identified" else np.float64)
+              for k, v in record.items() if k != "net"}
+    return CostFit(**arrays), NetworkFit(**record["net"])
 
 
 class DecisionCore:
@@ -193,6 +219,7 @@ class DecisionCore:
         self.ref_goodput = self.ref_tput = 0.0
         self.prev_loss = math.nan
         self.prev_sizes: list[int] | None = None
+        self.initial_sizes: list[int] | None = None  # the static reference of the reward
         self.decisions = 0
 
     @property
@@ -215,20 +242,25 @@ class DecisionCore:
         efficiency = float(self.stats.efficiency_at(sum(sizes)))
         loss = weighted_loss(reports)
         trend = loss_trend(loss, self.prev_loss)
+        lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
+        cost, net = self.costs.fit(), self.costs.fit_network()
+        fit = fit_record(cost, net)
         ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
-                                   progress_fraction(epoch, self.total_epochs))
+                                   progress_fraction(epoch, self.total_epochs), point, lower, fit)
         tput = global_throughput(reports)
-        eff = efficiency if math.isfinite(efficiency) else 1.0
+        eff = continuous_efficiency(point, sum(sizes), self.base_batch)
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
+        if self.initial_sizes is None or len(self.initial_sizes) != len(sizes):
+            self.initial_sizes = list(sizes)
         reward = None
         if self.prev_sizes is not None:
-            reward = compute_reward(self.reward_cfg, reports, eff, self.ref_goodput, self.ref_tput, trend,
-                                    self.prev_sizes, sizes)
+            static = predicted_goodput(cost, net, self.initial_sizes) or self.ref_goodput
+            reward = compute_reward(self.reward_cfg, reports, eff, static, trend, self.prev_sizes, sizes)
         self.prev_sizes, self.prev_loss = sizes, loss
         self.decisions += 1
         return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
-                           self._layer_variance(inputs, sizes))
+                           self._layer_variance(inputs, sizes), fit)
 
     def policy_input(self, seen: Observation) -> DecisionInput:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
@@ -248,7 +280,8 @@ class DecisionCore:
                         reward=None if seen.reward is None else seen.reward.tolist(), loss=seen.loss,
                         noise_scale=self.stats.noise_scale, efficiency=seen.efficiency, throughput=seen.throughput,
                         reports=seen.reports, policy=self.policy.name, info=out.info,
-                        layer_variance=seen.layer_variance)
+                        layer_variance=seen.layer_variance, fit=seen.fit,
+                        noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point))
 
     def _record_steps(self, inputs: Sequence[RankInput]) -> None:
         """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""
@@ -296,7 +329,8 @@ class DecisionCore:
                 "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
                 "base_batch": self.base_batch, "decisions": self.decisions,
-                "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict()}
+                "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict(),
+                "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes)}
 
     def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
         """Restore `state_dict()` output into a job of `world_size` ranks (default: this core's); a
@@ -318,7 +352,10 @@ class DecisionCore:
             if self.world_size == world:
                 self.bounds.learned_max = [int(b) for b in state["learned_max"]]
             self.prev_sizes = None if state["prev_sizes"] is None else [int(b) for b in state["prev_sizes"]]
+            initial = state.get("initial_sizes")  # absent in checkpoints from before the static reference
+            self.initial_sizes = None if initial is None else [int(b) for b in initial]
         else:
+            self.initial_sizes = None
             self.prev_sizes = None
             if self.policy is not None:
                 self.policy.reset_world(world)

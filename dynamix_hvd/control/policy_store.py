@@ -28,7 +28,9 @@ from .actions import ActionSpace
 from ..rl.ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: PPO refining the model-based proposal (R + 1 rows, central critic, share/batch corrections);
+1: the old per-rank multipliers of each rank's own batch (refused with an error naming the file)."""
 DEFAULT_POLICY = "default"
 """The policy shipped in policies/ and used by the controller unless told otherwise."""
 POLICY_DIR_ENV = "DYNAMIX_POLICY_DIR"
@@ -120,6 +122,11 @@ def read_spec(name_or_path: str | os.PathLike, directory: Path | None = None) ->
 
 def check_spec(meta: dict[str, Any], actions: ActionSpace, source: str) -> None:
     """Raise PolicyError naming the first field where `meta` differs from this code's spec."""
+    version = meta.get("format_version", "<missing>")
+    if version != FORMAT_VERSION:
+        raise PolicyError(f"policy {source} has format_version {version!r}; this dynamix_hvd reads format "
+                          f"{FORMAT_VERSION} (PPO refining the model-based proposal). Retrain it with "
+                          "python -m dynamix_hvd.rl.pretrain, or use a policy made for this version.")
     for key, want in current_spec(actions).items():
         got = meta.get(key, "<missing>")
         if got != want:
@@ -191,6 +198,8 @@ def _load(name_or_path: str | os.PathLike, actions: ActionSpace,
     got = (learner.obs_dim_rank, learner.obs_dim_global, learner.n_actions)
     if got != want:
         raise PolicyError(f"policy {pt} has (rank features, global features, actions) = {got}, expected {want}")
+    if not learner.central_critic:
+        raise PolicyError(f"policy {pt} has a per-row critic; this dynamix_hvd expects a central critic")
     return learner, meta
 
 

@@ -1,23 +1,31 @@
 """The controller's reward. Pure maths: no MPI, no Horovod.
 
-Per decision interval and per rank:
+One shared value per decision interval (every rank's row and the batch row get the same number; the
+policy's critic is centralised):
 
-    r_i = progress_weight   * log2(goodput / goodput_ref)
-        + throughput_weight * log2(throughput / throughput_ref)
-        - stability_weight  * max(0, relative loss increase)
-        - switch_weight     * mean_j |log2(b_j new / b_j old)|
-        - idle_weight       * (allreduce wait of rank i / its step time)
+    r = progress_weight  * log2(G_measured / G_static)
+      - stability_weight * max(0, relative loss increase over the interval)
+      - switch_weight    * mean_i |log2(b_i new / b_i old)|
 
-Why these terms:
-- goodput = global samples/s x statistical efficiency (Pollux). It is statistical progress per unit
-  wall time: a bigger batch raises samples/s but each sample is worth less once the batch exceeds the
-  gradient noise scale. This is the term that makes training *finish sooner*.
-- log-ratios against the first interval (the user's static configuration) make the reward scale-free
-  across models and clusters, which is what lets one policy transfer, and make 0 = "as good as static".
-- the stability penalty punishes loss spikes (too large an effective LR after a batch change);
-- the switching penalty keeps sizes from oscillating between two nearly equal configurations;
-- the idle term is per rank: a rank that waits in allreduce is underloaded, so it learns to take
-  more samples (straggler balancing) while the shared terms keep the global batch sensible.
+    G_measured = B * E(B) / T_step            statistical progress per wall second, measured
+    G_static   = B0 / T_model(b0)             what the cost model predicts the static sizes b0 do
+
+- ``T_step`` is the measured mean step time of the interval: it holds the allreduce (and its overlap
+  with compute) once, and nothing else counts communication again;
+- ``E(B) = (phi + B0) / (phi + B)`` (Pollux) with phi the *continuous* point estimate of the noise
+  scale (:meth:`~dynamix_hvd.stats.noise_scale.GradientStatistics.noise_scale_interval`: no jump to 0
+  or to a cap when the |G|^2 average crosses 0); unknown phi gives E = 1;
+- ``T_model(b0) = ((max_i a_i + c_i b0_i)^gamma + T_net^gamma)^(1/gamma) + overhead`` from the current
+  per-rank cost fits and network fit (:mod:`dynamix_hvd.control.costmodel`), i.e. the static job
+  *now*, in the same conditions (a rank that slowed down slows the reference too). Before any fit the
+  first interval's measured goodput is the reference;
+- E(B) <= 1 for B >= B0 and E(B0) = 1, so a larger batch earns only through a real gain in measured
+  progress per second; no term pays for growing B by itself (the old idle term, which counted the
+  allreduce transfer as waiting, is gone);
+- the stability penalty punishes loss spikes (too large an effective LR after a batch change); the
+  switching penalty keeps sizes from hopping between nearly equal configurations.
+
+0 = as fast as the static sizes would be in this interval; log2 makes it scale-free across jobs.
 """
 from __future__ import annotations
 
@@ -26,23 +34,21 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from .costmodel import CostFit, NetworkFit
 from .state import RankReport
 
 
 @dataclass
 class RewardConfig:
     progress_weight: float = 1.0
-    """Weight of log2(goodput / reference goodput): statistical progress per wall-clock second."""
-    throughput_weight: float = 0.0
-    """Weight of log2(samples per second / reference): raw speed, ignoring statistical efficiency."""
+    """Weight of log2(measured goodput / the cost model's goodput of the static sizes)."""
     stability_weight: float = 1.0
     """Penalty per unit of relative loss increase over the interval (loss spikes)."""
-    switch_weight: float = 0.05
+    switch_weight: float = 0.02
     """Penalty per unit of mean |log2(new size / old size)| (discourages oscillation)."""
-    idle_weight: float = 0.5
-    """Per-rank penalty on the fraction of its step time spent waiting in allreduce."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -56,20 +62,33 @@ def global_throughput(reports: Sequence[RankReport]) -> float:
     return sum(r.local_batch for r in reports) / step_s if step_s > 0 else 0.0
 
 
-def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float,
-                   ref_goodput: float, ref_throughput: float, loss_change: float,
-                   old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
-    """Reward of every rank [R] for the interval just measured (see the module docstring)."""
+def continuous_efficiency(noise_point: float, global_batch: float, base_batch: float) -> float:
+    """E(B) = (phi + B0) / (phi + B) with the continuous estimate; 1 while phi is unknown."""
+    if not (math.isfinite(noise_point) and noise_point >= 0) or global_batch <= 0:
+        return 1.0
+    return (noise_point + base_batch) / (noise_point + global_batch)
+
+
+def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequence[int]) -> float:
+    """B / T_model(sizes) from the fits (0 when there is no fit for these ranks)."""
+    if fit is None or net is None or len(fit.per_sample_s) != len(sizes):
+        return 0.0
+    a, c = fit.time_coefficients()
+    step = float(net.step_time(float((a + c * np.asarray(sizes, dtype=np.float64)).max())))
+    return sum(sizes) / step if step > 0 and math.isfinite(step) else 0.0
+
+
+def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float, static_goodput: float,
+                   loss_change: float, old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
+    """The shared reward (see the module docstring), repeated for every rank [R]. `efficiency` is
+    E(B) of the interval from the continuous noise estimate; `static_goodput` the reference G_static."""
     tput = global_throughput(reports)
     eff = efficiency if math.isfinite(efficiency) and efficiency > 0 else 1.0
     shared = 0.0
-    if ref_goodput > 0 and tput > 0:
-        shared += cfg.progress_weight * math.log2(tput * eff / ref_goodput)
-    if ref_throughput > 0 and tput > 0:
-        shared += cfg.throughput_weight * math.log2(tput / ref_throughput)
+    if static_goodput > 0 and tput > 0:
+        shared += cfg.progress_weight * math.log2(tput * eff / static_goodput)
     if math.isfinite(loss_change):
         shared -= cfg.stability_weight * max(0.0, loss_change)
     switch = statistics.fmean(abs(math.log2(n / o)) for o, n in zip(old_sizes, new_sizes))
     shared -= cfg.switch_weight * switch
-    idle = [r.sync_wait_s / r.step_s if r.step_s > 0 else 0.0 for r in reports]
-    return torch.tensor([shared - cfg.idle_weight * i for i in idle], dtype=torch.float32)
+    return torch.full((len(reports),), shared, dtype=torch.float32)

@@ -1,8 +1,15 @@
 """The controller's state: what each rank reports, and the normalised features the policy sees.
 
-Pure maths: no MPI, no Horovod. One shared policy is applied to every rank (as DYNAMIX describes), so
-the observation of rank i is [its own features, the global context]; both are scaled to be O(1) and
-mostly scale-free (ratios, logs, fractions), so a policy transfers across models and clusters.
+Pure maths: no MPI, no Horovod. One shared policy acts on R + 1 rows: one per rank (its correction of
+the proposed share) and one *batch row* (the correction of the proposed global batch, see
+:mod:`dynamix_hvd.control.refine`). Row i is [its own features (RANK_FEATURES), the shared features
+(GLOBAL_FEATURES: a pooled view of all ranks, then job-wide signals)]; the batch row's own features
+are the mean over ranks with the flag set. The critic sees only the shared features, so its value is
+one per decision (a centralised critic).
+
+Every feature is batch-independent or a scale-free ratio: speeds come from the fitted cost lines
+t_i(b) = a_i + c_i b (:mod:`dynamix_hvd.control.costmodel`), not from time per sample at the current
+size (which for a + c b depends on b itself: two identical ranks at 128/32 would look 3.5x apart).
 """
 from __future__ import annotations
 
@@ -11,7 +18,10 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
+import numpy as np
 import torch
+
+from .costmodel import CostFit, NetworkFit
 
 
 @dataclass
@@ -48,93 +58,102 @@ class GlobalContext:
 
     global_batch: int
     base_batch: int
-    noise_scale: float      # gradient noise scale B_simple (NaN before it is known)
+    noise_scale: float      # gradient noise scale B_simple (NaN before it is known; clipped definition)
     efficiency: float       # statistical efficiency of the current global batch (Pollux), 0..1
     loss_trend: float       # relative loss change per decision (negative = improving)
     progress: float         # fraction of the training budget done, 0..1
     world_size: int
+    noise_point: float = math.nan   # continuous point estimate of the noise scale (NaN: unknown)
+    noise_lower: float = math.nan   # its lower confidence bound (NaN: unknown)
 
 
 RANK_FEATURES = (
-    "log2 local batch / base local batch",
+    "batch-row flag (0: a rank's row, 1: the row that corrects the global batch)",
+    "log2 fitted per-sample cost c_i / mean over ranks (slow rank > 0; 0 before a fit)",
+    "fitted fixed-cost share a_i / (a_i + c_i b_i) at the current size",
+    "log2 fitted arrival a_i + c_i b_i / the latest rank's (<= 0, clipped at -4)",
     "local batch / its memory bound",
-    "log2 compute time per sample / mean over ranks (slow rank > 0)",
-    "allreduce wait / step time",
-    "data wait / step time",
-    "compute / step time",
-    "memory used / memory total",
-    "CPU utilisation",
-    "GPU utilisation (0 when unknown)",
-    "compute time / slowest rank's compute time",
+    "fit confidence: relative standard error of c_i, clipped to [0, 1] (1: not identified)",
+    "measured allreduce wait / step time",
 )
-GLOBAL_FEATURES = (
-    "log2 global batch / base global batch",
-    "log2 noise scale / global batch (clipped to +-6; 0 when unknown)",
-    "statistical efficiency of the global batch",
+_POOLED = RANK_FEATURES[1:]
+JOB_FEATURES = (
+    "communication share: fitted allreduce time not hidden by compute / predicted step time",
+    "log2 global batch / noise scale (continuous point estimate, clipped to +-6; 0 when unknown)",
+    "noise scale known (1) or not yet (0)",
+    "log2 lower confidence bound / point estimate of the noise scale (clipped to [-4, 0])",
+    "statistical efficiency E(B) from the continuous point estimate (1 when unknown)",
     "loss trend (relative change per decision, clipped to +-1)",
     "training progress 0..1",
-    "log2 world size / 10",
-    "log10(1 + network MB/s) / 4",
-    "log10(1 + TCP retransmits/s) / 3",
+    "log2 world size / 6",
+    "fraction of ranks whose cost line is identified",
 )
+GLOBAL_FEATURES = (*(f"max over ranks: {n}" for n in _POOLED), *(f"min over ranks: {n}" for n in _POOLED),
+                   *JOB_FEATURES)
+"""The shared part of every row: the pooled view of all ranks, then the job-wide features."""
 OBS_DIM = len(RANK_FEATURES) + len(GLOBAL_FEATURES)
-
-
-def _finite(x: float, default: float = 0.0) -> float:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else default
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 and math.isfinite(a) and math.isfinite(b) else 0.0
 
 
-def rank_features(reports: Sequence[RankReport], base_local_batch: float) -> torch.Tensor:
-    """[R, len(RANK_FEATURES)] features of every rank."""
-    per_sample = [_ratio(r.compute_s, r.local_batch) for r in reports]
-    mean_ps = statistics.fmean(per_sample) or 1.0
-    slowest = max((r.compute_s for r in reports), default=0.0)
-    rows = []
-    for r, ps in zip(reports, per_sample):
-        rows.append([
-            math.log2(max(r.local_batch, 1) / base_local_batch),
-            _ratio(r.local_batch, r.max_batch),
-            math.log2(ps / mean_ps) if ps > 0 else 0.0,
-            _ratio(r.sync_wait_s, r.step_s),
-            _ratio(r.data_wait_s, r.step_s),
-            _ratio(r.compute_s, r.step_s),
-            _ratio(r.mem_used_bytes, r.mem_total_bytes),
-            _finite(r.cpu_util),
-            _finite(r.gpu_util),
-            _ratio(r.compute_s, slowest),
-        ])
+def _log2_clip(x: float, lo: float, hi: float) -> float:
+    return max(lo, min(hi, math.log2(x))) if x > 0 and math.isfinite(x) else 0.0
+
+
+def rank_features(reports: Sequence[RankReport], fit: CostFit | None) -> torch.Tensor:
+    """[R, len(RANK_FEATURES)] features of every rank (flag 0)."""
+    R = len(reports)
+    b = np.array([max(r.local_batch, 1) for r in reports], dtype=np.float64)
+    if fit is not None and len(fit.per_sample_s) == R:
+        a, c = fit.split_coefficients()
+        rel = np.log2(c / c.mean())
+        arrival = a + c * b
+        fixed_share = a / arrival
+        late = np.maximum(np.log2(arrival / arrival.max()), -4.0)
+        conf = np.where(fit.identified, np.clip(fit.per_sample_se / fit.per_sample_s, 0.0, 1.0), 1.0)
+    else:
+        rel = fixed_share = late = np.zeros(R)
+        conf = np.ones(R)
+    rows = [[0.0, float(rel[i]), float(fixed_share[i]), float(late[i]), _ratio(r.local_batch, r.max_batch),
+             float(conf[i]), _ratio(r.sync_wait_s, r.step_s)] for i, r in enumerate(reports)]
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def global_features(ctx: GlobalContext, reports: Sequence[RankReport]) -> torch.Tensor:
-    noise = 0.0
-    if math.isfinite(ctx.noise_scale) and ctx.noise_scale > 0:
-        noise = max(-6.0, min(6.0, math.log2(ctx.noise_scale / ctx.global_batch)))
-    net_mb = statistics.fmean(_finite(r.net_bytes_per_s) for r in reports) / 1e6
-    retrans = statistics.fmean(_finite(r.tcp_retrans_per_s) for r in reports)
-    return torch.tensor([
-        math.log2(ctx.global_batch / ctx.base_batch),
-        noise,
-        _finite(ctx.efficiency, 1.0),
-        max(-1.0, min(1.0, _finite(ctx.loss_trend))),
-        ctx.progress,
-        math.log2(max(ctx.world_size, 1)) / 10.0,
-        math.log10(1.0 + net_mb) / 4.0,
-        math.log10(1.0 + retrans) / 3.0,
-    ], dtype=torch.float32)
+def job_features(ctx: GlobalContext, reports: Sequence[RankReport], fit: CostFit | None,
+                 net: NetworkFit | None) -> list[float]:
+    comm = 0.0
+    if fit is not None and net is not None and len(fit.per_sample_s) == len(reports):
+        a, c = fit.time_coefficients()
+        arrival = float((a + c * np.array([r.local_batch for r in reports])).max())
+        step = float(net.step_time(arrival))
+        comm = _ratio(max(float(net.sync_time(arrival)) - arrival, 0.0), step)
+    point, lower = ctx.noise_point, ctx.noise_lower
+    known = math.isfinite(point) and point > 0
+    eff = (point + ctx.base_batch) / (point + ctx.global_batch) if known else 1.0
+    return [comm,
+            _log2_clip(ctx.global_batch / point, -6.0, 6.0) if known else 0.0,
+            1.0 if known else 0.0,
+            _log2_clip(lower / point, -4.0, 0.0) if known and lower > 0 else (-4.0 if known else 0.0),
+            eff,
+            max(-1.0, min(1.0, ctx.loss_trend)) if math.isfinite(ctx.loss_trend) else 0.0,
+            ctx.progress,
+            math.log2(max(ctx.world_size, 1)) / 6.0,
+            float(np.mean(fit.identified)) if fit is not None else 0.0]
 
 
-def build_observation(reports: Sequence[RankReport], ctx: GlobalContext) -> torch.Tensor:
-    """[R, OBS_DIM]: row i = rank i's features followed by the shared global context."""
+def build_observation(reports: Sequence[RankReport], ctx: GlobalContext, fit: CostFit | None = None,
+                      net: NetworkFit | None = None) -> torch.Tensor:
+    """[R + 1, OBS_DIM]: rows 0..R-1 the ranks, row R the batch row (see the module docstring)."""
     if [r.rank for r in reports] != list(range(len(reports))):
         raise ValueError(f"reports must be in rank order 0..R-1, got ranks {[r.rank for r in reports]}")
-    per_rank = rank_features(reports, base_local_batch=ctx.base_batch / max(len(reports), 1))
-    shared = global_features(ctx, reports).expand(len(reports), -1)
-    obs = torch.cat([per_rank, shared], dim=1)
+    own = torch.nan_to_num(rank_features(reports, fit), nan=0.0, posinf=0.0, neginf=0.0)
+    batch_row = own.mean(0, keepdim=True)
+    batch_row[0, 0] = 1.0
+    pooled = torch.cat([own[:, 1:].max(0).values, own[:, 1:].min(0).values])
+    shared = torch.cat([pooled, torch.tensor(job_features(ctx, reports, fit, net), dtype=torch.float32)])
+    obs = torch.cat([torch.cat([own, batch_row]), shared.expand(len(reports) + 1, -1)], dim=1)
     return torch.nan_to_num(obs, nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -130,20 +130,33 @@ def mlp(sizes: Sequence[int], out_gain: float, generator: torch.Generator) -> nn
     return nn.Sequential(*layers)
 
 
+NEUTRAL_LOGIT = 3.0
+"""Initial actor bias of the neutral action (5 actions: it starts with 83% of the probability)."""
+
+
 class ActorCritic(nn.Module):
-    """Shared per-rank policy: ``[*, obs_dim_rank + obs_dim_global]`` -> categorical(n_actions) and value."""
+    """Shared per-rank policy: ``[*, obs_dim_rank + obs_dim_global]`` -> categorical(n_actions) and value.
+
+    ``central_critic``: the critic reads only the last ``obs_dim_global`` columns (the features every
+    row of a decision shares), so all rows of one decision get one value. ``neutral``: the actor's
+    output bias starts at NEUTRAL_LOGIT for that action (a fresh policy's mode is the neutral one)."""
 
     def __init__(self, obs_dim_rank: int, obs_dim_global: int, n_actions: int,
-                 hidden_sizes: Sequence[int] = (64, 64), generator: Optional[torch.Generator] = None) -> None:
+                 hidden_sizes: Sequence[int] = (64, 64), generator: Optional[torch.Generator] = None,
+                 central_critic: bool = False, neutral: Optional[int] = None) -> None:
         super().__init__()
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
         sizes = [obs_dim_rank + obs_dim_global, *hidden_sizes]
-        self.critic = mlp([*sizes, 1], 1.0, generator)
+        self.critic_from = obs_dim_rank if central_critic else 0
+        self.critic = mlp([sizes[0] - self.critic_from, *hidden_sizes, 1], 1.0, generator)
         self.actor = mlp([*sizes, n_actions], 0.01, generator)
+        if neutral is not None:
+            with torch.no_grad():
+                self.actor[-1].bias[neutral] = NEUTRAL_LOGIT
 
     def get_value(self, obs: Tensor) -> Tensor:
         """State values ``[*]``."""
-        return self.critic(obs).squeeze(-1)
+        return self.critic(obs[..., self.critic_from:]).squeeze(-1)
 
     def get_action_and_value(self, obs: Tensor, action: Optional[Tensor] = None,
                              generator: Optional[torch.Generator] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -230,13 +243,18 @@ class PPOLearner:
     """Online PPO: :meth:`act` for all ranks, :meth:`record` the rewards, :meth:`update` when :meth:`ready`."""
 
     def __init__(self, obs_dim_rank: int, obs_dim_global: int, n_actions: int,
-                 config: Optional[PPOConfig] = None) -> None:
+                 config: Optional[PPOConfig] = None, central_critic: bool = False,
+                 neutral_action: Optional[int] = None) -> None:
         for name, value, low in (("obs_dim_rank", obs_dim_rank, 0), ("obs_dim_global", obs_dim_global, 0),
                                  ("n_actions", n_actions, 1)):
             if not _int(value, low):
                 raise ValueError(f"PPOLearner {name} must be an int >= {low} (got {value!r})")
         self.obs_dim_rank, self.obs_dim_global, self.n_actions = obs_dim_rank, obs_dim_global, n_actions
+        if neutral_action is not None and not (_int(neutral_action, 0) and neutral_action < n_actions):
+            raise ValueError(f"PPOLearner neutral_action must be None or an action index < {n_actions} "
+                             f"(got {neutral_action!r})")
         self.obs_dim = obs_dim_rank + obs_dim_global
+        self.central_critic, self.neutral_action = bool(central_critic), neutral_action
         self.config = config if config is not None else PPOConfig()
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self._build(self.generator)
@@ -247,7 +265,8 @@ class PPOLearner:
 
     def _build(self, generator: torch.Generator) -> None:
         cfg = self.config
-        self.net = ActorCritic(self.obs_dim_rank, self.obs_dim_global, self.n_actions, cfg.hidden_sizes, generator)
+        self.net = ActorCritic(self.obs_dim_rank, self.obs_dim_global, self.n_actions, cfg.hidden_sizes, generator,
+                               self.central_critic, self.neutral_action)
         self.optimizer = torch.optim.Adam(self.net.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
 
     def _as_obs(self, obs: ArrayLike, num_ranks: Optional[int] = None) -> Tensor:
@@ -411,6 +430,7 @@ class PPOLearner:
         Only tensors and plain Python values: loadable with ``torch.load(..., weights_only=True)``.
         """
         return {"config": asdict(self.config), "dims": (self.obs_dim_rank, self.obs_dim_global, self.n_actions),
+                "central_critic": self.central_critic, "neutral_action": self.neutral_action,
                 "net": copy.deepcopy(self.net.state_dict()), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "generator": self.generator.get_state(),
                 "buffer": None if self.buffer is None else self.buffer.state_dict(),
@@ -423,6 +443,9 @@ class PPOLearner:
         if dims != (self.obs_dim_rank, self.obs_dim_global, self.n_actions):
             raise ValueError(f"checkpoint (obs_dim_rank, obs_dim_global, n_actions) = {dims}, this learner has "
                              f"{(self.obs_dim_rank, self.obs_dim_global, self.n_actions)}")
+        central = bool(state.get("central_critic", False))  # absent in states from before the option
+        if central != self.central_critic:
+            raise ValueError(f"checkpoint central_critic={central}, this learner has {self.central_critic}")
         self.config = PPOConfig(**state["config"])
         self._build(torch.Generator())  # fresh modules for the checkpoint's sizes; weights loaded next
         self.net.load_state_dict(state["net"])
@@ -440,6 +463,7 @@ class PPOLearner:
     def from_state_dict(cls, state: Dict[str, Any]) -> "PPOLearner":
         """A learner rebuilt from :meth:`state_dict` output alone."""
         obs_dim_rank, obs_dim_global, n_actions = state["dims"]
-        learner = cls(obs_dim_rank, obs_dim_global, n_actions, PPOConfig(**state["config"]))
+        learner = cls(obs_dim_rank, obs_dim_global, n_actions, PPOConfig(**state["config"]),
+                      bool(state.get("central_critic", False)), state.get("neutral_action"))
         learner.load_state_dict(state)
         return learner

@@ -6,8 +6,9 @@ per rank (its :class:`~dynamix_hvd.control.state.RankReport` and per-step series
 :class:`~dynamix_hvd.control.core.DecisionCore` the live controller uses. The core turns them into the
 observation, the reward (reference = the first interval's goodput), the noise scale and efficiency (fed
 step by step with the same per-step squared gradient norms) and the memory bounds (learned from peak
-memory on "GPU" clusters, from out-of-memory failures on "CPU" ones); actions go through
-:func:`actions.apply_actions`. So a policy trained here sees the same numbers at run time.
+memory on "GPU" clusters, from out-of-memory failures on "CPU" ones); PPO actions correct the
+model-based proposal through :func:`dynamix_hvd.control.refine.refine`, as the live policy does. So a
+policy trained here sees the same numbers at run time.
 
 Models (all vectorised over ranks and steps; 1024 ranks are fine):
 
@@ -42,9 +43,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..control.actions import ActionSpace, BatchBounds, apply_actions
+from ..control.actions import ActionSpace, BatchBounds
 from ..control.core import DecisionCore, Observation, RankInput, StepSeries
 from ..control.policy import BatchSizePolicy, DecisionInput
+from ..control.proposal import ModelPolicy
+from ..control.refine import refine
 from ..control.reward import RewardConfig
 from ..control.state import RankReport
 from ..optim.lr_scaling import lr_factor
@@ -270,7 +273,7 @@ class ClusterSimulator:
     # --- episode ---------------------------------------------------------------------------------
     def reset(self, start_progress: float = 0.0) -> torch.Tensor:
         """Start a run at progress fraction ``start_progress`` with the initial sizes; simulates the first
-        interval (the reference) and returns its observation ``[R, OBS_DIM]``."""
+        interval (the reference) and returns its observation ``[R + 1, OBS_DIM]``."""
         s = self.spec
         self.slow = np.ones(self.R)
         self.progress = float(start_progress) * s.target_progress
@@ -285,6 +288,7 @@ class ClusterSimulator:
         self.core = DecisionCore(self.R, self.base_batch, reward=self.reward_cfg, stats=self.stats_cfg,
                                  min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs)
         self.wall_s, self.ooms = 0.0, 0
+        self.proposer = ModelPolicy()  # the proposal PPO's actions correct (step)
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
@@ -470,8 +474,10 @@ class ClusterSimulator:
         return self.obs, self.last_reward, self.done, info
 
     def step(self, actions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
-        """Apply one action index per rank through :func:`actions.apply_actions` (see :meth:`step_sizes`)."""
-        return self.step_sizes(apply_actions(self.actions, self.bounds, self.sizes, [int(a) for a in actions]))
+        """Apply R + 1 action indices (the ranks' share corrections, then the batch row's) to this
+        decision's model-based proposal, as the live PPO policy does (see :meth:`step_sizes`)."""
+        sizes, _ = refine(self.proposer, self.actions, self.decision_input(), [int(a) for a in actions])
+        return self.step_sizes(sizes)
 
     def goodput_ratio(self, sizes: Optional[Sequence[int]] = None) -> float:
         """Expected goodput of ``sizes`` (default: current) / that of :meth:`optimum_sizes`, now."""

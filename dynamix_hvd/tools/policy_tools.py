@@ -31,14 +31,15 @@ def _space(meta: Optional[dict[str, Any]] = None) -> ActionSpace:
 
 
 def list_policy_summaries(directory: Optional[Path] = None) -> list[dict[str, Any]]:
-    """One row per policy in ``directory``: name, weights present, created, command, updates, evaluation."""
+    """One row per policy in ``directory``: name, weights present, created, command, updates, and the
+    held-out evaluation's ``ppo_vs_best_static`` (time-to-target / the best static batch's; < 1 is better)."""
     rows = []
     for meta in list_policies(directory):
         prov = meta.get("provenance") or {}
         ev = prov.get("evaluation") or {}
         rows.append({"name": meta["name"], "has_weights": meta.get("has_weights", False),
                      "created": prov.get("created"), "command": prov.get("command"),
-                     "num_updates": prov.get("num_updates"), "speedup_vs_static": ev.get("speedup_vs_static"),
+                     "num_updates": prov.get("num_updates"), "ppo_vs_best_static": ev.get("ppo_vs_best_static"),
                      "error": meta.get("error")})
     return rows
 
@@ -75,7 +76,7 @@ def sample_observations(n: int = 256, seed: int = 0) -> torch.Tensor:
         sim = ClusterSimulator(sample_cluster(rng, scenario), seed=int(rng.integers(2**31)))
         rows.append(sim.reset(float(rng.uniform(0, 0.8))))
         for _ in range(int(rng.integers(1, 8))):
-            rows.append(sim.step(rng.integers(0, sim.actions.n, sim.R).tolist())[0])
+            rows.append(sim.step(rng.integers(0, sim.actions.n, sim.R + 1).tolist())[0])
     return torch.cat(rows)[:n]
 
 

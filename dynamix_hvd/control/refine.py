@@ -1,0 +1,122 @@
+"""Policy "ppo": a shared PPO actor that refines the model-based proposal. Pure: no MPI, no Horovod.
+
+Each decision: (1) the proposal of :mod:`dynamix_hvd.control.proposal` (arrival-equalising split,
+goodput-maximising global batch with a noise-scale lower bound, trust region, hysteresis, dither),
+exactly as policy "model" computes it; (2) the shared actor acts on R + 1 rows of the observation
+(:mod:`dynamix_hvd.control.state`): one action per rank multiplies its proposed share, the batch
+row's action multiplies the proposed global batch (:func:`dynamix_hvd.control.actions.compose`).
+The neutral action (1.0) of every row is exactly the proposal, and a fresh learner's actor is biased
+towards it (:data:`dynamix_hvd.rl.ppo.NEUTRAL_LOGIT`), so its mode is the proposal.
+
+The critic reads only the features all rows share (a pooled view of the ranks and job-wide signals):
+one value per decision, one shared reward (:mod:`dynamix_hvd.control.reward`).
+
+Deployed (``learn=False``) the action is the actor's mode, except where that would flip back to the
+sizes of two decisions ago (A, B, A, ...): then the sizes are held (see :class:`FlipGuard`). Proposals
+that dither on purpose (an unidentified cost line) are never held.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .actions import ActionSpace, compose
+from .policy import DecisionInput, DecisionOutput
+from .proposal import ModelPolicy, ProposalConfig
+from ..rl.ppo import PPOConfig, PPOLearner
+from .state import GLOBAL_FEATURES, RANK_FEATURES
+
+
+def make_learner(actions: ActionSpace, config: PPOConfig | None = None) -> PPOLearner:
+    """A fresh learner for this observation and action layout (central critic, neutral-biased actor)."""
+    return PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), actions.n, config, central_critic=True,
+                      neutral_action=actions.keep)
+
+
+class FlipGuard:
+    """Holds the sizes when a new decision would return to the sizes of two decisions ago."""
+
+    def __init__(self) -> None:
+        self.history: list[list[int]] = []
+
+    def __call__(self, sizes: list[int], current: Sequence[int], exempt: bool) -> tuple[list[int], bool]:
+        current = list(current)
+        flip = (not exempt and len(self.history) >= 2 and sizes == self.history[-2]
+                and sizes != current and self.history[-1] == current)
+        out = current if flip else sizes
+        self.history = (self.history + [out])[-2:]
+        return out, flip
+
+
+def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
+           actions: Sequence[int]) -> tuple[list[int], dict[str, Any]]:
+    """The proposal for `inp` corrected by `actions` (R + 1 of them); with no cost fit yet the current
+    sizes stand in for the proposal."""
+    out = model.decide(inp)
+    sizes = compose(space, inp.bounds, out.sizes, actions)
+    return sizes, {**out.info, "proposed_sizes": list(out.sizes)}
+
+
+class PPOPolicy:
+    """One shared PPO actor-critic refining the proposal, optionally learning online.
+
+    Ordering: the reward handed in at decision t belongs to the action taken at t-1, so it is recorded
+    before the action for t is sampled. The PPO update runs in `after_decision`, once the decision
+    has been sent, so its cost stays off the ranks' critical path.
+    """
+
+    name = "ppo"
+
+    def __init__(self, learner: PPOLearner | None = None, actions: ActionSpace | None = None,
+                 learn: bool = True, config: PPOConfig | None = None,
+                 proposal: ProposalConfig | None = None) -> None:
+        self.actions = actions or ActionSpace()
+        self.learner = learner or make_learner(self.actions, config)
+        self.model = ModelPolicy(proposal)
+        self.learn = learn
+        self.guard = FlipGuard()
+        self.last_update: dict[str, float] = {}
+        self._awaiting_reward = False
+        self._last_obs: torch.Tensor | None = None
+
+    def decide(self, inp: DecisionInput) -> DecisionOutput:
+        if self.learn and inp.reward is not None and self._awaiting_reward:
+            self.learner.record(float(inp.reward.mean()))
+        actions, _, values = self.learner.act(inp.obs, deterministic=not self.learn)
+        self._awaiting_reward = self.learn
+        self._last_obs = inp.obs
+        sizes, info = refine(self.model, self.actions, inp, actions.tolist())
+        held = False
+        if not self.learn:
+            sizes, held = self.guard(sizes, inp.sizes, bool(info.get("dithered")))
+        return DecisionOutput(sizes, {**info, "actions": actions.tolist(), "held": held,
+                                      "value": round(float(values.mean()), 4)})
+
+    def reset_world(self, world_size: int) -> None:
+        """The number of ranks changed: drop the rollout (its transitions have the old shape)."""
+        self.learner.reset_rollout(world_size + 1)
+        self.model.reset_world(world_size)
+        self.guard = FlipGuard()
+        self._awaiting_reward = False
+
+    def after_decision(self) -> dict[str, float]:
+        """Run a PPO update when a rollout is full (bootstrapping from the latest observation)."""
+        if not (self.learn and self.learner.ready()):
+            return {}
+        self.last_update = self.learner.update(next_obs=self._last_obs)
+        return self.last_update
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"learner": self.learner.state_dict(), "multipliers": list(self.actions.multipliers),
+                "learn": self.learn, "awaiting_reward": self._awaiting_reward, "model": self.model.state_dict(),
+                "guard": [list(s) for s in self.guard.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.actions = ActionSpace(tuple(state["multipliers"]))
+        self.learner = PPOLearner.from_state_dict(state["learner"])
+        self.learn = state["learn"]
+        self._awaiting_reward = state["awaiting_reward"]
+        self.model.load_state_dict(state.get("model", {"decisions": 0}))
+        self.guard.history = [[int(b) for b in s] for s in state.get("guard", [])]
+
