@@ -14,7 +14,6 @@ size (which for a + c b depends on b itself: two identical ranks at 128/32 would
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
