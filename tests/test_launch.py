@@ -53,7 +53,9 @@ def test_wrapper_runs_a_real_job(tmp_path, name, env):
 
 
 def test_run_job_keeps_its_interface(tmp_path):
-    proc = wrapper("run_job.sh", "--samples", "512", "--no-report", JOB="mlp", NP="2", LAUNCHER="horovodrun",
+    # --decide-every 0: decisions at epoch ends only, so epoch 1's line shows the sizes it was launched with
+    proc = wrapper("run_job.sh", "--samples", "512", "--no-report", "--decide-every", "0", JOB="mlp", NP="2",
+                   LAUNCHER="horovodrun",
                    BATCH_SIZES="4,12", EPOCHS="1", OUT=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sizes 4/12" in proc.stdout and "horovodrun --mpi -np 2" in proc.stderr

@@ -58,6 +58,7 @@ def jobs(cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> dic
         d = tmp_path_factory.mktemp(script.split(".")[0])
         job = cluster.sbatch(f"--output={d}/slurm-%j.out", f"--chdir={REPO}", str(REPO / "launch" / script),
                              "--epochs", "2", "--samples", "2048", "--batch-sizes", "16,48", "--out", str(d / "run"),
+                             "--decide-every", "0",  # epoch ends only: epoch 1's line shows the launched sizes
                              env={"DYNAMIX_ROOT": str(REPO), "OMP_NUM_THREADS": "1"})
         state = cluster.job_info(job)["JobState"]
         assert state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "COMPLETED"), state

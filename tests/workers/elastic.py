@@ -67,8 +67,12 @@ def main() -> None:
                     marker.write_text(str(os.getpid()))
                     os.kill(os.getpid(), signal.SIGKILL)
                 time.sleep(args.step_sleep)  # leaves time for the victim's host to come back
-            # Same answer on every rank: the world size is shared and the marker precedes the kill.
-            if epoch + 1 >= MIN_EPOCHS and marker.exists() and hvd.size() == 3:
+            # Same answer on every rank (`served` is identical everywhere: allgathered, synced on reset).
+            # Stop only once a step ran in the regrown world: a rejoin that lands on this epoch's end
+            # would otherwise end the job before the 3-rank world trained at all.
+            worlds = [s["world"] for s in state.served]
+            rejoined = 2 in worlds and 3 in worlds[worlds.index(2):]
+            if epoch + 1 >= MIN_EPOCHS and marker.exists() and rejoined:
                 break
             epoch += 1
 
