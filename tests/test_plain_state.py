@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from fractions import Fraction
 from pathlib import Path
 
@@ -53,11 +54,10 @@ def _crafted(tmp_path: Path, marker: Path) -> tuple[Path, Path]:
     evil_torch, evil_raw = tmp_path / "evil_torch.pt", tmp_path / "evil_raw.pt"
     evil_torch.write_bytes(buf.getvalue())
     evil_raw.write_bytes(pickle.dumps(payload))  # a bare pickle under the same name
-    for path in (evil_torch, evil_raw):  # the files are live: the old loader would have run the command
-        try:
-            torch.load(path, weights_only=False)
-        except RuntimeError:  # a bare pickle: the command runs, then torch finds no magic number
-            pass
+    with zipfile.ZipFile(evil_torch) as archive:  # the pickle inside torch.save's layout
+        inner = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    for path, raw in ((evil_torch, inner), (evil_raw, evil_raw.read_bytes())):
+        pickle.loads(raw)  # the files are live: any full unpickling (the old loader's) runs the command
         assert marker.exists(), f"{path.name} did not run its command: the test would prove nothing"
         marker.unlink()
     return evil_torch, evil_raw
