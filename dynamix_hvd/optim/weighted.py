@@ -63,10 +63,10 @@ class FlatGradients:
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
             self.members.append(members)
         # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
-        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which costs the
-        # same per step as the Numba CPU kernel but nothing at start-up (loading that kernel from
-        # Numba's cache takes 0.3-0.6 s at the first step of every process).
-        self.backend = backend_for(self.buffers[0])
+        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
+        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
+        cuda = self.buffers[0].device.type == "cuda"
+        self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
         self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
                        for buf, off, members in zip(self.buffers, self.offsets, self.members)]
         self.attach()
@@ -78,8 +78,6 @@ class FlatGradients:
         def norms() -> torch.Tensor:
             found = torch._foreach_norm(views, 2, dtype=torch.float32) if half else torch._foreach_norm(views)
             return torch.stack(found).to(torch.float64).square()
-        if self.backend == "numba-cpu":
-            self.backend = "torch-foreach"
         return norms
 
     def attach(self) -> None:
