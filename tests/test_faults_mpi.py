@@ -5,6 +5,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from launching import launch
 
 
@@ -40,5 +42,24 @@ def test_oom_shrinks_the_rank_redoes_the_step_and_remembers_the_bound(tmp_path):
     assert r0["statuses"][0] == "oom" and r0["statuses"][1] == "ok"
     assert r0["bound_rank1"] == int(24 * 0.8) == r0["final_sizes"][1]
     assert len(results[1]["served"][0]["indices"]) == 24 and len(results[1]["served"][1]["indices"]) == 19
+    for epoch in (0, 1):
+        assert _epoch_coverage(results, epoch) == list(range(600)), "samples lost or repeated"
+
+
+@pytest.mark.parametrize("where,passes", [("backward", 1), ("forward", 2), ("backward", 2)])
+def test_oom_mid_backward_or_in_a_micro_batch_is_redone_without_losing_samples(tmp_path, where, passes):
+    """In backward: the last layer's gradients are already in Horovod's hands when the first layer's
+    fails (only the rest is poisoned). With accumulation: the whole optimizer step, every micro-batch,
+    is served again."""
+    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--oom-above", "20", "--oom-in", where,
+           "--passes", str(passes))
+    results = _results(tmp_path)
+    for r in results:
+        assert r["skipped"] == {"nonfinite": 0, "oom": 1}, r["skipped"]
+        assert r["statuses"][0] == "oom" and set(r["statuses"][1:]) == {"ok"}
+        assert r["params_finite"]
+    assert results[0]["bound_rank1"] == int(24 * 0.8) == results[0]["final_sizes"][1]
+    first_redone = [s for s in results[1]["served"] if s["status"] != "oom"][0]
+    assert len(first_redone["indices"]) == 19
     for epoch in (0, 1):
         assert _epoch_coverage(results, epoch) == list(range(600)), "samples lost or repeated"

@@ -86,12 +86,17 @@ class AdaptiveLoader:
             self._sizes = sizes
             self._generation += 1
 
-    def redo_current_step(self, batch_sizes: Sequence[int]) -> None:
-        """Serve the samples of the step just handed out again, split with new sizes (after a failure)."""
-        step = self.current_step
-        self._cursor = step.start
-        self._step -= 1
-        self._sizes = validate_batch_sizes(batch_sizes, self.world_size)
+    def redo_current_step(self, batch_sizes: Sequence[int], group: Sequence[PlannedStep] = ()) -> None:
+        """Serve the samples of the step just handed out again, split with new sizes (after a failure).
+        `group`: the steps of one optimizer step that ends with the current one (its micro-batches),
+        all of which are served again."""
+        steps = list(group) or [self.current_step]
+        if steps[-1] is not self.current_step or len(steps) > self._step:
+            raise ValueError("group must be the last steps handed out in this epoch, ending with the current one")
+        sizes = validate_batch_sizes(batch_sizes, self.world_size)
+        self._cursor = steps[0].start
+        self._step -= len(steps)
+        self._sizes = sizes
         self._generation += 1
 
     def set_epoch(self, epoch: int) -> None:

@@ -13,16 +13,16 @@ gradient norm is one pass, and the gradient statistics can read all layers at on
 
 Failed steps. A step whose synchronised gradient is not finite (NaN/inf loss or gradient on any
 rank) is skipped on every rank alike, because all ranks see the same allreduced norm; its samples
-count as seen. An out-of-memory error inside ``with opt.guard():`` is caught; at ``step()`` the ranks
-agree through a one-element-per-rank status allreduce, skip the update, shrink the failed rank's batch
-(``oom_handler``) and rewind the loader so the same samples are redone.
+count as seen. An out-of-memory error inside ``with opt.guard():`` is caught and poisons the rank's
+gradients that Horovod has not taken yet with NaN, so every rank's allreduced norm is NaN; only then
+(a rare step) do the ranks run a one-element-per-rank status allreduce to learn who failed with how
+many samples, skip the update, shrink the failed rank's batch (``oom_handler``) and rewind the loader
+so the same samples are redone. A healthy step runs no collective besides the gradients' own.
 
-Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): the status
-allreduce is launched from the weighting hook of the step's last gradient, in the gradients' dtype, so
-Horovod negotiates and fuses it with them in the same cycle (launched later, from ``synchronize()``, it
-would cost a cycle of its own); the local squared norms are one reduction per parameter in the
-gradient's own precision, kept on the device; and ``step()`` reads back one small tensor (the global
-and local squared norms, and the scaler's inf flag) for the non-finite check and the step record.
+Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): one hook per
+parameter (the weighting, and the local squared norm as one reduction in the gradient's own precision,
+kept on the device), and ``step()`` reads back one small tensor (the global and local squared norms,
+and the scaler's inf flag) for the non-finite check and the step record.
 """
 from __future__ import annotations
 
@@ -258,14 +258,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._micro: list[Any] = []   # the loader steps (micro-batches) accumulated since the last step
         self._group_t0 = 0.0
         self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
-        self._hooked = 0              # weighting hooks run in this backward
         self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of the hooks
-        # status[r] > 0: rank r ran out of memory this step with that many samples. Same dtype as the
-        # gradients where exact (counts < 2^24 in float32), so Horovod fuses it with them.
-        first = self.flat.buffers[0].dtype
-        self._status_dtype = first if first in (torch.float32, torch.float64) else torch.float32
-        self._status = torch.zeros(loader.world_size, dtype=self._status_dtype)
-        self._status_handle: int | None = None
+        self._oom_samples = 0  # > 0: this rank ran out of memory in this step with that many samples
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
         self.last_status = "ok"
         self.skipped_steps = {"nonfinite": 0, "oom": 0}
@@ -288,10 +282,6 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 if self.track_grad_norms:
                     # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
                     self._local_parts[index] = _sq_norm(grad) * unit
-                self._hooked += 1
-                if self._hooked == len(self._params):
-                    # The last gradient of the step: the status goes with it (see the module docstring).
-                    self._submit_status()
                 return grad * scale
             # Accumulation: sums now, divided by the group's global count in synchronize().
             out = grad * scale
@@ -306,7 +296,6 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if not self._micro:
             self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
         self._micro.append(step)
-        self._hooked = 0
         local = step.counts[self.loader.rank]
         mean = self.loss_reduction == "mean"
         if self.backward_passes_per_step == 1:
@@ -316,13 +305,18 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._step_scale = (step, scale, unit)
         return self._step_scale
 
-    def _submit_status(self) -> None:
-        """Launch this step's status allreduce (once per step, from the last hook or synchronize())."""
-        if self._status_handle is not None:
-            return
-        if len(self._status) != self.loader.world_size:  # the world changed (elastic reset)
-            self._status = torch.zeros(self.loader.world_size, dtype=self._status_dtype)
-        self._status_handle = hvd.allreduce_async_(self._status, name="dx.step_status", op=hvd.Sum)
+    def _unsent(self) -> list[int]:
+        """Parameters whose gradient Horovod has not started to allreduce in this step."""
+        handles = self._engine._handles
+        return [i for i, p in enumerate(self._params) if handles.get(p, (None,))[0] is None]
+
+    def _agree_on_failures(self) -> list[int]:
+        """The rare collective, run by every rank once the allreduced norm is not finite: per rank the
+        samples of an out-of-memory failure in this step (0: none)."""
+        status = torch.zeros(self.loader.world_size, dtype=torch.float64)
+        status[self.loader.rank] = self._oom_samples
+        self._oom_samples = 0
+        return [int(v) for v in hvd.allreduce(status, name="dx.step_status", op=hvd.Sum).tolist()]
 
     def _local_sq(self) -> torch.Tensor:
         """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
@@ -331,7 +325,6 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     def _clear_local(self) -> None:
         self._local_parts = [None] * len(self._params)
         self._step_scale = (None, 1.0, 1.0)
-        self._hooked = 0
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -350,8 +343,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         engine.set_backward_passes_per_step(self.backward_passes_per_step)
         self._synced, self._micro = None, []
         self._clear_local()
-        self._status_handle = None  # a restore after a failed collective (elastic): that handle is void
-        self._status.zero_()
+        self._oom_samples = 0
         _inner(self, "load_state_dict")(self, state_dict)
         if own is not None:
             self.lr_gain = float(own["lr_gain"])
@@ -384,18 +376,26 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     @contextmanager
     def guard(self) -> Iterator[None]:
         """Wrap forward+backward: an out-of-memory error becomes a redone step with a smaller batch.
-        One raised after the step's last gradient was complete (its status is then already on its way
-        to the other ranks) is not caught: the update goes ahead, and the error is the caller's."""
+        One raised after every gradient of the step went to Horovod is not caught: the update goes
+        ahead, and the error is the caller's."""
         try:
             yield
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            if self._status_handle is not None:
-                # Every gradient of the step was complete and its status already sent: the update
-                # goes ahead; re-raise so the caller sees the error it has to handle itself.
+            unsent = self._unsent()
+            if not unsent:
                 raise
-            self._status[self.loader.rank] = self.loader.current_step.counts[self.loader.rank]
+            # NaN in what Horovod has yet to take (later micro-batches accumulate into NaN, too): every
+            # rank's allreduced norm becomes NaN, which sends all of them to _agree_on_failures().
+            # A gradient already in flight is Horovod's until synchronize(), so it is not touched.
+            self.flat.attach()
+            for i in unsent:
+                self.flat.views[i].fill_(float("nan"))
+            step = self.loader.current_step
+            if not self._micro or self._micro[-1] is not step:  # failed before its first gradient
+                self._start_micro_step(step)
+            self._oom_samples = max(self._oom_samples, step.counts[self.loader.rank])
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
@@ -415,12 +415,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             return
         tracker = self.loader.tracker
         tracker.step_started()
-        self._submit_status()  # no-op when the last gradient's hook launched it
-        handle, self._status_handle = self._status_handle, None  # void after a failure, too
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
-        failed = [int(v) for v in hvd.synchronize(handle).tolist()]  # a CPU tensor: no device sync
-        self._status.zero_()
         tracker.synchronized()
         local_n = global_n = 0
         local_sq = self._local_sq()
@@ -430,7 +426,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / global_n)
             local_sq = local_sq / local_n**2
-        self._synced = {"failed": failed, "global_sq": self.flat.sq_norms(), "local_sq": local_sq,
+        self._synced = {"global_sq": self.flat.sq_norms(), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
 
     def _loss_scale(self) -> float:
@@ -471,13 +467,14 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             wanted.append(found_inf.to(global_sq.device, torch.float64).reshape(()))
         read = torch.stack(wanted).tolist()
         grad_norm, local_total = read[0] ** 0.5, read[1]
-        if any(synced["failed"]):
-            self._skip("oom", tracker, grad_norm)
-            sizes = list(self.loader.batch_sizes)
-            self.loader.redo_current_step(self.oom_handler(sizes, synced["failed"]))
-            return
         if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
-            self._skip("nonfinite", tracker, grad_norm)
+            failed = self._agree_on_failures()  # every rank is here: they all see the same norm
+            if any(failed):
+                group = list(self._micro)  # every micro-batch of the step is served again
+                self._skip("oom", tracker, grad_norm)
+                self.loader.redo_current_step(self.oom_handler(list(self.loader.batch_sizes), failed), group)
+            else:
+                self._skip("nonfinite", tracker, grad_norm)
             return
         if vars(self).get("grad_scale") is not None:  # the scaler left unscaling to us
             for buf in self.flat.buffers:

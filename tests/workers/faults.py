@@ -2,6 +2,9 @@
 
 --nan-step K    rank 1 returns a NaN loss at global step K (the step must be skipped everywhere)
 --oom-above N   rank 1 raises torch.OutOfMemoryError whenever its local batch exceeds N
+--oom-in backward  ... raised inside backward, from the first layer's gradient hook, after the last
+                layer's gradients went to Horovod (default: in the forward pass)
+--passes K      micro-batches per optimizer step (the OOM then hits a micro-batch)
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--nan-step", type=int, default=-1)
     ap.add_argument("--oom-above", type=int, default=10**9)
+    ap.add_argument("--oom-in", choices=("forward", "backward"), default="forward")
+    ap.add_argument("--passes", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -31,26 +36,44 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
     loader = dx.AdaptiveLoader(WithIndex(train), [8, 24], rank, seed=1)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-                                          loader)
+                                          loader, backward_passes_per_step=args.passes)
+    too_big = {"now": False}
+
+    def oom_in_backward(grad):
+        if too_big["now"]:
+            raise torch.OutOfMemoryError("injected in backward: the first layer's gradient does not fit")
+        return grad
+
+    if args.oom_in == "backward":
+        model[0].weight.register_hook(oom_in_backward)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static", max_batch=64))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     served, statuses, global_step = [], [], 0
     for epoch in range(2):
         loader.set_epoch(epoch)
         for idx, x, y in loader:
-            opt.zero_grad()
+            if not opt._micro:
+                opt.zero_grad()
             loss = None
+            too_big["now"] = rank == 1 and len(idx) > args.oom_above
             with opt.guard():
-                if rank == 1 and len(idx) > args.oom_above:
+                if too_big["now"] and args.oom_in == "forward":
                     raise torch.OutOfMemoryError(f"injected: {len(idx)} samples do not fit")
                 loss = nn.functional.cross_entropy(model(x), y)
                 if rank == 1 and global_step == args.nan_step:
                     loss = loss * float("nan")
                 loss.backward()
+            if not opt.should_step():
+                served.append({"epoch": epoch, "indices": idx.tolist(), "status": "pending"})
+                continue
             opt.step()
             if loss is not None:
                 controller.record_loss(loss)
             statuses.append(opt.last_status)
+            for s in served[::-1]:  # the step's earlier micro-batches share its verdict
+                if s["status"] != "pending":
+                    break
+                s["status"] = opt.last_status
             served.append({"epoch": epoch, "indices": idx.tolist(), "status": opt.last_status})
             global_step += 1
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
