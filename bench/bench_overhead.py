@@ -1,20 +1,28 @@
 """Per-step overhead against plain Horovod at the same fixed sizes (issue #13, item 5).
 
-Run: ``python -m bench.bench_overhead [--np 2] [--steps 50] [--repeats 7] [--batch 64]`` (``--quick``
-for a smoke test: 4 steps, 2 repetitions; its numbers mean nothing). Starts one ``mpirun -np NP``
-job in which every rank builds three set-ups of the CNN of Horovod's pytorch_mnist.py on generated
-28x28 images, each with its own model:
+Run: ``python -m bench.bench_overhead [--np 2] [--steps 100] [--chunk 10] [--repeats 100] [--batch 64]
+[--variants horovod,weighted,controller]`` (``--quick``: a smoke test, its numbers mean nothing). Starts
+one ``mpirun -np NP`` job in which every rank builds a set-up per variant of the CNN of Horovod's
+pytorch_mnist.py on generated 28x28 images, each with its own model:
 
 * ``horovod``: ``DistributedSampler`` + ``DataLoader`` + ``hvd.DistributedOptimizer(op=Average)``;
 * ``weighted``: ``AdaptiveLoader`` + ``WeightedDistributedOptimizer`` (equal sizes, no controller);
 * ``controller``: the same plus a ``DynamixController`` on its default schedule (a decision at every
   epoch's end: reports, gathers, statistics, reward) with ``policy="static"``, so the sizes stay
-  fixed and every variant runs the same steps.
+  fixed and every variant runs the same steps;
+* ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.
 
-An epoch of each runs first (its time minus the variant's median is the first-epoch extra: compilation,
-caches), then ``--repeats`` rounds, each one epoch of every variant in rotating order, timed between
-two barriers. Printed: median epoch time and ms per step of each variant, its ratio to ``horovod``,
-and the first-epoch extra relative to ``horovod``'s. Time it on a quiet machine, one rank per core.
+Every variant trains epoch after epoch of ``--steps`` steps. Its first epoch is timed alone (minus
+``--steps`` times its median step, relative to ``horovod``'s: the first-epoch extra of compilation and
+caches); then ``--repeats`` rounds, each ``--chunk`` steps of every variant in rotating order, each
+chunk timed between two barriers. Short chunks interleave the variants finely, so the machine's slow
+drifts hit them alike. Printed per variant: the median ms per step; the **paired ratio** to
+``horovod`` (per round, this variant's chunk over horovod's chunk of the same round; the median over
+rounds with a 90% bootstrap interval: the figure to read); the ratio of the totals (every chunk,
+decisions at epoch ends included; noisier); the first-epoch extra; and where the time goes (rank 0's
+mean ms per step in the data wait, forward+backward, ``step()`` (allreduce wait included) and the
+controller's per-step calls; decisions fall in the data wait of the step after an epoch's end). Time
+it on a quiet machine, one rank per core.
 
 ``--profile`` instead runs one process (``hvd.init()`` alone): per variant, the calls per step that
 read a tensor back to the host (``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``), by
@@ -33,10 +41,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("horovod", "weighted", "controller")
+ABLATIONS = {  # --variants may add these, to find where a difference comes from
+    "horovod-again": "a second plain Horovod set-up (A/A: the noise floor of the paired ratio)",
+    "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
+    "controller-nothreads": "controller without its resource sampler thread (resource_period_s=0)",
+}
+PHASES = ("data", "forward+backward", "step", "controller")
 
 
 def make_net() -> Any:
@@ -60,28 +74,62 @@ class Setup:
         self.model = make_net()
         opt = torch.optim.SGD(self.model.parameters(), lr=0.01 * hvd.size(), momentum=0.5)
         self.controller = None
-        if variant == "horovod":
+        if variant in ("horovod", "horovod-again"):
             self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
             self.loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler)
             self.opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(), op=hvd.Average)
         else:
             self.sampler = None
             self.loader = dx.AdaptiveLoader(dataset, [batch] * hvd.size(), hvd.rank(), seed=0)
-            self.opt = dx.WeightedDistributedOptimizer(opt, self.model.named_parameters(), self.loader)
-            if variant == "controller":
-                self.controller = dx.DynamixController(self.loader, self.opt, dx.ControllerConfig(policy="static"))
+            self.opt = dx.WeightedDistributedOptimizer(opt, self.model.named_parameters(), self.loader,
+                                                       track_grad_norms=variant != "weighted-nostats")
+            if variant.startswith("controller"):
+                period = 0.0 if variant == "controller-nothreads" else dx.ControllerConfig().resource_period_s
+                self.controller = dx.DynamixController(self.loader, self.opt,
+                                                       dx.ControllerConfig(policy="static", resource_period_s=period))
 
-    def epoch(self, e: int) -> None:
+        self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs
+        self.steps = 0
+
+    def run(self) -> Iterator[None]:
+        """Train epoch after epoch; yields after every optimizer step."""
+        e = 0
+        while True:
+            yield from self._epoch(e, True)
+            e += 1
+
+    def epoch(self, e: int, timed: bool = True) -> None:
+        for _ in self._epoch(e, timed):
+            pass
+
+    def _epoch(self, e: int, timed: bool) -> Iterator[None]:
         import torch.nn.functional as F
 
         (self.sampler or self.loader).set_epoch(e)
-        for x, y in self.loader:
+        clock, ph = time.perf_counter, self.phases
+        batches = iter(self.loader)
+        t0 = clock()
+        for x, y in batches:  # the controller decides inside next() (a loader step-end callback)
+            t1 = clock()
             self.opt.zero_grad()
             loss = F.nll_loss(self.model(x), y)
             loss.backward()
+            t2 = clock()
             self.opt.step()
+            t3 = clock()
             if self.controller is not None:
                 self.controller.record_loss(loss)
+            t4 = clock()
+            if timed:
+                ph["data"] += t1 - t0
+                ph["forward+backward"] += t2 - t1
+                ph["step"] += t3 - t2
+                ph["controller"] += t4 - t3
+                self.steps += 1
+            yield
+            t0 = clock()
+        if timed:
+            ph["data"] += clock() - t0  # the epoch's last next(): end-of-epoch callbacks, the decision
 
     def close(self) -> None:
         if self.controller is not None:
@@ -103,39 +151,66 @@ def worker(args: argparse.Namespace) -> None:
     hvd.init()
     torch.set_num_threads(1)
     data = dataset(args.steps, args.batch, hvd.size())
-    setups = {v: Setup(v, data, args.batch) for v in VARIANTS}
+    variants = args.variants
+    setups = {v: Setup(v, data, args.batch) for v in variants}
+    runs = {v: setups[v].run() for v in variants}
     barrier = torch.zeros(1)
 
-    def timed(v: str, e: int) -> float:
+    def timed(v: str, steps: int) -> float:
         hvd.allreduce(barrier, name="bench.barrier")
         t = time.perf_counter()
-        setups[v].epoch(e)
+        for _ in range(steps):
+            next(runs[v])
         hvd.allreduce(barrier, name="bench.barrier")
         return time.perf_counter() - t
 
-    first = {v: timed(v, 0) for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    first = {v: timed(v, args.steps) for v in variants}  # the first epoch: compilation, caches
+    for s in setups.values():
+        s.phases, s.steps = dict.fromkeys(PHASES, 0.0), 0
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.repeats):
-        order = VARIANTS[rep % 3:] + VARIANTS[:rep % 3]
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
         for v in order:
-            times[v].append(timed(v, rep + 1))
+            times[v].append(timed(v, args.chunk))
     for s in setups.values():
         s.close()
     if hvd.rank() != 0:
         return
-    med = {v: statistics.median(t) for v, t in times.items()}
-    extra = {v: first[v] - med[v] for v in VARIANTS}
-    result = {"np": hvd.size(), "steps": args.steps, "batch": args.batch, "repeats": args.repeats,
-              "first_epoch_s": first, "epoch_s": times, "median_epoch_s": med,
-              "ratio": {v: med[v] / med["horovod"] for v in VARIANTS},
-              "first_epoch_extra_s": {v: extra[v] - extra["horovod"] for v in VARIANTS}}
-    print(f"{hvd.size()} ranks, {args.steps} steps of {args.batch} per rank and epoch, median of {args.repeats}")
-    print(f"{'variant':<12}{'epoch_s':>9}{'ms/step':>9}{'ratio':>8}{'1st-epoch extra_s':>19}")
-    for v in VARIANTS:
-        print(f"{v:<12}{med[v]:>9.3f}{1e3 * med[v] / args.steps:>9.2f}{result['ratio'][v]:>8.3f}"
-              f"{result['first_epoch_extra_s'][v]:>19.3f}")
+    per_step = {v: statistics.median(t) / args.chunk for v, t in times.items()}
+    extra = {v: first[v] - args.steps * per_step[v] for v in variants}
+    paired = {v: [a / b for a, b in zip(times[v], times["horovod"])] for v in variants}
+    phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
+    result = {"np": hvd.size(), "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+              "rounds": args.repeats, "first_epoch_s": first, "chunk_s": times,
+              "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
+              "paired_ratio": {v: statistics.median(r) for v, r in paired.items()},
+              "paired_ratio_90ci": {v: bootstrap_median_ci(r) for v, r in paired.items()},
+              "ratio_of_totals": {v: sum(times[v]) / sum(times["horovod"]) for v in variants},
+              "first_epoch_extra_s": {v: extra[v] - extra["horovod"] for v in variants},
+              "rank0_ms_per_step": phases}
+    print(f"{hvd.size()} ranks, {args.batch} samples per rank and step, epochs of {args.steps} steps; "
+          f"{args.repeats} rounds of {args.chunk} steps of every variant")
+    print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'ratio of totals':>17}{'1st-epoch extra_s':>19}")
+    for v in variants:
+        lo, hi = result["paired_ratio_90ci"][v]
+        print(f"{v:<22}{1e3 * per_step[v]:>9.2f}{result['paired_ratio'][v]:>10.3f} [{lo:.3f}, {hi:.3f}]"
+              f"{result['ratio_of_totals'][v]:>17.3f}{result['first_epoch_extra_s'][v]:>19.3f}")
+    print("where the time goes, rank 0, mean ms per step:")
+    print(f"{'':<22}" + "".join(f"{k:>18}" for k in PHASES))
+    for v in variants:
+        print(f"{v:<22}" + "".join(f"{phases[v][k]:>18.3f}" for k in PHASES))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def bootstrap_median_ci(values: list[float], level: float = 0.90, draws: int = 4000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median (resampling rounds; fixed seed, so reruns agree)."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    tail = (1 - level) / 2
+    return meds[int(tail * draws)], meds[min(int((1 - tail) * draws), draws - 1)]
 
 
 # --- profile (one process) --------------------------------------------------------------------------
@@ -173,16 +248,16 @@ def profile(args: argparse.Namespace) -> None:
     hvd.init()
     torch.set_num_threads(1)
     data = dataset(args.steps, args.batch, 1)
-    for v in VARIANTS:
+    for v in args.variants:
         s = Setup(v, data, args.batch)
-        s.epoch(0)  # compile and warm up
-        counts = count_host_reads(lambda: s.epoch(1))
+        s.epoch(0, False)  # compile and warm up
+        counts = count_host_reads(lambda: s.epoch(1, False))
         print(f"\n{v}: host reads per step (over {args.steps} steps, one epoch incl. its decision)")
         for (name, site), n in sorted(counts.items(), key=lambda kv: -kv[1]):
             print(f"  {n / args.steps:7.2f}  .{name:<10} {site}")
         if v != "horovod":
             prof = cProfile.Profile()
-            prof.runcall(s.epoch, 2)
+            prof.runcall(s.epoch, 2, False)
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
             print(f"\n{v}: cProfile of one epoch ({args.steps} steps), by own time\n{out.getvalue()}")
@@ -192,16 +267,26 @@ def profile(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--np", type=int, default=2, help="ranks of the mpirun job (default 2)")
-    ap.add_argument("--steps", type=int, default=50, help="steps per epoch (default 50)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed rounds, one epoch of each variant (default 7)")
+    ap.add_argument("--steps", type=int, default=100, help="steps per epoch (default 100)")
+    ap.add_argument("--chunk", type=int, default=10, help="steps per timed unit (default 10)")
+    ap.add_argument("--repeats", type=int, default=100,
+                    help="timed rounds, one chunk of every variant in rotating order (default 100)")
     ap.add_argument("--batch", type=int, default=64, help="local batch size of every rank (default 64)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 4 steps, 2 rounds (numbers meaningless)")
     ap.add_argument("--profile", action="store_true", help="one process: host reads per step and cProfile")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated, horovod first (default %(default)s); ablations: "
+                    + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items()))
     ap.add_argument("--json", default=None, help="also write the results to this JSON file (rank 0)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in args.variants if v not in VARIANTS and v not in ABLATIONS]
+    if unknown or args.variants[:1] != ("horovod",):
+        ap.error(f"--variants={','.join(args.variants)!r}: start with horovod; known: "
+                 f"{', '.join(VARIANTS + tuple(ABLATIONS))}")
     if args.quick:
-        args.steps, args.repeats = 4, 2
+        args.steps, args.chunk, args.repeats = 4, 2, 3
     if args.profile:
         profile(args)
         return 0
@@ -210,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
-    argv_ = [sys.executable, "-m", "bench.bench_overhead", "--worker", "--steps", str(args.steps),
-             "--repeats", str(args.repeats), "--batch", str(args.batch), *(["--json", args.json] if args.json else [])]
+    argv_ = [sys.executable, "-m", "bench.bench_overhead", "--worker", "--steps", str(args.steps), "--chunk", str(args.chunk),
+             "--repeats", str(args.repeats), "--batch", str(args.batch), "--variants", ",".join(args.variants), *(["--json", args.json] if args.json else [])]
     cmd = command(local_plan("mpirun", args.np), argv_, forward=())
     return subprocess.run(cmd, cwd=REPO, env=local_env(pythonpath=REPO)).returncode
 

@@ -16,11 +16,22 @@ def test_quick_run_reports_every_variant(tmp_path):
                           cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["np"] == 2 and result["repeats"] == 2
-    assert set(result["ratio"]) == {"horovod", "weighted", "controller"} and result["ratio"]["horovod"] == 1.0
-    assert all(len(t) == 2 and all(x > 0 for x in t) for t in result["epoch_s"].values())
+    assert result["np"] == 2 and result["rounds"] == 3 and result["chunk"] == 2
+    assert set(result["paired_ratio"]) == {"horovod", "weighted", "controller"}
+    assert result["paired_ratio"]["horovod"] == 1.0 and result["ratio_of_totals"]["horovod"] == 1.0
+    assert all(len(t) == 3 and all(x > 0 for x in t) for t in result["chunk_s"].values())
+    for v, (lo, hi) in result["paired_ratio_90ci"].items():
+        assert lo <= result["paired_ratio"][v] <= hi
     assert all(math.isfinite(v) for v in result["first_epoch_extra_s"].values())
-    assert "ratio" in proc.stdout and "controller" in proc.stdout
+    phases = result["rank0_ms_per_step"]["controller"]
+    assert set(phases) == {"data", "forward+backward", "step", "controller"} and phases["forward+backward"] > 0
+    assert "paired ratio" in proc.stdout and "where the time goes" in proc.stdout
+
+
+def test_unknown_variant_is_refused_naming_it():
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--variants", "horovod,turbo"],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "turbo" in proc.stderr
 
 
 def test_profile_counts_host_reads():

@@ -2,10 +2,12 @@
 
 The only module that touches gradients and Horovod's allreduce.
 
-Horovod refuses per-rank prescale factors, so the weighting happens before Horovod sees a gradient:
-a tensor hook on every parameter (it runs before autograd accumulates into ``p.grad``, hence before
-Horovod's post-accumulation hook starts the allreduce) multiplies the local gradient by b_i / B, and
-Horovod then allreduces with ``op=Sum``. With a loss that is the mean over the local batch this gives
+Horovod refuses per-rank prescale factors, so the weighting happens before Horovod sends a gradient:
+with one backward pass per step, in the compression object Horovod calls on ``p.grad`` right before
+it starts that gradient's allreduce (in place: no extra autograd hook, no copy); with accumulation, in a
+tensor hook on every parameter (each micro-batch is weighted before autograd adds it to ``p.grad``).
+Either multiplies the local gradient by b_i / B, and Horovod then allreduces with ``op=Sum``. With a
+loss that is the mean over the local batch this gives
 sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B samples, exactly.
 
 Gradients live as views into one flat buffer per (device, dtype): zeroing is one kernel, the global
@@ -257,7 +259,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.sqnorm_backend = self.flat.backend
         self._micro: list[Any] = []   # the loader steps (micro-batches) accumulated since the last step
         self._group_t0 = 0.0
-        self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
+        # Where Horovod's compress() finds a gradient: the data pointer of its flat view (a view of
+        # no elements shares its pointer with a neighbour, so those are left out: nothing to weigh).
+        self._index_of = {v.data_ptr(): i for i, v in enumerate(self.flat.views) if v.numel()}
+        self._hooks: list[Any] = []   # the per-micro-batch weighting hooks, while accumulating
+        self._preweighted = False     # set_local_gradients() weighed this step's gradients itself
         self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of the hooks
         self._oom_samples = 0  # > 0: this rank ran out of memory in this step with that many samples
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
@@ -268,21 +274,45 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
         self._engine = hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Sum, backward_passes_per_step=backward_passes_per_step,
-            compression=compression if compression is not None else hvd.Compression.none)
+            compression=_WeighThenCompress(self, compression if compression is not None else hvd.Compression.none))
+        # Without hooks (one process outside elastic mode) Horovod never calls compress(): synchronize()
+        # weighs every gradient itself.
+        self._engine_hooked = bool(self._engine._requires_update)
+        self._update_hooks()
         self.last_grad_norm = float("nan")
 
-    # --- gradient weighting (runs inside backward, once per parameter) ---------------------------
+    # --- gradient weighting -------------------------------------------------------------------------
+    def _weigh(self, grad: torch.Tensor) -> None:
+        """One backward pass per step: weigh ``p.grad`` in place just before Horovod sends it (called
+        from Horovod's compress(), once per parameter and step)."""
+        if self.backward_passes_per_step != 1 or self._preweighted or not grad.numel():
+            return
+        index = self._index_of.get(grad.data_ptr())
+        if index is None:
+            raise RuntimeError("a gradient reached the allreduce outside its flat buffer (was p.grad replaced "
+                               "between zero_grad() and step()?); the weighting cannot place it")
+        planned, scale, _ = self._step_scale
+        step = self.loader.current_step
+        if step is not planned:
+            planned, scale, _ = self._start_micro_step(step)
+        if self.track_grad_norms:
+            # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
+            self._local_parts[index] = _sq_norm(grad)
+        grad.mul_(scale)
+
+    def _update_hooks(self) -> None:
+        """Per-parameter hooks exist only while accumulating (micro-batches must be weighted one by one)."""
+        if self.backward_passes_per_step > 1 and not self._hooks:
+            self._hooks = [p.register_hook(self._make_weight_hook(i)) for i, p in enumerate(self._params)]
+        elif self.backward_passes_per_step == 1:
+            self.remove_hooks()
+
     def _make_weight_hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def weight(grad: torch.Tensor) -> torch.Tensor:
-            planned, scale, unit = self._step_scale
+            planned, scale, _ = self._step_scale
             step = self.loader.current_step
             if step is not planned:
-                planned, scale, unit = self._start_micro_step(step)
-            if self.backward_passes_per_step == 1:
-                if self.track_grad_norms:
-                    # Squared norm of this rank's local *mean* gradient, taken before the allreduce.
-                    self._local_parts[index] = _sq_norm(grad) * unit
-                return grad * scale
+                planned, scale, _ = self._start_micro_step(step)
             # Accumulation: sums now, divided by the group's global count in synchronize().
             out = grad * scale
             if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
@@ -292,7 +322,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         return weight
 
     def _start_micro_step(self, step: Any) -> tuple[Any, float, float]:
-        """First hook of a loader step: its gradient factor and norm factor, computed once."""
+        """First gradient of a loader step: its gradient factor and norm factor, computed once."""
         if not self._micro:
             self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
         self._micro.append(step)
@@ -320,11 +350,14 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _local_sq(self) -> torch.Tensor:
         """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
-        return torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
+        local = torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
+        unit = self._step_scale[2]
+        return local if unit == 1.0 else local * unit
 
     def _clear_local(self) -> None:
         self._local_parts = [None] * len(self._params)
         self._step_scale = (None, 1.0, 1.0)
+        self._preweighted = False
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -368,6 +401,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             raise RuntimeError("set_backward_passes_per_step() between micro-batches; call it after step()")
         self.backward_passes_per_step = passes
         self._engine.set_backward_passes_per_step(passes)
+        self._update_hooks()
 
     def should_step(self) -> bool:
         """True once this step's micro-batches are all in: k of them, or the epoch's last ones."""
@@ -415,6 +449,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             return
         tracker = self.loader.tracker
         tracker.step_started()
+        if not self._engine_hooked:
+            self.flat.attach()
+            for view in self.flat.views:
+                self._weigh(view)
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
         tracker.synchronized()
@@ -555,6 +593,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             view.copy_(grads[name].reshape(view.shape) * (local[name] / global_[name]))
             if self.track_grad_norms:
                 self._local_parts[i] = _sq_norm(grads[name])
+        self._preweighted = True
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
         """Mean per-parameter squared norms (local, global) since the last call, then reset."""
@@ -569,6 +608,21 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+class _WeighThenCompress:
+    """The compression Horovod's engine is given: weigh the gradient in place, then the user's
+    compression (``hvd.Compression.none`` or ``.fp16``) as usual."""
+
+    def __init__(self, owner: WeightedDistributedOptimizer, inner: Any) -> None:
+        self.owner, self.inner = owner, inner
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        self.owner._weigh(tensor)
+        return self.inner.compress(tensor)
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.inner.decompress(tensor, ctx)
 
 
 def _sq_norm(grad: torch.Tensor) -> torch.Tensor:
