@@ -21,8 +21,9 @@ drifts hit them alike. Printed per variant: the median ms per step; the **paired
 rounds with a 90% bootstrap interval: the figure to read); the ratio of the totals (every chunk,
 decisions at epoch ends included; noisier); the first-epoch extra; and where the time goes (rank 0's
 mean ms per step in the data wait, forward+backward, ``step()`` (allreduce wait included) and the
-controller's per-step calls; decisions fall in the data wait of the step after an epoch's end). Time
-it on a quiet machine, one rank per core.
+controller's per-step calls; decisions fall in the data wait of the step after an epoch's end; and
+the CPU time of the training thread, which excludes waiting and most of the machine's noise: the
+steadiest measure of the work a variant adds). Time it on a quiet machine, one rank per core.
 
 ``--profile`` instead runs one process (``hvd.init()`` alone): per variant, the calls per step that
 read a tensor back to the host (``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``), by
@@ -50,7 +51,7 @@ ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
     "controller-nothreads": "controller without its resource sampler thread (resource_period_s=0)",
 }
-PHASES = ("data", "forward+backward", "step", "controller")
+PHASES = ("data", "forward+backward", "step", "controller", "main-thread CPU")
 
 
 def make_net() -> Any:
@@ -106,9 +107,9 @@ class Setup:
         import torch.nn.functional as F
 
         (self.sampler or self.loader).set_epoch(e)
-        clock, ph = time.perf_counter, self.phases
+        clock, cpu, ph = time.perf_counter, time.thread_time, self.phases
         batches = iter(self.loader)
-        t0 = clock()
+        t0, c0 = clock(), cpu()
         for x, y in batches:  # the controller decides inside next() (a loader step-end callback)
             t1 = clock()
             self.opt.zero_grad()
@@ -125,11 +126,13 @@ class Setup:
                 ph["forward+backward"] += t2 - t1
                 ph["step"] += t3 - t2
                 ph["controller"] += t4 - t3
+                ph["main-thread CPU"] += cpu() - c0
                 self.steps += 1
             yield
-            t0 = clock()
+            t0, c0 = clock(), cpu()
         if timed:
             ph["data"] += clock() - t0  # the epoch's last next(): end-of-epoch callbacks, the decision
+            ph["main-thread CPU"] += cpu() - c0
 
     def close(self) -> None:
         if self.controller is not None:

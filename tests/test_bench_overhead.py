@@ -24,7 +24,7 @@ def test_quick_run_reports_every_variant(tmp_path):
         assert lo <= result["paired_ratio"][v] <= hi
     assert all(math.isfinite(v) for v in result["first_epoch_extra_s"].values())
     phases = result["rank0_ms_per_step"]["controller"]
-    assert set(phases) == {"data", "forward+backward", "step", "controller"} and phases["forward+backward"] > 0
+    assert set(phases) == {"data", "forward+backward", "step", "controller", "main-thread CPU"} and phases["forward+backward"] > 0
     assert "paired ratio" in proc.stdout and "where the time goes" in proc.stdout
 
 

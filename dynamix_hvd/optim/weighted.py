@@ -93,6 +93,8 @@ class FlatGradients:
 
     def sq_norms(self) -> torch.Tensor:
         """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
+        if len(self._norms) == 1 and self.members[0] == list(range(len(self.params))):
+            return self._norms[0]()
         out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
         for norms, members in zip(self._norms, self.members):
             out[members] = norms().to(out.device)
@@ -496,15 +498,18 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         assert synced is not None
         tracker = self.loader.tracker
         scale = self._loss_scale()
-        global_sq = synced["global_sq"] / scale**2
-        local_sq = synced["local_sq"].to(global_sq.device) / scale**2
+        global_sq = synced["global_sq"]
+        # [local, global] squared norms per parameter (the layer sums add this pair as it is)
+        pair = torch.stack([synced["local_sq"].to(global_sq.device), global_sq])
+        if scale != 1.0:
+            pair = pair / scale**2
         found_inf = vars(self).get("found_inf")
         # The one read-back of the step: the non-finite check needs the norm on the host.
-        wanted = [global_sq.sum(), local_sq.sum()]
+        totals = pair.sum(1)
         if found_inf is not None:
-            wanted.append(found_inf.to(global_sq.device, torch.float64).reshape(()))
-        read = torch.stack(wanted).tolist()
-        grad_norm, local_total = read[0] ** 0.5, read[1]
+            totals = torch.cat([totals, found_inf.to(global_sq.device, torch.float64).reshape(1)])
+        read = totals.tolist()
+        local_total, grad_norm = read[0], read[1] ** 0.5
         if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
             failed = self._agree_on_failures()  # every rank is here: they all see the same norm
             if any(failed):
@@ -518,8 +523,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / scale)
         if self.track_grad_norms:
-            self._layer_sums[0] += local_sq
-            self._layer_sums[1] += global_sq
+            self._layer_sums += pair
             self._layer_steps += 1
         if self.max_grad_norm is not None:
             # The user may have clipped (or unscaled) between synchronize() and step(): measure again.
