@@ -158,6 +158,9 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # the headline's 3x row cut to what fits in half an hour: the references and the adaptive defaults
     "headline-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"],
                        "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 2}],
+    # the goal rows of the controller issue not in headline-lite (2x, no straggler), same arms and cut
+    "goals-lite": [{"workloads": ["cnn"], "conditions": ["slow2x", "none"],
+                    "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 2}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
              "arms": ALL_ARMS, "seeds": 3}],
     "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
