@@ -12,7 +12,8 @@ pytorch_mnist.py on generated 28x28 images, each with its own model:
   fixed and every variant runs the same steps;
 * ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.
 
-Every variant trains epoch after epoch of ``--steps`` steps. Its first epoch is timed alone (minus
+Every variant trains epoch after epoch of ``--steps`` steps. After a throw-away plain set-up has taken
+the process's own warm-up (``--chunk`` steps), each variant's first epoch is timed alone (minus
 ``--steps`` times its median step, relative to ``horovod``'s: the first-epoch extra of compilation and
 caches); then ``--repeats`` rounds, each ``--chunk`` steps of every variant in rotating order, each
 chunk timed between two barriers. Short chunks interleave the variants finely, so the machine's slow
@@ -167,6 +168,11 @@ def worker(args: argparse.Namespace) -> None:
         hvd.allreduce(barrier, name="bench.barrier")
         return time.perf_counter() - t
 
+    # Process warm-up (MPI connections, Horovod's first negotiations, allocator, thread pools) belongs to
+    # no variant: a throw-away plain set-up absorbs it, or the first variant timed would carry it all.
+    warm = Setup("horovod", data, args.batch).run()
+    for _ in range(args.chunk):
+        next(warm)
     first = {v: timed(v, args.steps) for v in variants}  # the first epoch: compilation, caches
     for s in setups.values():
         s.phases, s.steps = dict.fromkeys(PHASES, 0.0), 0
