@@ -58,7 +58,10 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names
     assert proc.returncode == ABORT_CODE, f"{case}: exit {proc.returncode}\n{out[-4000:]}"
     assert "FINISHED" not in out, out[-4000:]
     assert "rank(s) [1] did not answer" in out and names in out, out[-4000:]
-    assert "rank 0:" in out and "ending the job" in out, out[-4000:]
+    # Any rank left waiting may be the first whose watchdog fires (a race between equals): what matters
+    # is that the message names the stopped rank, which the line above checks.
+    waiting = [r for r in range(ranks) if r != 1]
+    assert any(f"rank {r}:" in out for r in waiting) and "ending the job" in out, out[-4000:]
     if case == "allreduce":
         assert "rank(s) [0, 2] were waiting in the allreduce" in out, out[-4000:]
     assert took < TIMEOUT_S + MARGIN_S, f"{case}: took {took:.1f} s"
