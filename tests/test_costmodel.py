@@ -107,6 +107,28 @@ def test_equalising_split_matches_the_closed_form():
     assert capped == [60, 40]
 
 
+def test_equalise_stops_at_float_resolution_with_the_result_of_a_full_bisection():
+    """The bisection ends once its bracket is two adjacent floats; every further halving would be a
+    no-op, so the shares equal those of the 100 halvings it used to run, bit for bit."""
+    def full(B, a, c, lo, hi):
+        B = np.clip(np.atleast_1d(np.asarray(B, dtype=np.float64)), lo.sum(), hi.sum())
+        t_lo, t_hi = np.full(len(B), float((a + c * lo).min())), np.full(len(B), float((a + c * hi).max()))
+        for _ in range(100):
+            mid = 0.5 * (t_lo + t_hi)
+            below = np.clip((mid[:, None] - a) / c, lo, hi).sum(1) < B
+            t_lo, t_hi = np.where(below, mid, t_lo), np.where(below, t_hi, mid)
+        return np.clip((t_hi[:, None] - a) / c, lo, hi)
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        R = int(rng.integers(2, 17))
+        a, c = rng.uniform(0, 0.05, R), rng.uniform(1e-4, 1e-2, R)
+        lo = rng.integers(1, 8, R)
+        hi = lo + rng.integers(0, 500, R)
+        B = rng.uniform(lo.sum(), hi.sum(), 7)
+        assert np.array_equal(equalise(B, a, c, lo, hi), full(B, a, c, lo, hi))
+
+
 def decision_input(sizes, base=None, noise=math.nan, max_batch=4096, costs=None):
     ctx = GlobalContext(global_batch=sum(sizes), base_batch=base or sum(sizes), noise_scale=math.nan,
                         efficiency=1.0, loss_trend=0.0, progress=0.0, world_size=len(sizes))

@@ -67,7 +67,10 @@ def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np
         mid = 0.5 * (t_lo + t_hi)
         total = np.clip((mid[:, None] - fixed) / per_sample, lo, hi).sum(1)
         below = total < B
-        t_lo, t_hi = np.where(below, mid, t_lo), np.where(below, t_hi, mid)
+        new_lo, new_hi = np.where(below, mid, t_lo), np.where(below, t_hi, mid)
+        if np.array_equal(new_lo, t_lo) and np.array_equal(new_hi, t_hi):
+            break  # adjacent floats: every further halving is a no-op (same result as 100 of them)
+        t_lo, t_hi = new_lo, new_hi
     return np.clip((t_hi[:, None] - fixed) / per_sample, lo, hi)
 
 
