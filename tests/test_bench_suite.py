@@ -301,3 +301,18 @@ def test_namespaces_of_a_killed_benchmark_are_removed():
     removed = cleanup_stale()
     assert {f"dx{tag}n0", f"dx{tag}n1", f"dx{tag}br"} <= set(removed)
     assert f"dx{tag}" not in listed() + subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def test_suite_balance_reads_job_directories(tmp_path, capsys):
+    """bench.suite_balance: decision cost share and windowed balance from a job directory."""
+    from bench import suite_balance
+
+    job = tmp_path / "cfg" / "cnn" / "slow2x" / "model_s0"
+    job.mkdir(parents=True)
+    (job / "suite_result.json").write_text('{"train_s": 10.0}')
+    (job / "decisions.csv").write_text("decision,overhead_s\n1,0.1\n2,0.2\n")
+    for rank, t in ((0, 0.010), (1, 0.020)):  # rank 1 spends twice rank 0's compute: balance 0.5
+        (job / f"steps_rank{rank}.csv").write_text("compute_s\n" + f"{t}\n" * 20)
+    assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--window", "5", "--skip", "0"]) == 0
+    line = [l for l in capsys.readouterr().out.splitlines() if "model_s0" in l][0].split()
+    assert line[1:4] == ["2", "0.30", "3.00%"] and line[4:7] == ["0.500", "0.500", "100%"]

@@ -21,10 +21,10 @@ gradients that Horovod has not taken yet with NaN, so every rank's allreduced no
 many samples, skip the update, shrink the failed rank's batch (``oom_handler``) and rewind the loader
 so the same samples are redone. A healthy step runs no collective besides the gradients' own.
 
-Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): one hook per
-parameter (the weighting, and the local squared norm as one reduction in the gradient's own precision,
-kept on the device), and ``step()`` reads back one small tensor (the global and local squared norms,
-and the scaler's inf flag) for the non-finite check and the step record.
+Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): per parameter,
+inside Horovod's compress() call, an in-place multiply and the local squared norm (one reduction in the
+gradient's own precision, kept on the device); and ``step()`` reads back one small tensor (the local
+and global squared norms, and the scaler's inf flag) for the non-finite check and the step record.
 """
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._index_of = {v.data_ptr(): i for i, v in enumerate(self.flat.views) if v.numel()}
         self._hooks: list[Any] = []   # the per-micro-batch weighting hooks, while accumulating
         self._preweighted = False     # set_local_gradients() weighed this step's gradients itself
-        self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of the hooks
+        self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of this step
         self._oom_samples = 0  # > 0: this rank ran out of memory in this step with that many samples
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
         self.last_status = "ok"
