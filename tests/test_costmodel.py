@@ -107,10 +107,10 @@ def test_equalising_split_matches_the_closed_form():
     assert capped == [60, 40]
 
 
-def test_equalise_stops_at_float_resolution_with_the_result_of_a_full_bisection():
-    """The bisection ends once its bracket is two adjacent floats; every further halving would be a
-    no-op, so the shares equal those of the 100 halvings it used to run, bit for bit."""
-    def full(B, a, c, lo, hi):
+def test_equalise_solves_the_arrival_exactly_as_a_full_bisection_would():
+    """The piecewise-linear solution equals what 100 halvings of the arrival time converge to (float
+    resolution), sums to B and keeps every bound, at random costs, bounds and world sizes."""
+    def bisection(B, a, c, lo, hi):
         B = np.clip(np.atleast_1d(np.asarray(B, dtype=np.float64)), lo.sum(), hi.sum())
         t_lo, t_hi = np.full(len(B), float((a + c * lo).min())), np.full(len(B), float((a + c * hi).max()))
         for _ in range(100):
@@ -120,13 +120,16 @@ def test_equalise_stops_at_float_resolution_with_the_result_of_a_full_bisection(
         return np.clip((t_hi[:, None] - a) / c, lo, hi)
 
     rng = np.random.default_rng(3)
-    for _ in range(300):
-        R = int(rng.integers(2, 17))
+    for trial in range(300):
+        R = int(rng.integers(1, 17))
         a, c = rng.uniform(0, 0.05, R), rng.uniform(1e-4, 1e-2, R)
         lo = rng.integers(1, 8, R)
-        hi = lo + rng.integers(0, 500, R)
-        B = rng.uniform(lo.sum(), hi.sum(), 7)
-        assert np.array_equal(equalise(B, a, c, lo, hi), full(B, a, c, lo, hi))
+        hi = lo + rng.integers(0, 500, R) * (rng.uniform(size=R) > 0.1)  # some ranks pinned (lo == hi)
+        B = np.concatenate([rng.uniform(lo.sum(), hi.sum(), 7), [lo.sum(), hi.sum()]])
+        shares = equalise(B, a, c, lo, hi)
+        assert np.allclose(shares, bisection(B, a, c, lo, hi), rtol=1e-9, atol=1e-9), trial
+        assert np.allclose(shares.sum(1), B, rtol=1e-12, atol=1e-9), trial
+        assert (shares >= lo - 1e-12).all() and (shares <= hi + 1e-12).all(), trial
 
 
 def decision_input(sizes, base=None, noise=math.nan, max_batch=4096, costs=None):

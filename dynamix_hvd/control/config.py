@@ -40,7 +40,8 @@ class ControllerConfig:
     """When to decide besides every epoch end. None (default): with `total_epochs` known, also inside
     epochs every ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps, at least
     `min_decision_steps` apart and not in an epoch's last half-interval, so that a short job still gets
-    dozens of decisions. k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
+    dozens of decisions; the job's first intervals ramp up to that (min_decision_steps, twice that, ...),
+    so the first split comes after a few steps. k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
     decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
     target_decisions: int = 32
     """With decide_every_steps=None: the decisions a job of `total_epochs` epochs aims for."""

@@ -141,7 +141,11 @@ class DynamixController:
         if self._interval is None or self._steps_since == 1:
             per_epoch = -(-self.cfg.target_decisions // self.cfg.total_epochs)
             self._epoch_steps = len(loader)
-            self._interval = max(self.cfg.min_decision_steps, -(-self._epoch_steps // per_epoch))
+            # The first decisions come sooner (min_decision_steps, then twice that, ...) until the
+            # interval that spreads target_decisions over the job is reached: the first split matters
+            # most, and later ones mostly confirm it. len(history) is the same on every rank.
+            ramp = self.cfg.min_decision_steps * 2 ** min(len(self.history), 30)
+            self._interval = min(ramp, max(self.cfg.min_decision_steps, -(-self._epoch_steps // per_epoch)))
         # No decision in the last half-interval of an epoch: its end decides anyway.
         left = self._epoch_steps - loader.step
         return self._steps_since >= self._interval and left >= self._interval // 2

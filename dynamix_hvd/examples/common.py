@@ -41,8 +41,9 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                     help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
     ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
     ap.add_argument("--decide-every", type=int, default=decide_every,
-                    help="decide every k steps (0: at the end of every epoch only; default: at every epoch "
-                         "end and inside epochs, so that the run gets about 32 decisions)")
+                    help="decide every k steps (0: at the end of every epoch only; -1 or the default: at "
+                         "every epoch end and inside epochs, so that the run gets about 32 decisions, the "
+                         "first ones after 8, 16, ... steps)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
     ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--out", default=os.environ.get("OUT", out), help="run directory for the records (env OUT)")
@@ -76,7 +77,8 @@ def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
     return dx.ControllerConfig(
         policy=args.policy, policy_kwargs=json.loads(args.policy_kwargs),
         policy_file=None if args.policy_file == "none" else args.policy_file,
-        learn=bool(args.learn), total_epochs=args.epochs, decide_every_steps=args.decide_every,
+        learn=bool(args.learn), total_epochs=args.epochs,
+        decide_every_steps=None if args.decide_every is None or args.decide_every < 0 else args.decide_every,
         ppo=dx.PPOConfig(seed=args.seed, rollout_length=8))
 
 

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--every", type=int, default=5, help="decide every k steps; -1: the automatic cadence")
     ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--target-decisions", type=int, default=32, help="with --every -1")
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
@@ -53,7 +54,8 @@ def main() -> None:
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
-                              ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs)
+                              ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs,
+                              target_decisions=args.target_decisions)
     controller = dx.DynamixController(loader, opt, cfg)
     if args.mode == "silent":
         if rank == args.silent:
