@@ -288,6 +288,39 @@ def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
         return {**row, "status": f"unreadable: {exc!r}"}
 
 
+def read_runs(runs_csv: Path) -> list[dict[str, Any]]:
+    """runs.csv's rows as written (a run that ran no job wrote no columns: no rows)."""
+    if not runs_csv.exists() or runs_csv.stat().st_size == 0:
+        return []
+    try:
+        frame = pd.read_csv(runs_csv, dtype={"physical_limit": str, "git_commit": str, "slow_mode": str})
+    except pd.errors.EmptyDataError:
+        return []
+    for column, missing in (("git_commit", "unknown"), ("slow_mode", "")):
+        if column in frame:
+            frame[column] = frame[column].fillna(missing)
+        else:
+            frame[column] = missing
+    return frame.to_dict("records")
+
+
+def kept_rows(runs_csv: Path, wanted: dict[str, Job]) -> dict[str, dict[str, Any]]:
+    """The rows of an earlier (partial) run worth keeping: jobs of this configuration with a result
+    whose job directory still reads, re-measured with today's `measure` (a row that no longer
+    measures is dropped, so its job runs again); keyed like `Job.key`."""
+    kept = {}
+    for row in read_runs(runs_csv):
+        key = f"{row['workload']}/{row['condition']}/{row['arm']}_s{row['seed']}"
+        if key not in wanted or row.get("status") != "ok":
+            continue
+        try:
+            row.update(measure(Path(str(row["run_dir"])), wanted[key].workload.wall_budget_s))
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+        kept[key] = row
+    return kept
+
+
 def _git(*args: str) -> str:
     try:
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=20).stdout.strip()
@@ -339,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a job is killed after this many times its expected time, at least 120 s (it then fails)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--summarize-only", action="store_true", help="run nothing: re-measure OUT/runs.csv's jobs")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the jobs OUT/runs.csv already has with a result (their job directories must "
+                         "still exist) and run only the others: a configuration longer than one sitting "
+                         "runs in parts; every row records the commit it ran at")
+    ap.add_argument("--budget-min", type=float, default=0.0,
+                    help="start no job that would end after this many minutes (its expected time); the "
+                         "summary then lists the jobs not run yet (continue with --resume). 0: no limit")
     args = ap.parse_args(argv)
     name = "quick" if args.quick else args.config
     if args.list:
@@ -347,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not name:
         ap.error("give --quick, --config NAME or --list")
+    if args.resume and args.summarize_only:
+        ap.error("--resume runs the jobs still missing; --summarize-only runs none: give one of them")
+    if not (math.isfinite(args.budget_min) and args.budget_min >= 0):
+        ap.error(f"--budget-min={args.budget_min}: give minutes >= 0 (0: no limit)")
     jobs = expand(CONFIGS[name])
     out = Path(args.out or REPO / "bench" / "results" / name)
     runs_dir = Path(args.runs_dir or REPO / "runs" / "suite" / name)
@@ -359,14 +403,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed namespaces/links left by a killed benchmark: {', '.join(stale)}", flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
+    before = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
     if args.summarize_only:
-        for row in pd.read_csv(out / "runs.csv", dtype={"physical_limit": str}).to_dict("records"):
+        for row in read_runs(out / "runs.csv"):
             if row["status"] == "ok":
                 row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
             rows.append(row)
         jobs = []
+        if before:  # the record of the run being re-measured stays; this pass is noted beside it
+            info = {**before, "config": info["config"],
+                    "resummarized": {k: info[k] for k in ("date", "command", "git_commit", "git_dirty")}}
+    if args.resume:
+        if before:  # earlier parts' machines, dates and commits stay on record
+            info["earlier_parts"] = before.pop("earlier_parts", []) + [before]
+        done = kept_rows(out / "runs.csv", {j.key: j for j in jobs})
+        rows += [done[j.key] for j in jobs if j.key in done]
+        info["resumed"] = {"kept": len(done), "commits": sorted({str(r["git_commit"]) for r in done.values()})}
+        print(f"resuming: {len(done)} of {len(jobs)} jobs already have a result in {out / 'runs.csv'}", flush=True)
+        jobs = [j for j in jobs if j.key not in done]
+    pending: list[Job] = []
     for i, job in enumerate(jobs):
+        if args.budget_min and time.perf_counter() - t0 + job.expected_s() > 60 * args.budget_min:
+            pending = jobs[i:]
+            break
         row = run_job(job, runs_dir, max(120.0, args.timeout_factor * job.expected_s()))
+        row["git_commit"] = info["git_commit"][:12] + ("+dirty" if info["git_dirty"] else "")
         rows.append(row)
         print(f"[{i + 1}/{len(jobs)} {time.perf_counter() - t0:5.0f}s] {job.key}: {row['status']} "
               f"ttt {row.get('time_to_target_s', math.nan):.1f}s final {row.get('final', math.nan):.4f} "
@@ -374,7 +435,13 @@ def main(argv: list[str] | None = None) -> int:
         pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)  # partial results survive an interrupt
     runs = pd.DataFrame(rows)
     runs.to_csv(out / "runs.csv", index=False)
-    info.update(load_after=os.getloadavg(), wall_s=round(time.perf_counter() - t0, 1))
+    info.setdefault("pending", [])
+    if not args.summarize_only:
+        info["pending"] = [j.key for j in pending]
+    if pending:
+        print(f"budget reached: {len(pending)} jobs not run yet; continue with --resume", flush=True)
+    if not args.summarize_only:
+        info.update(load_after=os.getloadavg(), wall_s=round(time.perf_counter() - t0, 1))
     (out / "machine.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
     table = summarize(runs, {k: w.metric for k, w in WORKLOADS.items()})
     table.to_csv(out / "summary.csv", index=False)

@@ -6,6 +6,10 @@ evaluation time excluded and reported separately):
 * time to target: training seconds before the first evaluation at or past the target (accuracy
   >= target, loss <= target). Evaluations run every fixed number of samples. A job that never
   reaches it is a *miss*: it counts with its full training time and is flagged.
+* time to sustained target: training seconds before the first evaluation at or past the target
+  whose next two evaluations are at or past it too (evaluations at the same sample count counted
+  once; an evaluation near the end needs only those that follow). It separates reaching the target
+  from touching it once while the metric wobbles around it; misses count with the full time.
 * final: the metric at the end of the fixed epoch budget; final@T: the last evaluation within the
   fixed wall-time budget T (training seconds).
 * idle fraction of a rank: 1 - (its forward+backward time, slowdown included) / its training time;
@@ -37,7 +41,10 @@ def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
     within = evals[evals.train_s <= wall_budget_s]
     idle = {int(r): float(v) for r, v in res["idle_fraction"].items()}
     reached = bool(res["reached"])
+    sustained = sustained_time(evals, float(res["target"]), res.get("metric", "accuracy"))
     return {"reached": reached, "missed": not reached,
+            "sustained_s": sustained if math.isfinite(sustained) else float(res["train_s"]),
+            "sustained_missed": not math.isfinite(sustained),
             "time_to_target_s": float(res["time_to_target_s"]) if reached else float(res["train_s"]),
             "train_s": float(res["train_s"]), "eval_total_s": float(res["eval_total_s"]),
             "final": float(res["final"]), "final_at_budget": float(within.value.iloc[-1]) if len(within) else math.nan,
@@ -45,6 +52,17 @@ def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
             "samples": int(res["samples"]), "idle_mean": sum(idle.values()) / len(idle),
             "idle_per_rank": "/".join(f"{idle[r]:.2f}" for r in sorted(idle)),
             "stalls": sum(len(d.get("stalls", [])) for d in res.get("per_rank", {}).values())}
+
+
+def sustained_time(evals: pd.DataFrame, target: float, metric: str, following: int = 2) -> float:
+    """Training seconds at the first evaluation past `target` whose next `following` evaluations are
+    past it too (inf: never)."""
+    once = evals.drop_duplicates("samples", keep="first").reset_index(drop=True)
+    ok = (once.value >= target) if metric == "accuracy" else (once.value <= target)
+    for i in range(len(once)):
+        if ok.iloc[i:i + 1 + following].all():
+            return float(once.train_s.iloc[i])
+    return math.inf
 
 
 def iqr(values: pd.Series) -> float:
@@ -70,15 +88,20 @@ def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
     for (w, c), cell in ok.groupby(["workload", "condition"], sort=False):
         best = best_static(cell, metrics.get(w, "accuracy"))
         ref = {name: cell[cell.arm == name].set_index("seed").time_to_target_s for name in (PLAIN, best) if name}
+        plain_sustained = cell[cell.arm == PLAIN].set_index("seed").get("sustained_s")
         for arm, group in cell.groupby("arm", sort=False):
             g = group.set_index("seed")
             ratio = {k: (g.time_to_target_s / v).dropna() for k, v in ref.items()}
+            sustained = (g.sustained_s / plain_sustained).dropna() if plain_sustained is not None \
+                and "sustained_s" in g else pd.Series(dtype=float)
             t = g.time_to_target_s
             row = {"workload": w, "condition": c, "arm": arm, "seeds": len(g), "missed": int(g.missed.sum()),
                    "ttt_median": t.median(), "ttt_iqr": iqr(t),
                    "vs_plain": ratio[PLAIN].median() if PLAIN in ratio else math.nan,
                    "vs_plain_iqr": iqr(ratio[PLAIN]) if PLAIN in ratio else math.nan,
                    "vs_best_static": ratio[best].median() if best in ratio else math.nan,
+                   "sustained_vs_plain": sustained.median() if len(sustained) else math.nan,
+                   "sustained_vs_plain_iqr": iqr(sustained) if len(sustained) else math.nan,
                    "best_static": best or "", "final": g.final.median(), "final_iqr": iqr(g.final),
                    "final_at_budget": g.final_at_budget.median(), "idle": g.idle_mean.median(),
                    "throughput": g.throughput.median(), "optimizer_steps": g.optimizer_steps.median(),
@@ -96,14 +119,16 @@ def _f(v: Any, digits: int = 3) -> str:
 
 
 def cell_table(cell: pd.DataFrame) -> str:
-    head = ["arm", "time to target s (median [IQR])", "/ plain Horovod [IQR]", "/ best static", "final",
-            "final@T", "idle", "samples/s", "optimizer steps", "eval s", "missed", "noisy"]
+    head = ["arm", "time to target s (median [IQR])", "/ plain Horovod [IQR]", "/ best static",
+            "sustained / plain [IQR]", "final", "final@T", "idle", "samples/s", "optimizer steps", "eval s",
+            "missed", "noisy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in cell.iterrows():
         miss = f"**{r.missed}/{r.seeds}**" if r.missed else f"0/{r.seeds}"
         lines.append(f"| {r.arm}{' (best static)' if r.arm == r.best_static else ''} | "
                      f"{_f(r.ttt_median)} [{_f(r.ttt_iqr, 2)}] | {_f(r.vs_plain)} [{_f(r.vs_plain_iqr, 2)}] | "
-                     f"{_f(r.vs_best_static)} | {_f(r.final, 4)} | {_f(r.final_at_budget, 4)} | {_f(r.idle, 2)} | "
+                     f"{_f(r.vs_best_static)} | {_f(r.get('sustained_vs_plain', math.nan))} "
+                     f"[{_f(r.get('sustained_vs_plain_iqr', math.nan), 2)}] | {_f(r.final, 4)} | {_f(r.final_at_budget, 4)} | {_f(r.idle, 2)} | "
                      f"{_f(r.throughput)} | {_f(r.optimizer_steps)} | {_f(r.eval_s, 2)} | {miss} | "
                      f"{'yes' if r.noisy else ''} |")
     return "\n".join(lines) + "\n"
@@ -116,11 +141,18 @@ def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str,
            f"{info['cores']} cores, {info['memory_mib']} MiB; load average before {info['load_before'][0]:.2f}, "
            f"after {info.get('load_after', [math.nan])[0]:.2f}. Python {info['python']}, torch {info['torch']}, "
            f"Horovod {info['horovod']}, dynamix_hvd {info['dynamix_hvd']}, commit {info['git_commit'][:12]}"
-           f"{' (uncommitted changes)' if info.get('git_dirty') else ''}.\n",
+           f"{' (uncommitted changes)' if info.get('git_dirty') else ''}."
+           + (f" Re-measured from the job directories by `{info['resummarized']['command']}` on "
+              f"{info['resummarized']['date']} (commit {info['resummarized']['git_commit'][:12]})."
+              if info.get("resummarized") else "") + "\n",
            "Times are training seconds (evaluation excluded, its total is the 'eval s' column). Ratios are "
            "paired by seed (median [IQR]); **k/n missed**: k runs never reached the target and count with "
-           "their full time. final: metric after the epoch budget; final@T: at the wall-time budget. "
+           "their full time. sustained: time to the first evaluation past the target whose next two are "
+           "past it too. final: metric after the epoch budget; final@T: at the wall-time budget. "
            "Definitions: `bench/suite_report.py`.\n"]
+    commits = sorted({str(c) for c in runs.get("git_commit", pd.Series(dtype=str)).fillna("unknown")})
+    if len(commits) > 1:
+        out.append(f"The jobs ran in parts (`--resume`) at commits {', '.join(commits)} (runs.csv `git_commit`).\n")
     if table.empty:
         out.append("No job finished.\n")
     for (w, c), cell in table.groupby(["workload", "condition"], sort=False):
@@ -135,6 +167,9 @@ def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str,
     if len(bad):
         out.append("## Jobs without a result\n\n" + "\n".join(
             f"- {r.workload}/{r.condition}/{r.arm} seed {r.seed}: {r.status}" for _, r in bad.iterrows()) + "\n")
+    if info.get("pending"):
+        out.append(f"## Not run yet ({len(info['pending'])} jobs: the --budget-min was reached; "
+                   "rerun the same command with --resume)\n\n" + "\n".join(f"- {k}" for k in info["pending"]) + "\n")
     return "\n".join(out)
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench import suite
+from bench import suite, suite_report
 from bench.conditions import (Condition, NetworkNamespaces, cleanup_stale, netem_available, parse_pairs,
                               physical_limit, slow_args, split_limit)
 from bench.suite_report import PLAIN, measure, summarize, summary_markdown
@@ -81,6 +82,40 @@ def test_quick_suite_end_to_end(tmp_path, job_env):
     text = (out / "summary.md").read_text()
     assert "Physical limit (best split / equal split): **1.50**x" in text and "plain-horovod" in text
 
+    # In parts: --resume keeps the jobs with a result and reruns only one whose directory is gone.
+    gone = Path(runs.set_index("arm").run_dir["static-32"])
+    shutil.rmtree(gone)
+    again = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(out), "--runs-dir",
+                            str(runs_dir), "--resume", "--no-plots"], cwd=REPO, env=job_env, capture_output=True,
+                           text=True, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "resuming: 2 of 3 jobs already have a result" in again.stdout, again.stdout
+    resumed = pd.read_csv(out / "runs.csv").set_index("arm")
+    assert (resumed.status == "ok").all() and gone.is_dir()
+    for arm in (PLAIN, "speed-split"):  # kept as they were
+        assert resumed.time_to_target_s[arm] == runs.set_index("arm").time_to_target_s[arm]
+    assert json.loads((out / "machine.json").read_text())["earlier_parts"][0]["command"] == info["command"]
+    # --summarize-only re-measures and keeps the run's own record (date, command, wall time)
+    record = json.loads((out / "machine.json").read_text())
+    subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(out), "--runs-dir", str(runs_dir),
+                    "--summarize-only", "--no-plots"], cwd=REPO, env=job_env, check=True, capture_output=True,
+                   timeout=300)
+    after = json.loads((out / "machine.json").read_text())
+    assert {k: after[k] for k in ("date", "command", "wall_s")} == {k: record[k] for k in ("date", "command", "wall_s")}
+    assert after["resummarized"]["command"].endswith("--summarize-only --no-plots")
+    assert "Re-measured from the job directories" in (out / "summary.md").read_text()
+    # --budget-min: nothing fits in 0.01 minutes; the summary says what is still to run
+    part = tmp_path / "part"
+    cut = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(part), "--runs-dir",
+                          str(tmp_path / "part_runs"), "--budget-min", "0.01", "--no-plots"], cwd=REPO, env=job_env,
+                         capture_output=True, text=True, timeout=300)
+    assert cut.returncode == 0 and "3 jobs not run yet; continue with --resume" in cut.stdout, cut.stdout
+    assert "cnn-quick/slow2x/plain-horovod_s0" in (part / "summary.md").read_text()
+    listed = subprocess.run([sys.executable, "-m", "bench.suite", "--quick", "--out", str(part), "--runs-dir",
+                             str(tmp_path / "part_runs"), "--resume", "--budget-min", "0.01", "--no-plots"],
+                            cwd=REPO, env=job_env, capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0 and "resuming: 0 of 3 jobs" in listed.stdout, listed.stdout + listed.stderr
+
 
 def _fake_run(d: Path, *, reached: bool, ttt: float, train_s: float, final: float, idle=(0.1, 0.3)) -> str:
     d.mkdir(parents=True)
@@ -90,8 +125,22 @@ def _fake_run(d: Path, *, reached: bool, ttt: float, train_s: float, final: floa
     (d / "suite_result.json").write_text(json.dumps({
         "train_s": train_s, "eval_total_s": 1.0, "samples": 20, "optimizer_steps": 2, "reached": reached,
         "time_to_target_s": ttt if reached else math.inf, "final": final, "throughput": 20 / train_s,
-        "idle_fraction": {"0": idle[0], "1": idle[1]}, "per_rank": {"1": {"stalls": [[1.0, 0.2]]}}}))
+        "idle_fraction": {"0": idle[0], "1": idle[1]}, "per_rank": {"1": {"stalls": [[1.0, 0.2]]}},
+        "metric": "accuracy", "target": final - 0.05}))
     return str(d)
+
+
+def test_sustained_target_needs_the_next_two_evaluations_past_it():
+    evals = pd.DataFrame({"train_s": [1.0, 2.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+                          "samples": [10, 20, 20, 30, 40, 50, 60],  # the epoch end evaluated twice: once
+                          "value": [0.5, 0.97, 0.97, 0.95, 0.97, 0.98, 0.97]})
+    assert suite_report.sustained_time(evals, 0.96, "accuracy") == 4.0  # 2.0 touched it, 3.0 fell back
+    assert suite_report.sustained_time(evals, 0.965, "accuracy", following=0) == 2.0  # = time to target
+    assert suite_report.sustained_time(evals, 0.99, "accuracy") == math.inf
+    loss = evals.assign(value=1 - evals.value)
+    assert suite_report.sustained_time(loss, 0.04, "loss") == 4.0
+    # at the end of training the evaluations that remain suffice
+    assert suite_report.sustained_time(evals.iloc[:5], 0.96, "accuracy") == 4.0
 
 
 def test_summary_maths_on_synthetic_records(tmp_path):
@@ -122,6 +171,9 @@ def test_summary_maths_on_synthetic_records(tmp_path):
     assert table.loc["ppo", "vs_plain"] == pytest.approx(0.5)
     assert table.loc["ppo", "vs_best_static"] == pytest.approx(0.5 / 0.8)
     assert table.loc["ppo", "missed"] == 1 and table.loc[PLAIN, "missed"] == 0
+    # sustained: both evaluations of a run are past target = final - 0.05 only from the second (train_s)
+    assert table.loc["static-16", "sustained_vs_plain"] == pytest.approx(
+        statistics.median((0.8 * p + 5) / (p + 5) for p in plain))
     # ppo times: 50, 55, 60, 65, 200 -> median 60, IQR 10 (> 10% of 60): noisy; plain 20/120 noisy too
     assert table.loc["ppo", "ttt_median"] == 60.0 and table.loc["ppo", "noisy"]
     runs_quiet = runs.copy()
