@@ -5,7 +5,7 @@ from them (`state`), the reward (`reward`), the discrete actions and batch bound
 policy interface with PPO and static (`policy`), the classic rules (`rules`), policy files
 (`policy_store`), the decision core that turns reports into a decision (`core`), the array form in
 which reports and decisions travel (`wire`), what the controller needs of the optimizer (`seams`),
-and the live controller (`controller`), which only moves reports and decisions between ranks.
+when to decide (`cadence`), and the live controller (`controller`), which only moves reports and decisions between ranks.
 Everything here except `controller` is pure: it never imports Horovod, mpi4py or `comm`, so the
 simulator and offline tools run the same decisions. `controller` reaches other ranks only through `comm`.
 """

@@ -28,6 +28,7 @@ import torch
 
 from . import wire
 from .actions import BatchBounds
+from .cadence import DecisionCadence
 from .config import POLICY_NAMES, ControllerConfig, make_core
 from .core import LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
@@ -65,8 +66,8 @@ class DynamixController:
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
         self._steps_since = 0  # optimizer steps since the last decision (identical on every rank)
-        self._interval: int | None = None  # automatic cadence: steps between decisions inside this epoch
-        self._epoch_steps = 0              # and the epoch's length under the sizes of the last decision
+        self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.target_decisions,
+                                       self.cfg.min_decision_steps, self.cfg.total_epochs)
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
@@ -117,13 +118,9 @@ class DynamixController:
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._total_steps += 1
         self._steps_since += 1
-        k = self.cfg.decide_every_steps
-        if k is None:
-            due = epoch_end or self._auto_due(loader)
-        else:
-            # Every epoch end, and every k steps inside long epochs; an epoch end right after an in-epoch
-            # decision (under k/2 steps of records) waits, so no decision rests on one or two noisy steps.
-            due = (epoch_end and self._steps_since >= (k + 1) // 2) or (k > 0 and self._steps_since >= k)
+        due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
+                               epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
+                               epoch_length=lambda: len(loader))
         if due:
             try:
                 self.decide()
@@ -131,24 +128,6 @@ class DynamixController:
                 if self.channel.backend != "mpi4py":
                     raise
                 abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
-
-    def _auto_due(self, loader: AdaptiveLoader) -> bool:
-        """The automatic cadence inside an epoch (the same answer on every rank: it depends only on the
-        shared plan). The epoch's length is read once per epoch and after each decision (it changes
-        with the sizes), not per step: it replans the rest of the epoch."""
-        if not self.cfg.total_epochs:
-            return False
-        if self._interval is None or self._steps_since == 1:
-            per_epoch = -(-self.cfg.target_decisions // self.cfg.total_epochs)
-            self._epoch_steps = len(loader)
-            # The first decisions come sooner (min_decision_steps, then twice that, ...) until the
-            # interval that spreads target_decisions over the job is reached: the first split matters
-            # most, and later ones mostly confirm it. len(history) is the same on every rank.
-            ramp = self.cfg.min_decision_steps * 2 ** min(len(self.history), 30)
-            self._interval = min(ramp, max(self.cfg.min_decision_steps, -(-self._epoch_steps // per_epoch)))
-        # No decision in the last half-interval of an epoch: its end decides anyway.
-        left = self._epoch_steps - loader.step
-        return self._steps_since >= self._interval and left >= self._interval // 2
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:

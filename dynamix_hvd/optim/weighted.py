@@ -10,8 +10,8 @@ Either multiplies the local gradient by b_i / B, and Horovod then allreduces wit
 loss that is the mean over the local batch this gives
 sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B samples, exactly.
 
-Gradients live as views into one flat buffer per (device, dtype): zeroing is one kernel, the global
-gradient norm is one pass, and the gradient statistics can read all layers at once.
+Gradients live as views into one flat buffer per (device, dtype) (`flat.FlatGradients`): zeroing is
+one kernel, the global gradient norm is one pass, and the gradient statistics can read all layers at once.
 
 Failed steps. A step whose synchronised gradient is not finite (NaN/inf loss or gradient on any
 rank) is skipped on every rank alike, because all ranks see the same allreduced norm; its samples
@@ -39,71 +39,7 @@ import torch
 from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, LRCoupling
 from .progress import ProgressAccounting
-from ..stats.sqnorm import SegmentSqNorms, backend_for
-
-
-class FlatGradients:
-    """Keeps ``p.grad`` of every parameter as a view into a flat buffer per (device, dtype)."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.params = params
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(params):
-            groups.setdefault((p.device, p.dtype), []).append(i)
-        self.buffers: list[torch.Tensor] = []
-        self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
-        self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
-        self.members: list[list[int]] = []     # per buffer: indices of its parameters, in order
-        for (device, dtype), members in groups.items():
-            sizes = [params[i].numel() for i in members]
-            buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
-            bounds = [0]
-            for i, n in zip(members, sizes):
-                self.views[i] = buf[bounds[-1]:bounds[-1] + n].view_as(params[i])
-                bounds.append(bounds[-1] + n)
-            self.buffers.append(buf)
-            self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
-            self.members.append(members)
-        # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
-        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
-        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
-        cuda = self.buffers[0].device.type == "cuda"
-        self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
-        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
-                       for buf, off, members in zip(self.buffers, self.offsets, self.members)]
-        self.attach()
-
-    def _foreach(self, members: list[int]) -> Callable[[], torch.Tensor]:
-        views = [self.views[i] for i in members]
-        half = views[0].dtype in (torch.float16, torch.bfloat16)
-
-        def norms() -> torch.Tensor:
-            found = torch._foreach_norm(views, 2, dtype=torch.float32) if half else torch._foreach_norm(views)
-            return torch.stack(found).to(torch.float64).square()
-        return norms
-
-    def attach(self) -> None:
-        """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere."""
-        for p, view in zip(self.params, self.views):
-            g = p.grad
-            if g is None or g.data_ptr() != view.data_ptr():
-                if g is not None:
-                    view.copy_(g)
-                p.grad = view
-
-    def sq_norms(self) -> torch.Tensor:
-        """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
-        if len(self._norms) == 1 and self.members[0] == list(range(len(self.params))):
-            return self._norms[0]()
-        out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
-        for norms, members in zip(self._norms, self.members):
-            out[members] = norms().to(out.device)
-        return out
-
-    def zero(self) -> None:
-        self.attach()
-        for buf in self.buffers:
-            buf.zero_()
+from .flat import FlatGradients, sq_norm
 
 
 _CLASSES: dict[type, type] = {}
@@ -299,7 +235,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             planned, scale, _ = self._start_micro_step(step)
         if self.track_grad_norms:
             # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
-            self._local_parts[index] = _sq_norm(grad)
+            self._local_parts[index] = sq_norm(grad)
         grad.mul_(scale)
 
     def _update_hooks(self) -> None:
@@ -319,7 +255,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             out = grad * scale
             if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
                 acc = out if len(self._micro) == 1 else out + self._params[index].grad
-                self._local_parts[index] = _sq_norm(acc)
+                self._local_parts[index] = sq_norm(acc)
             return out
         return weight
 
@@ -596,7 +532,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             view = self.flat.views[i]
             view.copy_(grads[name].reshape(view.shape) * (local[name] / global_[name]))
             if self.track_grad_norms:
-                self._local_parts[i] = _sq_norm(grads[name])
+                self._local_parts[i] = sq_norm(grads[name])
         self._preweighted = True
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
@@ -627,14 +563,6 @@ class _WeighThenCompress:
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
         return self.inner.decompress(tensor, ctx)
-
-
-def _sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm as a 0-d tensor on the gradient's device: in the gradient's precision (a float64
-    cast would copy the whole gradient), 16-bit gradients accumulated in float32 (they could overflow)."""
-    if grad.dtype in (torch.float16, torch.bfloat16):
-        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    return torch.linalg.vector_norm(grad).square()
 
 
 def _check_passes(passes: Any) -> None:

@@ -1,0 +1,50 @@
+"""When the controller decides. Pure: no MPI, no Horovod.
+
+Every rank asks at every step end and must get the same answer, or the control plane's collectives
+stop matching. So the answer depends only on what every rank shares: the number of decisions so far,
+the steps since the last one, the epoch and step, and the shared plan (sizes and the epoch's length).
+Nothing else is remembered, which keeps a rank that joined after an elastic reset, or a job restored
+from a checkpoint, deciding at the same steps as the others.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+class DecisionCadence:
+    """``every`` None: at every epoch end and, with `total_epochs` known, inside epochs every
+    ceil(epoch steps / ceil(target_decisions / total_epochs)) steps (at least `min_steps`; none in an
+    epoch's last half-interval), the job's first intervals ramping up to that: min_steps, twice that,
+    ... ``every`` k > 0: every k steps, and at an epoch end at least k/2 steps after the last decision;
+    0: at epoch ends only."""
+
+    def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
+        self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
+        self._key: tuple | None = None
+        self._interval = 0
+        self._epoch_steps = 0
+
+    def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
+            sizes: Sequence[int], epoch_length: Callable[[], int]) -> bool:
+        """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
+        epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
+        k = self.every
+        if k is not None:
+            # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
+            # decision rests on one or two noisy steps.
+            return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
+        if epoch_end:
+            return True
+        if not self.total_epochs:
+            return False
+        key = (epoch, decisions, tuple(sizes))
+        if key != self._key:
+            self._key = key
+            self._epoch_steps = epoch_length()
+            per_epoch = -(-self.target // self.total_epochs)
+            # The first split matters most and later decisions mostly confirm it: the first intervals
+            # are short and double until the spacing that spreads target_decisions over the job.
+            ramp = self.min_steps * 2 ** min(decisions, 30)
+            self._interval = min(ramp, max(self.min_steps, -(-self._epoch_steps // per_epoch)))
+        # No decision in the last half-interval of an epoch: its end decides anyway.
+        return steps_since >= self._interval and self._epoch_steps - step >= self._interval // 2

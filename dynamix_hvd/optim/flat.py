@@ -1,0 +1,85 @@
+"""Gradients as views into one flat buffer per (device, dtype), and their squared norms.
+
+Zeroing is one kernel per buffer, and the per-parameter squared norms the gradient statistics need
+are one pass: on CUDA the Numba-CUDA segment kernel of `dynamix_hvd.stats.sqnorm`, on CPU torch's
+multi-tensor norm. Pure torch: no Horovod, no MPI.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..stats.sqnorm import SegmentSqNorms, backend_for
+
+
+class FlatGradients:
+    """Keeps ``p.grad`` of every parameter as a view into a flat buffer per (device, dtype)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
+        self.members: list[list[int]] = []     # per buffer: indices of its parameters, in order
+        for (device, dtype), members in groups.items():
+            sizes = [params[i].numel() for i in members]
+            buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
+            bounds = [0]
+            for i, n in zip(members, sizes):
+                self.views[i] = buf[bounds[-1]:bounds[-1] + n].view_as(params[i])
+                bounds.append(bounds[-1] + n)
+            self.buffers.append(buf)
+            self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
+            self.members.append(members)
+        # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
+        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
+        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
+        cuda = self.buffers[0].device.type == "cuda"
+        self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
+        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
+                       for buf, off, members in zip(self.buffers, self.offsets, self.members)]
+        self.attach()
+
+    def _foreach(self, members: list[int]) -> Callable[[], torch.Tensor]:
+        views = [self.views[i] for i in members]
+        half = views[0].dtype in (torch.float16, torch.bfloat16)
+
+        def norms() -> torch.Tensor:
+            found = torch._foreach_norm(views, 2, dtype=torch.float32) if half else torch._foreach_norm(views)
+            return torch.stack(found).to(torch.float64).square()
+        return norms
+
+    def attach(self) -> None:
+        """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere."""
+        for p, view in zip(self.params, self.views):
+            g = p.grad
+            if g is None or g.data_ptr() != view.data_ptr():
+                if g is not None:
+                    view.copy_(g)
+                p.grad = view
+
+    def sq_norms(self) -> torch.Tensor:
+        """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
+        if len(self._norms) == 1 and self.members[0] == list(range(len(self.params))):
+            return self._norms[0]()
+        out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
+        for norms, members in zip(self._norms, self.members):
+            out[members] = norms().to(out.device)
+        return out
+
+    def zero(self) -> None:
+        self.attach()
+        for buf in self.buffers:
+            buf.zero_()
+
+
+def sq_norm(grad: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm as a 0-d tensor on the gradient's device: in the gradient's precision (a float64
+    cast would copy the whole gradient), 16-bit gradients accumulated in float32 (they could overflow)."""
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    return torch.linalg.vector_norm(grad).square()

@@ -1,0 +1,46 @@
+"""When the controller decides (dynamix_hvd.control.cadence): the schedules, and that the answer
+depends only on what every rank shares, so a rank that joins or restores decides where the others do."""
+from __future__ import annotations
+
+import pytest
+
+from dynamix_hvd.control.cadence import DecisionCadence
+
+
+def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0):
+    """Feed `epochs` epochs of `length` steps; returns the (epoch, step) of every decision."""
+    decisions, when = start_decisions, []
+    for epoch in range(start_epoch, start_epoch + epochs):
+        for step in range(1, length + 1):
+            since += 1
+            if cadence.due(epoch_end=step == length, steps_since=since, decisions=decisions, epoch=epoch,
+                           step=step, sizes=[8, 12], epoch_length=lambda: length):
+                decisions, since = decisions + 1, 0
+                when.append((epoch, step))
+    return when
+
+
+def test_automatic_cadence_ramps_up_then_spreads_target_decisions():
+    # 4 decisions over 2 epochs of 60 steps: every 30; the first after 8, then 16 more
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 60) == [(0, 8), (0, 24), (0, 60), (1, 30), (1, 60)]
+    # 32 over 4 epochs of 60: the interval (8) is the ramp's start: every 8 steps, every epoch end
+    assert walk(DecisionCadence(None, 32, 8, 4), 1, 60) == [(0, s) for s in (8, 16, 24, 32, 40, 48, 56, 60)]
+    # no total_epochs: epoch ends only
+    assert walk(DecisionCadence(None, 32, 8, None), 2, 60) == [(0, 60), (1, 60)]
+
+
+@pytest.mark.parametrize("every, expected", [(10, [(0, 10), (0, 20), (0, 25), (1, 10), (1, 20), (1, 25)]),
+                                             (20, [(0, 20), (1, 15), (1, 25)]), (0, [(0, 25), (1, 25)])])
+def test_fixed_cadence_every_k_steps_and_epoch_ends_with_enough_records(every, expected):
+    assert walk(DecisionCadence(every, 32, 8, 2), 2, 25) == expected
+
+
+def test_a_fresh_cadence_answers_as_one_that_lived_through_the_job():
+    """A rank that joins after an elastic reset, or a job restored from a checkpoint, builds a fresh
+    cadence while the others keep theirs: from the same shared state they must decide at the same
+    steps, also when the shared history was rolled back to fewer decisions than a survivor saw."""
+    lived = DecisionCadence(None, 6, 8, 3)  # every 50 steps of 100 once ramped up (8, 16, 32, 50)
+    assert walk(lived, 1, 100) == [(0, 8), (0, 24), (0, 56), (0, 100)]
+    for decisions in (1, 2, 3, 0):  # rolled back to the start of epoch 0 after `decisions` decisions
+        fresh = DecisionCadence(None, 6, 8, 3)
+        assert walk(lived, 2, 100, decisions, 0) == walk(fresh, 2, 100, decisions, 0), decisions
