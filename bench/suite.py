@@ -159,8 +159,9 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "headline-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"],
                        "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
     # the goal rows of the controller issue not in headline-lite (2x, no straggler), same arms and cut
+    # (~107 min: run it in parts with --budget-min and --resume)
     "goals-lite": [{"workloads": ["cnn"], "conditions": ["slow2x", "none"],
-                    "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 2}],
+                    "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
              "arms": ALL_ARMS, "seeds": 3}],
     "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
@@ -288,15 +289,25 @@ def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
         return {**row, "status": f"unreadable: {exc!r}"}
 
 
-def read_runs(runs_csv: Path) -> list[dict[str, Any]]:
-    """runs.csv's rows as written (a run that ran no job wrote no columns: no rows)."""
+def earlier_record(machine_json: Path) -> dict[str, Any]:
+    """The machine.json of an earlier run in OUT ({} when there is none or it does not parse)."""
+    try:
+        return json.loads(machine_json.read_text()) if machine_json.exists() else {}
+    except json.JSONDecodeError:
+        print(f"ignoring {machine_json}: not valid JSON", flush=True)
+        return {}
+
+
+def read_runs(runs_csv: Path, commit: str = "unknown") -> list[dict[str, Any]]:
+    """runs.csv's rows as written (a run that ran no job wrote no columns: no rows); rows without a
+    commit get `commit`."""
     if not runs_csv.exists() or runs_csv.stat().st_size == 0:
         return []
     try:
         frame = pd.read_csv(runs_csv, dtype={"physical_limit": str, "git_commit": str, "slow_mode": str})
     except pd.errors.EmptyDataError:
         return []
-    for column, missing in (("git_commit", "unknown"), ("slow_mode", "")):
+    for column, missing in (("git_commit", commit), ("slow_mode", "")):
         if column in frame:
             frame[column] = frame[column].fillna(missing)
         else:
@@ -304,13 +315,15 @@ def read_runs(runs_csv: Path) -> list[dict[str, Any]]:
     return frame.to_dict("records")
 
 
-def kept_rows(runs_csv: Path, wanted: dict[str, Job]) -> dict[str, dict[str, Any]]:
+def kept_rows(runs_csv: Path, wanted: dict[str, Job], commit: str = "unknown") -> dict[str, dict[str, Any]]:
     """The rows of an earlier (partial) run worth keeping: jobs of this configuration with a result
     whose job directory still reads, re-measured with today's `measure` (a row that no longer
     measures is dropped, so its job runs again); keyed like `Job.key`."""
-    kept = {}
-    for row in read_runs(runs_csv):
+    kept, other = {}, []
+    for row in read_runs(runs_csv, commit):
         key = f"{row['workload']}/{row['condition']}/{row['arm']}_s{row['seed']}"
+        if key not in wanted:
+            other.append(key)
         if key not in wanted or row.get("status") != "ok":
             continue
         try:
@@ -318,6 +331,8 @@ def kept_rows(runs_csv: Path, wanted: dict[str, Job]) -> dict[str, dict[str, Any
         except (OSError, KeyError, ValueError, IndexError):
             continue
         kept[key] = row
+    if other:
+        print(f"not kept ({len(other)} rows of jobs this configuration does not have): {', '.join(other)}", flush=True)
     return kept
 
 
@@ -403,20 +418,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"removed namespaces/links left by a killed benchmark: {', '.join(stale)}", flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    before = json.loads((out / "machine.json").read_text()) if (out / "machine.json").exists() else {}
+    before = earlier_record(out / "machine.json") if args.summarize_only or args.resume else {}
+    # rows written before runs.csv had a commit column ran at the commit their record names
+    commit = str(before.get("git_commit", ""))[:12] or "unknown"
     if args.summarize_only:
-        for row in read_runs(out / "runs.csv"):
+        for row in read_runs(out / "runs.csv", commit):
             if row["status"] == "ok":
-                row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
+                try:
+                    row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
+                except (OSError, KeyError, ValueError, IndexError) as exc:
+                    row["status"] = f"unreadable: {exc!r}"
             rows.append(row)
         jobs = []
-        if before:  # the record of the run being re-measured stays; this pass is noted beside it
-            info = {**before, "config": info["config"],
-                    "resummarized": {k: info[k] for k in ("date", "command", "git_commit", "git_dirty")}}
+        # the record of the run being re-measured stays (when there is one); this pass is noted beside it
+        info = {**(before or {**info, "original_record": "missing"}), "config": info["config"],
+                "resummarized": {k: info[k] for k in ("date", "command", "git_commit", "git_dirty")}}
     if args.resume:
         if before:  # earlier parts' machines, dates and commits stay on record
             info["earlier_parts"] = before.pop("earlier_parts", []) + [before]
-        done = kept_rows(out / "runs.csv", {j.key: j for j in jobs})
+        done = kept_rows(out / "runs.csv", {j.key: j for j in jobs}, commit)
         rows += [done[j.key] for j in jobs if j.key in done]
         info["resumed"] = {"kept": len(done), "commits": sorted({str(r["git_commit"]) for r in done.values()})}
         print(f"resuming: {len(done)} of {len(jobs)} jobs already have a result in {out / 'runs.csv'}", flush=True)
@@ -452,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plots:
         plot_cells(runs, out / "plots")
     print((out / "summary.md").read_text())
-    print(f"results: {out}; job directories: {runs_dir}; {info['wall_s']} s", flush=True)
+    print(f"results: {out}; job directories: {runs_dir}; {info.get('wall_s', '?')} s", flush=True)
     return 0
 
 

@@ -102,6 +102,7 @@ def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
                    "vs_best_static": ratio[best].median() if best in ratio else math.nan,
                    "sustained_vs_plain": sustained.median() if len(sustained) else math.nan,
                    "sustained_vs_plain_iqr": iqr(sustained) if len(sustained) else math.nan,
+                   "sustained_missed": int(g.sustained_missed.sum()) if "sustained_missed" in g else 0,
                    "best_static": best or "", "final": g.final.median(), "final_iqr": iqr(g.final),
                    "final_at_budget": g.final_at_budget.median(), "idle": g.idle_mean.median(),
                    "throughput": g.throughput.median(), "optimizer_steps": g.optimizer_steps.median(),
@@ -128,7 +129,8 @@ def cell_table(cell: pd.DataFrame) -> str:
         lines.append(f"| {r.arm}{' (best static)' if r.arm == r.best_static else ''} | "
                      f"{_f(r.ttt_median)} [{_f(r.ttt_iqr, 2)}] | {_f(r.vs_plain)} [{_f(r.vs_plain_iqr, 2)}] | "
                      f"{_f(r.vs_best_static)} | {_f(r.get('sustained_vs_plain', math.nan))} "
-                     f"[{_f(r.get('sustained_vs_plain_iqr', math.nan), 2)}] | {_f(r.final, 4)} | {_f(r.final_at_budget, 4)} | {_f(r.idle, 2)} | "
+                     f"[{_f(r.get('sustained_vs_plain_iqr', math.nan), 2)}]"
+                     f"{f' ({r.sustained_missed} missed)' if r.get('sustained_missed', 0) else ''} | {_f(r.final, 4)} | {_f(r.final_at_budget, 4)} | {_f(r.idle, 2)} | "
                      f"{_f(r.throughput)} | {_f(r.optimizer_steps)} | {_f(r.eval_s, 2)} | {miss} | "
                      f"{'yes' if r.noisy else ''} |")
     return "\n".join(lines) + "\n"
@@ -155,7 +157,7 @@ def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str,
         out.append(f"The jobs ran in parts (`--resume`) at commits {', '.join(commits)} (runs.csv `git_commit`).\n")
     if table.empty:
         out.append("No job finished.\n")
-    for (w, c), cell in table.groupby(["workload", "condition"], sort=False):
+    for (w, c), cell in (table.groupby(["workload", "condition"], sort=False) if not table.empty else ()):
         describe = info["config"]["conditions"].get(c, c)
         out.append(f"## {w} / {c}\n\n{describe}. Physical limit (best split / equal split): "
                    f"**{cell.physical_limit.iloc[0]}**x"

@@ -141,6 +141,24 @@ def test_sustained_target_needs_the_next_two_evaluations_past_it():
     assert suite_report.sustained_time(loss, 0.04, "loss") == 4.0
     # at the end of training the evaluations that remain suffice
     assert suite_report.sustained_time(evals.iloc[:5], 0.96, "accuracy") == 4.0
+    # an evaluation repeated at the same sample count is not a second one in a row
+    twice = pd.DataFrame({"train_s": [1.0, 2.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+                          "samples": [10, 20, 20, 30, 40, 50, 60, 70],
+                          "value": [0.5, 0.97, 0.97, 0.97, 0.95, 0.97, 0.98, 0.97]})
+    assert suite_report.sustained_time(twice, 0.96, "accuracy") == 5.0
+
+
+def test_measure_reports_the_sustained_time_and_its_misses(tmp_path):
+    d = Path(_fake_run(tmp_path / "wobbly", reached=True, ttt=2.0, train_s=6.0, final=0.97))
+    pd.DataFrame({"train_s": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], "eval_s": [0.1] * 6, "samples": [10, 20, 30, 40, 50, 60],
+                  "value": [0.5, 0.93, 0.90, 0.93, 0.95, 0.97], "steps": range(6), "epoch": [0] * 6}
+                 ).to_csv(d / "suite_evals.csv", index=False)  # target 0.92: touched at 2 s, held from 4 s
+    m = measure(d, 100.0)
+    assert m["time_to_target_s"] == 2.0 and m["sustained_s"] == 4.0 and not m["sustained_missed"]
+    pd.DataFrame({"train_s": [1.0, 2.0, 3.0], "eval_s": [0.1] * 3, "samples": [10, 20, 30],
+                  "value": [0.93, 0.90, 0.91], "steps": range(3), "epoch": [0] * 3}).to_csv(d / "suite_evals.csv", index=False)
+    m = measure(d, 100.0)
+    assert m["sustained_missed"] and m["sustained_s"] == 6.0  # never held: counts with the full time
 
 
 def test_summary_maths_on_synthetic_records(tmp_path):
@@ -171,7 +189,9 @@ def test_summary_maths_on_synthetic_records(tmp_path):
     assert table.loc["ppo", "vs_plain"] == pytest.approx(0.5)
     assert table.loc["ppo", "vs_best_static"] == pytest.approx(0.5 / 0.8)
     assert table.loc["ppo", "missed"] == 1 and table.loc[PLAIN, "missed"] == 0
-    # sustained: both evaluations of a run are past target = final - 0.05 only from the second (train_s)
+    # sustained: of each run's two evaluations only the last (at train_s) is past target = final - 0.05;
+    # as the last one it needs no followers, so sustained = train_s = time + 5 s (measure's plumbing)
+    assert not runs.sustained_missed.any()
     assert table.loc["static-16", "sustained_vs_plain"] == pytest.approx(
         statistics.median((0.8 * p + 5) / (p + 5) for p in plain))
     # ppo times: 50, 55, 60, 65, 200 -> median 60, IQR 10 (> 10% of 60): noisy; plain 20/120 noisy too
