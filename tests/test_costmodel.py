@@ -174,6 +174,26 @@ def test_proposal_trust_region_initial_batch_memory_and_hysteresis():
     assert sum(loose.sizes) >= sum(sizes), "without hysteresis it follows a slightly larger noise scale"
 
 
+def test_batch_grows_only_on_identified_fits_unless_exploring():
+    """One size seen: the gain of a larger B rests on the pinned fixed share; the proposal holds B
+    (and still re-splits it by speed), AdaptDL's exploration (`grow_unidentified`) grows it."""
+    rng, model = np.random.default_rng(3), CostModel(2)
+    model.record(*interval(rng, [32, 32], a=A * 0, c=C), overhead_s=1e-3)  # truly no fixed cost
+    fit, net, bounds = model.fit(), NetworkFit(0.0, 1.0, 1e-3), BatchBounds(2, 1, 4096)
+    assert not fit.identified.any()
+    held = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    assert sum(held.sizes) == 64 and not held.switched
+    assert held.sizes[0] >= 2.5 * held.sizes[1], "re-split by speed (3x) while B is held"
+    explore = propose(ProposalConfig(grow_unidentified=True), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    assert explore.switched and sum(explore.sizes) > 64
+    # once a second size identifies the lines (fixed cost ~0: no throughput gain), B still may move
+    model.record(*interval(rng, held.sizes, a=A * 0, c=C), overhead_s=1e-3)
+    fit2 = model.fit()
+    assert fit2.identified.all()
+    later = propose(ProposalConfig(), fit2, NetworkFit(0.02, 1.0, 1e-3), held.sizes, bounds, 64, 1e6, 1)
+    assert later.switched and sum(later.sizes) > 64, "a measured fixed cost (the allreduce) pays for a larger B"
+
+
 def test_model_policy_is_selectable_and_keeps_sizes_without_timings():
     assert "model" in POLICY_NAMES
     policy = make_policy(ControllerConfig(policy="model", policy_kwargs={"trust": 4.0}))

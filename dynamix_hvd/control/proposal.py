@@ -10,7 +10,10 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   B * E(B) / T_step(B), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
   `trust`x per decision, each rank's size too) and with hysteresis (B changes only when the predicted
-  goodput improves by more than `hysteresis`, as AdaptDL);
+  goodput improves by more than `hysteresis`, as AdaptDL); B does not grow while some rank's cost line
+  is not identified (its fixed cost, and with it the whole gain of a larger batch, is then a guess:
+  the first decision after one size was seen raised the CNN's B by a third for one interval on the
+  pinned guess alone), unless `grow_unidentified` (AdaptDL's optimistic exploration, the "goodput" rule);
 - **dither**: while some rank's cost line is not identified (its recent sizes hardly vary), sizes
   alternate by +-`dither` around the proposal (B kept), so the next fit sees two sizes.
 
@@ -45,6 +48,10 @@ class ProposalConfig:
     """Relative size dither while a rank's cost line is not identified (0: none)."""
     candidates: int = 64
     """Global batches scored per decision (a geometric grid over the allowed range)."""
+    grow_unidentified: bool = False
+    """Let B grow while some rank's cost line is not identified (its throughput gain then rests on the
+    pinned fixed share, not a measurement); off, B may grow from the first decision whose fits are
+    identified (the dither identifies them within one interval)."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -153,6 +160,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         return total * efficiency(noise, total, base_batch) / step, step, shares
 
     B_keep = int(round(min(max(B_cur, B_lo), B_hi)))
+    if not cfg.grow_unidentified and not fit.identified.all():
+        B_hi = min(B_hi, float(B_keep))
     keep_gp, keep_step, _ = goodput(np.array([B_keep]))
     B_new, switched = B_keep, False
     if cfg.search_batch and B_hi > B_lo:

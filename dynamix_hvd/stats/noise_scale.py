@@ -467,13 +467,14 @@ class GradientStatistics:
             return _scalar(np.full(np.shape(batch), math.nan))
         return statistical_efficiency(self.noise_scale, batch, self.base_batch)
 
-    def gain_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
-        """AdaScale gain for candidate global batch size(s), using max(0, .) of the estimates."""
+    def gain_at(self, batch: ArrayLike, base_batch: float | None = None) -> Union[float, np.ndarray]:
+        """AdaScale gain for candidate global batch size(s) over `base_batch` (default: the estimator's),
+        using max(0, .) of the estimates (per-sample statistics: any base is valid)."""
         self._flush()
         if self._trace.count == 0:
             return _scalar(np.full(np.shape(batch), math.nan))
         tr, g2 = max(0.0, float(self._trace.value)), max(0.0, float(self._grad_sq.value))
-        return adascale_gain(tr, g2, batch, self.base_batch)
+        return adascale_gain(tr, g2, batch, self.base_batch if base_batch is None else base_batch)
 
     def layer_table(self) -> Dict[str, np.ndarray]:
         """Per-layer smoothed ``grad_sq``, ``trace_sigma`` (the layer's gradient variance) and ``b_noise``."""
