@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd.control.actions import BatchBounds
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.config import POLICY_NAMES, ControllerConfig, make_policy
 from dynamix_hvd.control.costmodel import CostConfig, CostModel, NetworkFit
 from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, equalise, propose, round_split
+from dynamix_hvd.control.refine import refine
 from dynamix_hvd.control.state import GlobalContext
 from dynamix_hvd.stats.noise_scale import GradientStatistics
 
@@ -184,8 +185,15 @@ def test_batch_grows_only_on_identified_fits_unless_exploring():
     held = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 0)
     assert sum(held.sizes) == 64 and not held.switched
     assert held.sizes[0] >= 2.5 * held.sizes[1], "re-split by speed (3x) while B is held"
+    assert (held.batch_min, held.batch_max) == (64, 64)
     explore = propose(ProposalConfig(grow_unidentified=True), fit, net, [32, 32], bounds, 64, 1e6, 0)
-    assert explore.switched and sum(explore.sizes) > 64
+    assert explore.switched and sum(explore.sizes) > 64 and explore.batch_max == 128
+    # PPO's batch row cannot leave that range either: x1.25 or x0.8 on B keeps 64 here
+    space = ActionSpace()
+    for m in (1.25, 0.8):
+        acts = [space.keep, space.keep, space.multipliers.index(m)]
+        sizes, _ = refine(ModelPolicy(), space, decision_input([32, 32], costs=model), acts)
+        assert sum(sizes) == 64, (m, sizes)
     # once a second size identifies the lines (fixed cost ~0: no throughput gain), B still may move
     model.record(*interval(rng, held.sizes, a=A * 0, c=C), overhead_s=1e-3)
     fit2 = model.fit()
@@ -222,3 +230,7 @@ def test_noise_scale_interval_is_continuous_where_the_old_estimate_jumps():
     assert max(legacy) == 1e12, "the legacy estimate hits its cap"
     assert max(points) < 1e6 and max(lowers) < 1e6, "the interval's lower end and point stay finite and modest"
     assert np.isnan(GradientStatistics().noise_scale_interval()[0])
+    first = GradientStatistics()
+    first.update([16, 16], np.array([0.5, 0.7]), 0.01)  # one estimate, |G|^2 estimate <= 0
+    lo, pt, hi = first.noise_scale_interval(1.0)
+    assert lo == 0.0 and hi == first.config.max_noise_scale, "one estimate: no bound, not the cap as a bound"

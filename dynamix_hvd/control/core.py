@@ -253,7 +253,7 @@ class DecisionCore:
         ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
                                    progress_fraction(epoch, self.total_epochs), point, lower, fit)
         tput = global_throughput(reports)
-        eff = continuous_efficiency(point, sum(sizes), self.base_batch)
+        eff = continuous_efficiency(lower if self.reward_cfg.noise == "lower" else point, sum(sizes), self.base_batch)
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
         if self.initial_sizes is None or len(self.initial_sizes) != len(sizes):

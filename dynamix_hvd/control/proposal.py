@@ -129,6 +129,10 @@ class Proposal:
     switched: bool
     dithered: bool
     noise_scale: float
+    batch_min: int = 0
+    batch_max: int = 0
+    """The global batches this decision allows (initial global batch or memory, trust region, no growth
+    on unidentified lines): what a refinement of the proposal must stay within."""
 
     def info(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()
@@ -176,8 +180,9 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if cfg.dither > 0 and not fit.identified.all() and R > 1:
         out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
         dithered = True
+    b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep)
     return Proposal(out.tolist(), int(out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
-                    switched, dithered, float(noise))
+                    switched, dithered, float(noise), b_min, max(int(math.floor(B_hi + 1e-9)), B_keep))
 
 
 def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,
