@@ -37,8 +37,9 @@ class ControllerConfig:
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     decide_every_steps: int | None = None
-    """When to decide besides every epoch end. None (default): with `total_epochs` known, also inside
-    epochs every ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps, at least
+    """When to decide besides every epoch end. None (default): also inside epochs every
+    ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps (4 per epoch when total_epochs
+    is not given), at least
     `min_decision_steps` apart and not in an epoch's last half-interval, so that a short job still gets
     dozens of decisions; the job's first intervals ramp up to that (min_decision_steps, twice that, ...),
     so the first split comes after a few steps. k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
