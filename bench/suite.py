@@ -142,7 +142,7 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
         elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
-            out.append(Arm(name, ("--policy", "model", "--policy-kwargs", json.dumps({"grow_unidentified": True}))))
+            out.append(Arm(name, ("--policy", "model", "--policy-kwargs", json.dumps({"hold_unidentified": 0}))))
         elif name in ("ppo", "ppo-online"):
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
                                   "1" if name == "ppo-online" else "0")))

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         b = balance(job, args.window, args.skip)
         bal = f"{b[0]:>13.3f}{b[1]:>8.3f}{100 * b[2]:>6.0f}%" if b else f"{'(no per-rank steps)':>28}"
         t = time_to_samples(job, args.samples)
-        print(f"{name:<40}{cost}{bal}{t if t is None else round(t, 2):>9}")
+        print(f"{name:<40}{cost}{bal}{'-' if t is None else f'{t:.2f}':>9}")
     return 0
 
 

@@ -391,6 +391,6 @@ def test_suite_balance_reads_job_directories(tmp_path, capsys):
     assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--window", "5", "--skip", "0"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if "model_s0" in l][0].split()
     assert line[1:4] == ["2", "0.30", "3.00%"] and line[4:7] == ["0.500", "0.500", "100%"]
-    assert line[7] == "12.5"
+    assert line[7] == "12.50"
     assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--samples", "10000000"]) == 0
-    assert capsys.readouterr().out.split()[-1] == "None", "never reached: no time"
+    assert capsys.readouterr().out.split()[-1] == "-", "never reached: no time"

@@ -176,8 +176,8 @@ def test_proposal_trust_region_initial_batch_memory_and_hysteresis():
 
 
 def test_batch_grows_only_on_identified_fits_unless_exploring():
-    """One size seen: the gain of a larger B rests on the pinned fixed share; the proposal holds B
-    (and still re-splits it by speed), AdaptDL's exploration (`grow_unidentified`) grows it."""
+    """One size seen: the gain of a larger B rests on the pinned fixed share; in its first decisions the
+    proposal holds B (and still re-splits it by speed), AdaptDL's exploration (hold_unidentified=0) grows it."""
     rng, model = np.random.default_rng(3), CostModel(2)
     model.record(*interval(rng, [32, 32], a=A * 0, c=C), overhead_s=1e-3)  # truly no fixed cost
     fit, net, bounds = model.fit(), NetworkFit(0.0, 1.0, 1e-3), BatchBounds(2, 1, 4096)
@@ -186,7 +186,9 @@ def test_batch_grows_only_on_identified_fits_unless_exploring():
     assert sum(held.sizes) == 64 and not held.switched
     assert held.sizes[0] >= 2.5 * held.sizes[1], "re-split by speed (3x) while B is held"
     assert (held.batch_min, held.batch_max) == (64, 64)
-    explore = propose(ProposalConfig(grow_unidentified=True), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    explore = propose(ProposalConfig(hold_unidentified=0), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    late = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 2)
+    assert late.switched and sum(late.sizes) > 64, "an unidentifiable line holds B only in the first decisions"
     assert explore.switched and sum(explore.sizes) > 64 and explore.batch_max == 128
     # PPO's batch row cannot leave that range either: x1.25 or x0.8 on B keeps 64 here
     space = ActionSpace()
@@ -210,6 +212,8 @@ def test_model_policy_is_selectable_and_keeps_sizes_without_timings():
     assert out.sizes == [16, 8]
     with pytest.raises(ValueError, match="noise='upper'"):
         ProposalConfig(noise="upper")
+    with pytest.raises(ValueError, match="hold_unidentified=-1"):
+        ProposalConfig(hold_unidentified=-1)
 
 
 def test_noise_scale_interval_is_continuous_where_the_old_estimate_jumps():

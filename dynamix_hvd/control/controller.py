@@ -215,6 +215,7 @@ class DynamixController:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
+            self.core.lr_base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
 
     # --- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:

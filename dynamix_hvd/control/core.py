@@ -215,11 +215,11 @@ class DecisionCore:
         self.bounds = BatchBounds(world_size, min_batch, max_batch)
         self.stats = GradientStatistics(self.stats_cfg)
         self.costs = CostModel(world_size)
-        if lr_base_batch is not None and (isinstance(lr_base_batch, bool) or not isinstance(lr_base_batch, int)
-                                          or lr_base_batch < 1):
-            raise ValueError(f"DecisionCore lr_base_batch={lr_base_batch!r}; give an integer >= 1 or None")
+        if lr_base_batch is not None and (isinstance(lr_base_batch, bool) or not isinstance(lr_base_batch, (int, float))
+                                          or not math.isfinite(lr_base_batch) or lr_base_batch < 1):
+            raise ValueError(f"DecisionCore lr_base_batch={lr_base_batch!r}; give a number >= 1 or None")
         self.base_batch = base_batch
-        self.lr_base_batch = lr_base_batch or base_batch
+        self.lr_base_batch = float(lr_base_batch or base_batch)
         """Samples per optimizer step the user's learning rate was tuned for: the AdaScale gain's base."""
         self.ref_goodput = self.ref_tput = 0.0
         self.prev_loss = math.nan
@@ -351,7 +351,7 @@ class DecisionCore:
         self.stats.load_state_dict(state["stats"])
         self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
         self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
-        self.lr_base_batch = int(state.get("lr_base_batch", self.base_batch))  # absent before the gain's own base
+        self.lr_base_batch = float(state.get("lr_base_batch", self.lr_base_batch))  # absent in older checkpoints
         self.decisions = int(state["decisions"])
         costs = state.get("costs")  # absent in checkpoints from before the cost model
         self.costs = CostModel(world, self.costs.cfg)

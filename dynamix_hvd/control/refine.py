@@ -35,21 +35,22 @@ def make_learner(actions: ActionSpace, config: PPOConfig | None = None) -> PPOLe
 
 
 def near(a: Sequence[int], b: Sequence[int], rel: float = 0.02) -> bool:
-    """Every rank's size within max(1 sample, `rel` of it) of the other's."""
-    return len(a) == len(b) and all(abs(x - y) <= max(1.0, rel * y) for x, y in zip(a, b))
+    """Every rank's sizes within max(1 sample, `rel` of the larger) of each other (symmetric)."""
+    return len(a) == len(b) and all(abs(x - y) <= max(1.0, rel * max(x, y)) for x, y in zip(a, b))
 
 
 class FlipGuard:
-    """Holds the sizes when a new decision would return to (near: within a sample or 2%) the sizes of
-    two decisions ago."""
+    """Holds the sizes when a new decision would return to the sizes of two decisions ago, or near
+    them (within a sample or 2%) when those were not themselves near the current ones."""
 
     def __init__(self) -> None:
         self.history: list[list[int]] = []
 
     def __call__(self, sizes: list[int], current: Sequence[int], exempt: bool) -> tuple[list[int], bool]:
         current = list(current)
-        flip = (not exempt and len(self.history) >= 2 and near(sizes, self.history[-2])
-                and not near(self.history[-2], current) and sizes != current and self.history[-1] == current)
+        back = len(self.history) >= 2 and (sizes == self.history[-2] or (
+            near(sizes, self.history[-2]) and not near(self.history[-2], current)))
+        flip = not exempt and back and sizes != current and self.history[-1] == current
         out = current if flip else sizes
         self.history = (self.history + [out])[-2:]
         return out, flip

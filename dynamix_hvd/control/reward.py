@@ -88,7 +88,7 @@ def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequen
 def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float, static_goodput: float,
                    loss_change: float, old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
     """The shared reward (see the module docstring), repeated for every rank [R]. `efficiency` is
-    E(B) of the interval from the continuous noise estimate; `static_goodput` the reference G_static."""
+    E(B) of the interval from the continuous noise estimate (`RewardConfig.noise`: its lower bound by default); `static_goodput` the reference G_static."""
     tput = global_throughput(reports)
     eff = efficiency if math.isfinite(efficiency) and efficiency > 0 else 1.0
     shared = 0.0
