@@ -7,8 +7,8 @@ pytorch_mnist.py on generated 28x28 images, each with its own model:
 
 * ``horovod``: ``DistributedSampler`` + ``DataLoader`` + ``hvd.DistributedOptimizer(op=Average)``;
 * ``weighted``: ``AdaptiveLoader`` + ``WeightedDistributedOptimizer`` (equal sizes, no controller);
-* ``controller``: the same plus a ``DynamixController`` on its default schedule (a decision at every
-  epoch's end: reports, gathers, statistics, reward) with ``policy="static"``, so the sizes stay
+* ``controller``: the same plus a ``DynamixController`` deciding at every epoch's end
+  (``decide_every_steps=0``: reports, gathers, statistics, reward) with ``policy="static"``, so the sizes stay
   fixed and every variant runs the same steps;
 * ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.
 
@@ -88,7 +88,8 @@ class Setup:
             if variant.startswith("controller"):
                 period = 0.0 if variant == "controller-nothreads" else dx.ControllerConfig().resource_period_s
                 self.controller = dx.DynamixController(self.loader, self.opt,
-                                                       dx.ControllerConfig(policy="static", resource_period_s=period))
+                                                       dx.ControllerConfig(policy="static", resource_period_s=period,
+                                                                           decide_every_steps=0))
 
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs
         self.steps = 0

@@ -121,7 +121,8 @@ class Arm:
 def arms(w: Workload, names: list[str]) -> list[Arm]:
     """Arms by name: "plain" (plain Horovod), "static" (every static size), "static-N",
     "dataplane" (loader + weighted optimizer, no controller, default size), "rules" (every classic
-    rule), a rule name, "model" (the cost-model proposal alone), "ppo" (shipped policy, greedy),
+    rule), a rule name, "model" (the cost-model proposal alone), "model-explore" (the proposal letting B
+    grow before the cost lines are identified, as AdaptDL), "ppo" (shipped policy, greedy),
     "ppo-online" (it keeps learning)."""
     out: list[Arm] = []
     for name in names:
@@ -140,6 +141,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
             out.append(Arm(name, ("--policy", name, *kw)))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
+        elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
+            out.append(Arm(name, ("--policy", "model", "--policy-kwargs", json.dumps({"hold_unidentified": 0}))))
         elif name in ("ppo", "ppo-online"):
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
                                   "1" if name == "ppo-online" else "0")))
@@ -162,6 +165,10 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # (~107 min: run it in parts with --budget-min and --resume)
     "goals-lite": [{"workloads": ["cnn"], "conditions": ["slow2x", "none"],
                     "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
+    # the proposal's early phase: B held until the cost lines are identified (model) against AdaptDL's
+    # exploration (model-explore), with plain Horovod as the reference (~35 min)
+    "early-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "model-explore"],
+                    "seeds": 5}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
              "arms": ALL_ARMS, "seeds": 3}],
     "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},

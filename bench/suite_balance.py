@@ -7,7 +7,11 @@ whose job directories are under ``runs/suite/NAME``). Per adaptive job (one with
   and that sum's share of the job's training time (``suite_result.json`` ``train_s``);
 * balance: per-rank compute time summed over windows of ``--window`` steps (after the first
   ``--skip`` steps, i.e. the first decisions), the fastest rank's over the slowest's; the median and
-  worst window, and the share of windows under 0.9 (the "no starvation" goal).
+  worst window, and the share of windows under 0.9 (the "no starvation" goal);
+* time to the first `--samples` training samples (rank 0's ``t_s`` in ``suite_steps.csv`` at the first
+  step whose cumulative global batch reaches it; evaluations excluded): the early phase, before and
+  during the first decisions, where a job that trains the same samples in the same order (same B)
+  gains or loses against plain Horovod independently of evaluation noise.
 
 Static jobs get the balance columns too (the reference: what a fixed split gives).
 """
@@ -39,18 +43,32 @@ def balance(job: Path, window: int, skip: int) -> tuple[float, float, float] | N
     return statistics.median(ratios), min(ratios), sum(r < 0.9 for r in ratios) / len(ratios)
 
 
+def time_to_samples(job: Path, samples: int) -> float | None:
+    path = job / "suite_steps.csv"
+    if not path.exists():
+        return None
+    seen = 0
+    for row in csv.DictReader(path.open()):
+        if row["rank"] == "0":
+            seen += int(row["global_batch"])
+            if seen >= samples:
+                return float(row["t_s"])
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="suite configuration whose job directories to read")
     ap.add_argument("--runs", default=str(REPO / "runs" / "suite"), help="root of the job directories")
     ap.add_argument("--window", type=int, default=50, help="steps per balance window (default 50)")
     ap.add_argument("--skip", type=int, default=25, help="first steps left out (default 25)")
+    ap.add_argument("--samples", type=int, default=8000, help="samples of the early-phase time (default 8000)")
     args = ap.parse_args(argv)
     root = Path(args.runs, args.name)
     jobs = sorted(p.parent for p in root.glob("*/*/*/suite_result.json"))
     if not jobs:
         ap.error(f"no job directories under {root}: run `python -m bench.suite --config {args.name}` first")
-    print(f"{'job':<40}{'decisions':>10}{'decide s':>10}{'% train':>9}{'balance med':>13}{'worst':>8}{'<0.9':>7}")
+    print(f"{'job':<40}{'decisions':>10}{'decide s':>10}{'% train':>9}{'balance med':>13}{'worst':>8}{'<0.9':>7}{'t@' + str(args.samples):>9}")
     for job in jobs:
         train_s = json.loads((job / "suite_result.json").read_text())["train_s"]
         name = "/".join(job.parts[-3:])
@@ -63,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             cost = f"{'':>10}{'':>10}{'':>9}"
         b = balance(job, args.window, args.skip)
         bal = f"{b[0]:>13.3f}{b[1]:>8.3f}{100 * b[2]:>6.0f}%" if b else f"{'(no per-rank steps)':>28}"
-        print(f"{name:<40}{cost}{bal}")
+        t = time_to_samples(job, args.samples)
+        print(f"{name:<40}{cost}{bal}{'-' if t is None else f'{t:.2f}':>9}")
     return 0
 
 

@@ -385,6 +385,12 @@ def test_suite_balance_reads_job_directories(tmp_path, capsys):
     (job / "decisions.csv").write_text("decision,overhead_s\n1,0.1\n2,0.2\n")
     for rank, t in ((0, 0.010), (1, 0.020)):  # rank 1 spends twice rank 0's compute: balance 0.5
         (job / f"steps_rank{rank}.csv").write_text("compute_s\n" + f"{t}\n" * 20)
+    # rank 0 trains 64 samples a step (rank 1's rows must not count): 8000 samples at step 125
+    (job / "suite_steps.csv").write_text("rank,epoch,step,t_s,step_s,compute_s,local_batch,global_batch\n" + "".join(
+        f"{r},0,{k},{0.1 * k:.1f},0.1,0.05,32,64\n" for k in range(1, 200) for r in (0, 1)))
     assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--window", "5", "--skip", "0"]) == 0
     line = [l for l in capsys.readouterr().out.splitlines() if "model_s0" in l][0].split()
     assert line[1:4] == ["2", "0.30", "3.00%"] and line[4:7] == ["0.500", "0.500", "100%"]
+    assert line[7] == "12.50"
+    assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--samples", "10000000"]) == 0
+    assert capsys.readouterr().out.split()[-1] == "-", "never reached: no time"

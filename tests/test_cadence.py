@@ -25,8 +25,9 @@ def test_automatic_cadence_ramps_up_then_spreads_target_decisions():
     assert walk(DecisionCadence(None, 4, 8, 2), 2, 60) == [(0, 8), (0, 24), (0, 60), (1, 30), (1, 60)]
     # 32 over 4 epochs of 60: the interval (8) is the ramp's start: every 8 steps, every epoch end
     assert walk(DecisionCadence(None, 32, 8, 4), 1, 60) == [(0, s) for s in (8, 16, 24, 32, 40, 48, 56, 60)]
-    # no total_epochs: epoch ends only
-    assert walk(DecisionCadence(None, 32, 8, None), 2, 60) == [(0, 60), (1, 60)]
+    # no total_epochs: the ramp, then 4 a epoch (every 50 of 200 steps; none in the last half-interval)
+    assert walk(DecisionCadence(None, 32, 8, None), 2, 200) == [(0, 8), (0, 24), (0, 56), (0, 106), (0, 156),
+                                                                 (0, 200), (1, 50), (1, 100), (1, 150), (1, 200)]
 
 
 @pytest.mark.parametrize("every, expected", [(10, [(0, 10), (0, 20), (0, 25), (1, 10), (1, 20), (1, 25)]),

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd.control.actions import BatchBounds
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.config import POLICY_NAMES, ControllerConfig, make_policy
 from dynamix_hvd.control.costmodel import CostConfig, CostModel, NetworkFit
 from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, equalise, propose, round_split
+from dynamix_hvd.control.refine import refine
 from dynamix_hvd.control.state import GlobalContext
 from dynamix_hvd.stats.noise_scale import GradientStatistics
 
@@ -174,6 +175,35 @@ def test_proposal_trust_region_initial_batch_memory_and_hysteresis():
     assert sum(loose.sizes) >= sum(sizes), "without hysteresis it follows a slightly larger noise scale"
 
 
+def test_batch_grows_only_on_identified_fits_unless_exploring():
+    """One size seen: the gain of a larger B rests on the pinned fixed share; in its first decisions the
+    proposal holds B (and still re-splits it by speed), AdaptDL's exploration (hold_unidentified=0) grows it."""
+    rng, model = np.random.default_rng(3), CostModel(2)
+    model.record(*interval(rng, [32, 32], a=A * 0, c=C), overhead_s=1e-3)  # truly no fixed cost
+    fit, net, bounds = model.fit(), NetworkFit(0.0, 1.0, 1e-3), BatchBounds(2, 1, 4096)
+    assert not fit.identified.any()
+    held = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    assert sum(held.sizes) == 64 and not held.switched
+    assert held.sizes[0] >= 2.5 * held.sizes[1], "re-split by speed (3x) while B is held"
+    assert (held.batch_min, held.batch_max) == (64, 64)
+    explore = propose(ProposalConfig(hold_unidentified=0), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    late = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 2)
+    assert late.switched and sum(late.sizes) > 64, "an unidentifiable line holds B only in the first decisions"
+    assert explore.switched and sum(explore.sizes) > 64 and explore.batch_max == 128
+    # PPO's batch row cannot leave that range either: x1.25 or x0.8 on B keeps 64 here
+    space = ActionSpace()
+    for m in (1.25, 0.8):
+        acts = [space.keep, space.keep, space.multipliers.index(m)]
+        sizes, _ = refine(ModelPolicy(), space, decision_input([32, 32], costs=model), acts)
+        assert sum(sizes) == 64, (m, sizes)
+    # once a second size identifies the lines (fixed cost ~0: no throughput gain), B still may move
+    model.record(*interval(rng, held.sizes, a=A * 0, c=C), overhead_s=1e-3)
+    fit2 = model.fit()
+    assert fit2.identified.all()
+    later = propose(ProposalConfig(), fit2, NetworkFit(0.02, 1.0, 1e-3), held.sizes, bounds, 64, 1e6, 1)
+    assert later.switched and sum(later.sizes) > 64, "a measured fixed cost (the allreduce) pays for a larger B"
+
+
 def test_model_policy_is_selectable_and_keeps_sizes_without_timings():
     assert "model" in POLICY_NAMES
     policy = make_policy(ControllerConfig(policy="model", policy_kwargs={"trust": 4.0}))
@@ -182,6 +212,8 @@ def test_model_policy_is_selectable_and_keeps_sizes_without_timings():
     assert out.sizes == [16, 8]
     with pytest.raises(ValueError, match="noise='upper'"):
         ProposalConfig(noise="upper")
+    with pytest.raises(ValueError, match="hold_unidentified=-1"):
+        ProposalConfig(hold_unidentified=-1)
 
 
 def test_noise_scale_interval_is_continuous_where_the_old_estimate_jumps():
@@ -202,3 +234,7 @@ def test_noise_scale_interval_is_continuous_where_the_old_estimate_jumps():
     assert max(legacy) == 1e12, "the legacy estimate hits its cap"
     assert max(points) < 1e6 and max(lowers) < 1e6, "the interval's lower end and point stay finite and modest"
     assert np.isnan(GradientStatistics().noise_scale_interval()[0])
+    first = GradientStatistics()
+    first.update([16, 16], np.array([0.5, 0.7]), 0.01)  # one estimate, |G|^2 estimate <= 0
+    lo, pt, hi = first.noise_scale_interval(1.0)
+    assert lo == 0.0 and hi == first.config.max_noise_scale, "one estimate: no bound, not the cap as a bound"

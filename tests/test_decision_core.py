@@ -108,6 +108,31 @@ def test_core_replays_the_simulators_reports_to_the_same_decisions() -> None:
     assert any(entry[3] != logged[0][1] for entry in logged), "the policy changed the sizes"
 
 
+def test_adascale_gain_counts_every_micro_batch_over_the_tuned_base() -> None:
+    """The gain is r at the samples of one optimizer step (passes x the new global batch) over the
+    batch the LR was tuned for: r = (phi/B0 + 1) / (phi/B + 1) with phi = tr/|G|^2."""
+    sim = ClusterSimulator(spec(2), seed=5)
+    sim.reset()
+    cfg = ControllerConfig(policy="static")
+    plain, tuned = make_core(cfg, 2, sum(sim.sizes)), make_core(cfg, 2, sum(sim.sizes), lr_base_batch=256)
+    for _ in range(4):
+        a = plain.decide(sim.inputs, list(sim.sizes), sim.epoch)
+        b = tuned.decide(sim.inputs, list(sim.sizes), sim.epoch, passes=3)
+        sim.step_sizes(a.sizes)
+    phi, B = tuned.stats.noise_scale, 3 * sum(b.sizes)
+    assert 0 < phi < 1e6 and B != 256
+    assert b.lr_gain == pytest.approx((phi / 256 + 1) / (phi / B + 1), rel=1e-9)
+    assert a.lr_gain == pytest.approx((phi / sum(sim.spec.initial_batch) + 1) / (phi / sum(a.sizes) + 1), rel=1e-9)
+    assert tuned.state_dict()["lr_base_batch"] == 256
+    again = make_core(cfg, 2, 1)
+    again.load_state_dict(tuned.state_dict())
+    assert again.lr_base_batch == 256
+    with pytest.raises(ValueError, match="passes=0"):
+        tuned.decide(sim.inputs, list(sim.sizes), sim.epoch, passes=0)
+    with pytest.raises(ValueError, match="lr_base_batch=0"):
+        make_core(cfg, 2, 8, lr_base_batch=0)
+
+
 def _plain(value: Any, path: str = "state") -> None:
     if isinstance(value, dict):
         for k, v in value.items():
@@ -149,7 +174,8 @@ def test_plain_optimizer_is_refused_with_what_to_use() -> None:
 
     loader = AdaptiveLoader(teacher_classification(64, seed=0)[0], [8, 8], 0)
     model = nn.Linear(32, 10)
-    with pytest.raises(TypeError, match=r"missing on torch\.optim\.sgd\.SGD: lr_gain, oom_handler, param_names, "
+    with pytest.raises(TypeError, match=r"missing on torch\.optim\.sgd\.SGD: lr_gain, base_batch_size, "
+                                        r"backward_passes_per_step, oom_handler, param_names, "
                                         r"pop_layer_means.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
         DynamixController(loader, torch.optim.SGD(model.parameters(), lr=0.1), ControllerConfig(policy="static"))
 

@@ -15,7 +15,7 @@ import pytest
 
 from dynamix_hvd.optim.lr_scaling import LRCoupling, default_warmup_steps
 from launching import launch
-from workers.progress import B0, DOUBLE_AT, RESUME_AT, SAMPLES, STEP_SIZE, TOTAL, WARMUP
+from workers.progress import B0, DOUBLE_AT, RESUME_AT, SAMPLES, STEP_SIZE, TOTAL, TUNED_BATCH, WARMUP
 
 RANKS = 2
 SCENARIOS = ("fixed", "doubled", "resumed", "controller", "explicit")
@@ -118,3 +118,21 @@ def test_controller_default_is_adascale_and_an_explicit_rule_wins(results):
     assert explicit_settled
     for s in explicit_settled:
         assert s["effective_lr"] / s["base_lr"] == pytest.approx(s["batch"] / B0, rel=1e-12)
+
+
+def test_adascale_gain_is_over_the_batch_the_lr_was_tuned_for(results):
+    """base_batch_size=32 with 8 samples a step to start: the controller's gain is r(B) over 32 (below 1
+    while B < 32, exactly 1 at 32), not over the loader's first global batch."""
+    run = results[0]["tuned"]
+    by_batch = {}
+    for d in run["history"]:
+        by_batch.setdefault(sum(d["sizes"]), []).append(d["lr_gain"])
+    assert any(b < TUNED_BATCH for b in by_batch) and TUNED_BATCH in by_batch, by_batch
+    for b, gains in by_batch.items():
+        if b < TUNED_BATCH:  # r < 1 (r = 1 only if the trace estimate clipped to 0)
+            assert all(0 < g <= 1 for g in gains), (b, gains)
+        elif b == TUNED_BATCH:
+            assert all(g == 1.0 for g in gains), (b, gains)
+    assert min(g for b, gains in by_batch.items() if b < TUNED_BATCH for g in gains) < 1, by_batch
+    steps = run["steps"]
+    assert all(s["effective_lr"] / s["base_lr"] <= 1.0 + 1e-12 for s in steps if s["batch"] <= TUNED_BATCH)

@@ -88,6 +88,11 @@ def test_flip_guard_holds_a_b_a_but_not_a_dither() -> None:
     assert guard([12, 18], [10, 20], False) == ([12, 18], False)
     assert guard([10, 20], [12, 18], False) == ([12, 18], True), "back to two decisions ago: held"
     assert guard([13, 17], [12, 18], False) == ([13, 17], False)
+    for back, held in (([11, 19], True), ([12, 18], False)):  # A, B, then one sample off A / two off
+        near_guard = FlipGuard()
+        for cur, new in (([16, 16], [10, 20]), ([10, 20], [14, 16])):
+            near_guard(new, cur, False)
+        assert near_guard(back, [14, 16], False) == (([14, 16], True) if held else (back, False)), back
     other = FlipGuard()
     for cur, new in (([16, 16], [10, 20]), ([10, 20], [12, 18])):
         other(new, cur, True)

@@ -147,6 +147,23 @@ def test_batch_jump_spikes_the_loss_and_costs_progress() -> None:
     assert jump.progress - 0.2 * jump.spec.target_progress < 4 * (calm.progress - 0.2 * calm.spec.target_progress)
 
 
+def test_adascale_spike_follows_the_gain_of_the_true_statistics() -> None:
+    """Under "adascale" the LR ratio of a 4x jump is r = (phi/B + 1) / (phi/4B + 1), not sqrt(4)."""
+    runs = {}
+    for rule in ("adascale", "sqrt"):
+        sim = ClusterSimulator(spec(2, loss_noise=0.0, lr_rule=rule), seed=6, log_steps=True)
+        sim.reset(0.2)
+        phi = sim.phi()
+        sim.step_sizes([128, 128])
+        runs[rule] = (sim, phi)
+    sim, phi = runs["adascale"]
+    r = (phi / 64 + 1) / (phi / 256 + 1)
+    decay = math.exp(-sim.spec.steps_per_decision / sim.spec.spike_steps)
+    assert 1 < r < 2 and sim._spike == pytest.approx(sim.spec.spike_coef * math.log2(r) * decay, rel=1e-6)
+    assert runs["sqrt"][0]._spike > sim._spike, "sqrt(4) = 2 > r: the sqrt rule spikes more"
+    assert sim.step_log[-1]["lr"] == pytest.approx((sim.phi() / 64 + 1) / (sim.phi() / 256 + 1), rel=1e-9)
+
+
 def test_optimum_matches_brute_force_and_beats_static() -> None:
     s = spec(2, mem_per_sample_bytes=[4e8, 4e8], mem_total_bytes=[1e9 + 4e8 * 40] * 2, jitter=0.0)
     sim = ClusterSimulator(s, seed=0)

@@ -97,6 +97,10 @@ def test_corrections_compose_around_the_proposal_within_bounds():
     assert max(capped) <= 100 and sum(capped) == 300, "the bounds cap B"
     low = compose(space, bounds, [5, 5, 5], [0, 0, 4, 0])
     assert min(low) >= 4 and sum(low) == 12
+    down = space.multipliers.index(0.8)
+    held = compose(space, bounds, [60, 30, 10], [keep, keep, keep, down], batch_range=(100, 150))
+    assert sum(held) == 100, "never below the proposal's floor (the initial global batch)"
+    assert sum(compose(space, bounds, [60, 30, 10], [keep, keep, keep, up], batch_range=(50, 110))) == 110
     with pytest.raises(ValueError, match="one per rank plus the batch row"):
         compose(space, bounds, [10, 10, 10], [keep] * 3)
     with pytest.raises(ValueError, match="action 9 of row 1"):

@@ -97,10 +97,12 @@ def apply_actions(space: ActionSpace, bounds: BatchBounds, sizes: Sequence[int],
     return out
 
 
-def compose(space: ActionSpace, bounds: BatchBounds, proposed: Sequence[int], actions: Sequence[int]) -> list[int]:
+def compose(space: ActionSpace, bounds: BatchBounds, proposed: Sequence[int], actions: Sequence[int],
+            batch_range: tuple[int, int] | None = None) -> list[int]:
     """Sizes from the proposal and R + 1 actions (R share corrections, then the batch row's).
 
-    B = round(sum(proposed) * m_batch) within the bounds' total range; rank i's share is proposed_i *
+    B = round(sum(proposed) * m_batch) within `batch_range` (the proposal's allowed global batches:
+    from the initial one up, its trust region) and the bounds' total range; rank i's share is proposed_i *
     m_i, normalised to B; integers by largest remainder within each rank's bounds, so the sum is B
     whenever the bounds allow it. All actions neutral: exactly `proposed` (clipped to the bounds)."""
     R = len(proposed)
@@ -114,6 +116,8 @@ def compose(space: ActionSpace, bounds: BatchBounds, proposed: Sequence[int], ac
     if all(int(a) == space.keep for a in actions):
         return [bounds.clip(r, int(b)) for r, b in enumerate(proposed)]
     target = round(sum(proposed) * space.multipliers[int(actions[R])])
+    if batch_range is not None:
+        target = max(batch_range[0], min(batch_range[1], target))
     target = max(sum(lo), min(sum(hi), target))
     weights = [max(float(b), 1e-9) * space.multipliers[int(a)] for b, a in zip(proposed, actions[:R])]
     total_w = sum(weights)

@@ -11,12 +11,16 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 
+UNKNOWN_LENGTH_PER_EPOCH = 4
+"""In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
+
+
 class DecisionCadence:
-    """``every`` None: at every epoch end and, with `total_epochs` known, inside epochs every
-    ceil(epoch steps / ceil(target_decisions / total_epochs)) steps (at least `min_steps`; none in an
-    epoch's last half-interval), the job's first intervals ramping up to that: min_steps, twice that,
-    ... ``every`` k > 0: every k steps, and at an epoch end at least k/2 steps after the last decision;
-    0: at epoch ends only."""
+    """``every`` None: at every epoch end and inside epochs every ceil(epoch steps / per epoch) steps,
+    per epoch = ceil(target_decisions / total_epochs) (`UNKNOWN_LENGTH_PER_EPOCH` without
+    total_epochs), at least `min_steps` apart and none in an epoch's last half-interval; the job's
+    first intervals ramp up to that: min_steps, twice that, ... ``every`` k > 0: every k steps, and at
+    an epoch end at least k/2 steps after the last decision; 0: at epoch ends only."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -35,13 +39,11 @@ class DecisionCadence:
             return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
         if epoch_end:
             return True
-        if not self.total_epochs:
-            return False
         key = (epoch, decisions, tuple(sizes))
         if key != self._key:
             self._key = key
             self._epoch_steps = epoch_length()
-            per_epoch = -(-self.target // self.total_epochs)
+            per_epoch = -(-self.target // self.total_epochs) if self.total_epochs else UNKNOWN_LENGTH_PER_EPOCH
             # The first split matters most and later decisions mostly confirm it: the first intervals
             # are short and double until the spacing that spreads target_decisions over the job.
             ramp = self.min_steps * 2 ** min(decisions, 30)

@@ -37,8 +37,9 @@ class ControllerConfig:
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     decide_every_steps: int | None = None
-    """When to decide besides every epoch end. None (default): with `total_epochs` known, also inside
-    epochs every ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps, at least
+    """When to decide besides every epoch end. None (default): also inside epochs every
+    ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps (4 per epoch when total_epochs
+    is not given), at least
     `min_decision_steps` apart and not in an epoch's last half-interval, so that a short job still gets
     dozens of decisions; the job's first intervals ramp up to that (min_decision_steps, twice that, ...),
     so the first split comes after a few steps. k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
@@ -138,8 +139,9 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
 
 
 def make_core(cfg: ControllerConfig, world_size: int, base_batch: int,
-              layer_names: Sequence[str] | None = None) -> DecisionCore:
-    """The decision core of a job configured by `cfg` (what the live controller builds on every rank)."""
+              layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None) -> DecisionCore:
+    """The decision core of a job configured by `cfg` (what the live controller builds on every rank);
+    `lr_base_batch`: the optimizer's ``base_batch_size`` (default `base_batch`)."""
     return DecisionCore(world_size, base_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        layer_names=layer_names)
+                        layer_names=layer_names, lr_base_batch=lr_base_batch)

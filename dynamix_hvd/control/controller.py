@@ -74,7 +74,8 @@ class DynamixController:
                                  f"{self.cfg.max_batch}]")
         # Every rank holds a core and a policy, so that any rank can take over as rank 0 after an
         # elastic reset; only rank 0's is consulted.
-        self.core = make_core(self.cfg, loader.world_size, loader.global_batch_size, self.optimizer.param_names)
+        self.core = make_core(self.cfg, loader.world_size, loader.global_batch_size, self.optimizer.param_names,
+                              lr_base_batch=self.optimizer.base_batch_size)
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
         # Under MPI: a rank that waits in the gradient allreduce longer than timeout_s probes the others
@@ -146,7 +147,8 @@ class DynamixController:
             inputs = wire.decode_reports(rows)
             if self.inputs.maxlen:
                 self.inputs.append(inputs)
-            decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch)
+            decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
+                                        passes=self.optimizer.backward_passes_per_step)
             record = decision.record()
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes)
@@ -213,6 +215,7 @@ class DynamixController:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
+            self.core.lr_base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
 
     # --- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -201,7 +201,7 @@ class DecisionCore:
     def __init__(self, world_size: int, base_batch: int, policy: BatchSizePolicy | None = None, *,
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
-                 layer_names: Sequence[str] | None = None) -> None:
+                 layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"DecisionCore world_size={world_size!r}; it must be an integer >= 1")
         if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
@@ -215,7 +215,12 @@ class DecisionCore:
         self.bounds = BatchBounds(world_size, min_batch, max_batch)
         self.stats = GradientStatistics(self.stats_cfg)
         self.costs = CostModel(world_size)
+        if lr_base_batch is not None and (isinstance(lr_base_batch, bool) or not isinstance(lr_base_batch, (int, float))
+                                          or not math.isfinite(lr_base_batch) or lr_base_batch < 1):
+            raise ValueError(f"DecisionCore lr_base_batch={lr_base_batch!r}; give a number >= 1 or None")
         self.base_batch = base_batch
+        self.lr_base_batch = float(lr_base_batch or base_batch)
+        """Samples per optimizer step the user's learning rate was tuned for: the AdaScale gain's base."""
         self.ref_goodput = self.ref_tput = 0.0
         self.prev_loss = math.nan
         self.prev_sizes: list[int] | None = None
@@ -248,7 +253,7 @@ class DecisionCore:
         ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
                                    progress_fraction(epoch, self.total_epochs), point, lower, fit)
         tput = global_throughput(reports)
-        eff = continuous_efficiency(point, sum(sizes), self.base_batch)
+        eff = continuous_efficiency(lower if self.reward_cfg.noise == "lower" else point, sum(sizes), self.base_batch)
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
         if self.initial_sizes is None or len(self.initial_sizes) != len(sizes):
@@ -267,14 +272,17 @@ class DecisionCore:
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
                              costs=self.costs, noise_lower=lower, noise_point=point)
 
-    def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Decision:
-        """`observe`, then the policy's new sizes and the AdaScale gain for them."""
+    def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Decision:
+        """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
+        optimizer step (`passes` micro-batches of the new sizes) over `lr_base_batch`."""
         if self.policy is None:
             raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"DecisionCore.decide passes={passes!r}; it must be an integer >= 1")
         index = self.decisions
         seen = self.observe(inputs, sizes, epoch)
         out = self.policy.decide(self.policy_input(seen))
-        gain = float(self.stats.gain_at(sum(out.sizes)))
+        gain = float(self.stats.gain_at(passes * sum(out.sizes), self.lr_base_batch))
         return Decision(index=index, epoch=epoch, sizes=out.sizes, previous_sizes=seen.sizes,
                         lr_gain=gain if math.isfinite(gain) and gain > 0 else 1.0,
                         reward=None if seen.reward is None else seen.reward.tolist(), loss=seen.loss,
@@ -328,7 +336,7 @@ class DecisionCore:
         return {"policy": None if self.policy is None else self.policy.state_dict(),
                 "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
-                "base_batch": self.base_batch, "decisions": self.decisions,
+                "base_batch": self.base_batch, "lr_base_batch": self.lr_base_batch, "decisions": self.decisions,
                 "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict(),
                 "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes)}
 
@@ -343,6 +351,7 @@ class DecisionCore:
         self.stats.load_state_dict(state["stats"])
         self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
         self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
+        self.lr_base_batch = float(state.get("lr_base_batch", self.lr_base_batch))  # absent in older checkpoints
         self.decisions = int(state["decisions"])
         costs = state.get("costs")  # absent in checkpoints from before the cost model
         self.costs = CostModel(world, self.costs.cfg)

@@ -10,7 +10,12 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   B * E(B) / T_step(B), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
   `trust`x per decision, each rank's size too) and with hysteresis (B changes only when the predicted
-  goodput improves by more than `hysteresis`, as AdaptDL);
+  goodput improves by more than `hysteresis`, as AdaptDL); in the first `hold_unidentified` decisions
+  B does not grow while some rank's cost line is not identified (its fixed cost, and with it the whole
+  gain of a larger batch, is then a guess: the first decision after one size was seen raised the CNN's
+  B by a third for one interval on the pinned guess alone); later, or with 0 (AdaptDL's optimistic
+  exploration, the "goodput" rule), the guess is used, so a line the dither cannot identify (one
+  rank, a fixed-cost-dominated rank) does not hold B for ever;
 - **dither**: while some rank's cost line is not identified (its recent sizes hardly vary), sizes
   alternate by +-`dither` around the proposal (B kept), so the next fit sees two sizes.
 
@@ -45,12 +50,19 @@ class ProposalConfig:
     """Relative size dither while a rank's cost line is not identified (0: none)."""
     candidates: int = 64
     """Global batches scored per decision (a geometric grid over the allowed range)."""
+    hold_unidentified: int = 2
+    """Decisions at the start during which B may not grow while some rank's cost line is not identified
+    (its throughput gain would rest on the pinned fixed share, not a measurement; the dither usually
+    identifies the lines within one interval). 0: grow on the guess from the first decision (AdaptDL)."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
             raise ValueError(f"ProposalConfig.noise={self.noise!r}; choose 'lower' or 'point'")
         if self.trust is not None and not (math.isfinite(self.trust) and self.trust > 1):
             raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
+        if isinstance(self.hold_unidentified, bool) or not isinstance(self.hold_unidentified, int) \
+                or self.hold_unidentified < 0:
+            raise ValueError(f"ProposalConfig.hold_unidentified={self.hold_unidentified!r}; give an integer >= 0")
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
 
@@ -122,6 +134,10 @@ class Proposal:
     switched: bool
     dithered: bool
     noise_scale: float
+    batch_min: int
+    batch_max: int
+    """The global batches this decision allows (initial global batch or memory, trust region, no growth
+    on unidentified lines): what a refinement of the proposal must stay within."""
 
     def info(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()
@@ -153,6 +169,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         return total * efficiency(noise, total, base_batch) / step, step, shares
 
     B_keep = int(round(min(max(B_cur, B_lo), B_hi)))
+    if index < cfg.hold_unidentified and not fit.identified.all():
+        B_hi = min(B_hi, float(B_keep))
     keep_gp, keep_step, _ = goodput(np.array([B_keep]))
     B_new, switched = B_keep, False
     if cfg.search_batch and B_hi > B_lo:
@@ -167,8 +185,10 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if cfg.dither > 0 and not fit.identified.all() and R > 1:
         out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
         dithered = True
+    b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep, B_new)
+    b_max = max(int(math.floor(B_hi + 1e-9)), B_keep, B_new)
     return Proposal(out.tolist(), int(out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
-                    switched, dithered, float(noise))
+                    switched, dithered, float(noise), b_min, b_max)
 
 
 def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,

@@ -12,7 +12,7 @@ The critic reads only the features all rows share (a pooled view of the ranks an
 one value per decision, one shared reward (:mod:`dynamix_hvd.control.reward`).
 
 Deployed (``learn=False``) the action is the actor's mode, except where that would flip back to the
-sizes of two decisions ago (A, B, A, ...): then the sizes are held (see :class:`FlipGuard`). Proposals
+sizes of two decisions ago, or near them (A, B, A', ...): then the sizes are held (see :class:`FlipGuard`). Proposals
 that dither on purpose (an unidentified cost line) are never held.
 """
 from __future__ import annotations
@@ -34,16 +34,23 @@ def make_learner(actions: ActionSpace, config: PPOConfig | None = None) -> PPOLe
                       neutral_action=actions.keep)
 
 
+def near(a: Sequence[int], b: Sequence[int], rel: float = 0.02) -> bool:
+    """Every rank's sizes within max(1 sample, `rel` of the larger) of each other (symmetric)."""
+    return len(a) == len(b) and all(abs(x - y) <= max(1.0, rel * max(x, y)) for x, y in zip(a, b))
+
+
 class FlipGuard:
-    """Holds the sizes when a new decision would return to the sizes of two decisions ago."""
+    """Holds the sizes when a new decision would return to the sizes of two decisions ago, or near
+    them (within a sample or 2%) when those were not themselves near the current ones."""
 
     def __init__(self) -> None:
         self.history: list[list[int]] = []
 
     def __call__(self, sizes: list[int], current: Sequence[int], exempt: bool) -> tuple[list[int], bool]:
         current = list(current)
-        flip = (not exempt and len(self.history) >= 2 and sizes == self.history[-2]
-                and sizes != current and self.history[-1] == current)
+        back = len(self.history) >= 2 and (sizes == self.history[-2] or (
+            near(sizes, self.history[-2]) and not near(self.history[-2], current)))
+        flip = not exempt and back and sizes != current and self.history[-1] == current
         out = current if flip else sizes
         self.history = (self.history + [out])[-2:]
         return out, flip
@@ -51,10 +58,14 @@ class FlipGuard:
 
 def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
            actions: Sequence[int]) -> tuple[list[int], dict[str, Any]]:
-    """The proposal for `inp` corrected by `actions` (R + 1 of them); with no cost fit yet the current
-    sizes stand in for the proposal."""
+    """The proposal for `inp` corrected by `actions` (R + 1 of them), B kept within the global batches
+    the proposal allows; with no cost fit yet the current sizes stand in for the proposal and B stays."""
     out = model.decide(inp)
-    sizes = compose(space, inp.bounds, out.sizes, actions)
+    if model.last is not None and out.info.get("proposal", True) is not None:
+        allowed = (model.last.batch_min, model.last.batch_max)
+    else:
+        allowed = (sum(out.sizes), sum(out.sizes))
+    sizes = compose(space, inp.bounds, out.sizes, actions, allowed)
     return sizes, {**out.info, "proposed_sizes": list(out.sizes)}
 
 

@@ -12,9 +12,10 @@ policy's critic is centralised):
 
 - ``T_step`` is the measured mean step time of the interval: it holds the allreduce (and its overlap
   with compute) once, and nothing else counts communication again;
-- ``E(B) = (phi + B0) / (phi + B)`` (Pollux) with phi the *continuous* point estimate of the noise
-  scale (:meth:`~dynamix_hvd.stats.noise_scale.GradientStatistics.noise_scale_interval`: no jump to 0
-  or to a cap when the |G|^2 average crosses 0); unknown phi gives E = 1;
+- ``E(B) = (phi + B0) / (phi + B)`` (Pollux) with phi the *continuous* lower confidence bound of the
+  noise scale (:meth:`~dynamix_hvd.stats.noise_scale.GradientStatistics.noise_scale_interval`: no jump
+  to 0 or to a cap when the |G|^2 average crosses 0), as the proposal uses it: an uncertain noise scale
+  does not pay for a larger batch (``noise="point"``: the estimate); unknown phi gives E = 1;
 - ``T_model(b0) = ((max_i a_i + c_i b0_i)^gamma + T_net^gamma)^(1/gamma) + overhead`` from the current
   per-rank cost fits and network fit (:mod:`dynamix_hvd.control.costmodel`), i.e. the static job
   *now*, in the same conditions (a rank that slowed down slows the reference too). Before any fit the
@@ -49,9 +50,15 @@ class RewardConfig:
     """Penalty per unit of relative loss increase over the interval (loss spikes)."""
     switch_weight: float = 0.02
     """Penalty per unit of mean |log2(new size / old size)| (discourages oscillation)."""
+    noise: str = "lower"
+    """Noise scale in E(B): "lower" (the lower confidence bound) or "point" (the estimate)."""
 
     def __post_init__(self) -> None:
+        if self.noise not in ("lower", "point"):
+            raise ValueError(f"RewardConfig.noise={self.noise!r}; choose 'lower' or 'point'")
         for name, value in vars(self).items():
+            if name == "noise":
+                continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"reward weight {name}={value!r} must be a finite number >= 0")
 
@@ -81,7 +88,7 @@ def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequen
 def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float, static_goodput: float,
                    loss_change: float, old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
     """The shared reward (see the module docstring), repeated for every rank [R]. `efficiency` is
-    E(B) of the interval from the continuous noise estimate; `static_goodput` the reference G_static."""
+    E(B) of the interval from the continuous noise estimate (`RewardConfig.noise`: its lower bound by default); `static_goodput` the reference G_static."""
     tput = global_throughput(reports)
     eff = efficiency if math.isfinite(efficiency) and efficiency > 0 else 1.0
     shared = 0.0

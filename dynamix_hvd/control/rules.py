@@ -135,7 +135,7 @@ class Goodput(ModelPolicy):
 
     def __init__(self, hysteresis: float = 0.05, candidates: int = 32) -> None:
         super().__init__(ProposalConfig(hysteresis=hysteresis, candidates=candidates, trust=None, noise="point",
-                                        dither=0.0))
+                                        dither=0.0, hold_unidentified=0))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}

@@ -14,6 +14,10 @@ class ControlledOptimizer(Protocol):
 
     lr_gain: float
     """Extra LR factor (the AdaScale gain) the controller sets at every decision."""
+    base_batch_size: int
+    """Samples per optimizer step the learning rate was tuned for (the gain's base)."""
+    backward_passes_per_step: int
+    """Micro-batches per optimizer step (the gain is for all their samples)."""
     oom_handler: Callable[[list[int], list[int]], list[int]]
     """Called with (sizes, failed sizes per rank) after an out-of-memory step; returns the new sizes."""
     param_names: list[str]
@@ -28,7 +32,8 @@ def check_optimizer(optimizer: Any) -> ControlledOptimizer:
     """`optimizer` if it provides :class:`ControlledOptimizer`; otherwise a TypeError that says what to use."""
     if isinstance(optimizer, ControlledOptimizer):
         return optimizer
-    members = ("lr_gain", "oom_handler", "param_names", "pop_layer_means")
+    members = ("lr_gain", "base_batch_size", "backward_passes_per_step", "oom_handler", "param_names",
+               "pop_layer_means")
     missing = [m for m in members if not hasattr(optimizer, m)]
     raise TypeError(
         f"DynamixController needs an optimizer that provides {', '.join(members)} (missing on "

@@ -68,7 +68,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     Learning rate, in this order at every step: an LR scheduler (or the user) owns ``group["lr"]``, the
     *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B (for
     ``adascale``, the default, that factor is ``lr_gain``, the AdaScale gain the controller sets at each
-    decision from its gradient statistics, 1 until it has some), eased in over ``lr_warmup_steps`` after
+    decision from its gradient statistics, 1 until it has some: r at the samples of one optimizer step,
+    ``backward_passes_per_step`` micro-batches of the new sizes, over ``base_batch_size``), eased in over ``lr_warmup_steps`` after
     B grows, runs the inner optimizer, and restores ``group["lr"]``. So the effective LR of a step is
     ``scheduler_lr * ramp(lr_factor(rule, B, base_batch_size, lr_gain))``, the scheduler never sees (and
     never compounds) the factor, and ``state_dict()`` stores the base LR. An explicit ``lr_rule`` is

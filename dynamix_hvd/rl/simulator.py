@@ -117,7 +117,9 @@ class ClusterSpec:
     spike_progress_cost: float = 0.5
     """Fraction of a step's progress lost per unit of current spike (capped at 90%)."""
     lr_rule: str = "sqrt"
-    """How the learning rate follows the global batch (see :mod:`dynamix_hvd.optim.lr_scaling`)."""
+    """How the learning rate follows the global batch (see :mod:`dynamix_hvd.optim.lr_scaling`);
+    "adascale" (the live optimizer's default) uses the gain of the true statistics. The shipped
+    policy was pretrained with "sqrt"."""
     ref_batch: int = 0
     """B_ref of the progress unit; 0 = the initial global batch."""
     target_progress: float = 2e5
@@ -222,6 +224,14 @@ class ClusterSimulator:
         """True noise scale at progress fraction ``p`` (default: now)."""
         p = min(1.0, self.progress / self.spec.target_progress) if p is None else p
         return self.spec.phi_start * (self.spec.phi_end / self.spec.phi_start) ** p
+
+    def lr_factor(self, global_batch: float, base_batch: float) -> float:
+        """The LR rule's factor at `global_batch` over `base_batch`; for ``adascale`` the gain that the
+        true gradient statistics give now, r = (phi/B0 + 1) / (phi/B + 1)."""
+        if self.spec.lr_rule != "adascale":
+            return lr_factor(self.spec.lr_rule, int(global_batch), int(base_batch))
+        phi = self.phi()
+        return (phi / base_batch + 1.0) / (phi / global_batch + 1.0)
 
     def net_time(self, load: float = 0.0) -> float:
         """Expected ring-allreduce time per step (0 on one rank)."""
@@ -382,7 +392,7 @@ class ClusterSimulator:
             epoch = int((self.samples_seen + j * B) // s.dataset_size)
             if epoch != self._epoch:
                 self._epoch, self._epoch_step = epoch, 0
-            lr = lr0 * lr_factor(s.lr_rule if s.lr_rule != "adascale" else "none", int(B), int(self.base_batch))
+            lr = lr0 * self.lr_factor(B, self.base_batch)
             for r in range(self.R):
                 self.step_log.append(dict(
                     epoch=epoch, step=self._epoch_step, rank=r, local_batch=d["batches"][r], global_batch=int(B),
@@ -465,8 +475,7 @@ class ClusterSimulator:
         self.sizes = [self.bounds.clip(r, int(b)) for r, b in enumerate(sizes)]
         old_B, new_B = sum(self.prev_sizes or self.sizes), sum(self.sizes)
         if new_B > old_B:  # a larger global batch raises the LR through the LR rule: loss spike
-            ratio = (lr_factor(self.spec.lr_rule, new_B, old_B) if self.spec.lr_rule != "adascale"
-                     else math.sqrt(new_B / old_B))
+            ratio = self.lr_factor(new_B, old_B)
             self._spike += self.spec.spike_coef * max(0.0, math.log2(max(ratio, 1.0)))
         self._interval()
         assert self.last_reward is not None

@@ -226,7 +226,8 @@ class StatsConfig:
     step's estimate is very noisy (~75% relative std with 3 ranks in the tests), so ~100 steps give
     ~10%; lower it only if the noise scale moves faster than that."""
     base_batch: Optional[int] = None
-    """B0, the global batch the learning rate was tuned for; None = first global batch seen."""
+    """B0 of the efficiency E(B) and of `snapshot`'s gain; None = first global batch seen. (The gain the
+    controller applies is over the optimizer's ``base_batch_size``, see `DecisionCore.lr_base_batch`.)"""
     max_noise_scale: float = 1e12
     """Cap for B_noise when |G|^2 is not (yet) detectably positive."""
     loss_window: int = 50
@@ -421,8 +422,8 @@ class GradientStatistics:
         """Standard error of a bias-corrected EMA of per-step estimates, from their EMA variance and
         the EMA weights (sum w^2 / (sum w)^2 = (1-b)(1+b^t) / ((1+b)(1-b^t)) after t updates; steps
         treated as independent). Infinite while the second moment is unknown (state from an older
-        checkpoint)."""
-        if ema_sq.count == 0:
+        checkpoint) or rests on one estimate (whose spread says nothing)."""
+        if ema_sq.count == 0 or ema.count < 2:
             return math.inf
         beta, t = ema.beta, ema.count
         var = max(0.0, float(ema_sq.value) - float(ema.value) ** 2)
@@ -437,7 +438,8 @@ class GradientStatistics:
             point = max(0, tr)         / max(|G|^2, s_G)
             upper = (tr + z s_T)       / (|G|^2 - z s_G)     (the cap when that is <= 0)
 
-        all clipped to max_noise_scale; NaN before the first estimate. `noise_scale` keeps its
+        all clipped to max_noise_scale; NaN before the first estimate; (0, the plain ratio, the cap)
+        while no standard error is known (one estimate). `noise_scale` keeps its
         original definition (the PPO features and the shipped policy's reproduction depend on it)."""
         if not (isinstance(z, (int, float)) and math.isfinite(z) and z >= 0):
             raise ValueError(f"z={z!r} must be a finite number >= 0")
@@ -448,9 +450,8 @@ class GradientStatistics:
         s_t = self._standard_error(self._trace, self._trace_sq)
         s_g = self._standard_error(self._grad_sq, self._grad_sq_sq)
         cap = self.config.max_noise_scale
-        if not math.isfinite(s_g):  # no variance known: the plain ratio
-            point = float(noise_scale(tr, g2, cap))
-            return point, point, point
+        if not math.isfinite(s_g):  # no variance known: the plain ratio, bounded by nothing
+            return 0.0, float(noise_scale(tr, g2, cap)), cap
 
         def ratio(num: float, den: float) -> float:
             return min(cap, max(0.0, num) / den) if den > 0 else (cap if num > 0 else 0.0)
@@ -467,13 +468,14 @@ class GradientStatistics:
             return _scalar(np.full(np.shape(batch), math.nan))
         return statistical_efficiency(self.noise_scale, batch, self.base_batch)
 
-    def gain_at(self, batch: ArrayLike) -> Union[float, np.ndarray]:
-        """AdaScale gain for candidate global batch size(s), using max(0, .) of the estimates."""
+    def gain_at(self, batch: ArrayLike, base_batch: float | None = None) -> Union[float, np.ndarray]:
+        """AdaScale gain for candidate global batch size(s) over `base_batch` (default: the estimator's),
+        using max(0, .) of the estimates (per-sample statistics: any base is valid)."""
         self._flush()
         if self._trace.count == 0:
             return _scalar(np.full(np.shape(batch), math.nan))
         tr, g2 = max(0.0, float(self._trace.value)), max(0.0, float(self._grad_sq.value))
-        return adascale_gain(tr, g2, batch, self.base_batch)
+        return adascale_gain(tr, g2, batch, self.base_batch if base_batch is None else base_batch)
 
     def layer_table(self) -> Dict[str, np.ndarray]:
         """Per-layer smoothed ``grad_sq``, ``trace_sigma`` (the layer's gradient variance) and ``b_noise``."""

@@ -8,7 +8,9 @@ Scenarios (each rank writes rank<R>.json; tests/test_progress_mpi.py checks them
             RESUME_AT and restored from their saved state: it must continue exactly as `doubled`;
 - controller: a real DynamixController (adabatch doubling B every few steps) with the optimizer's
             default rule, which must be adascale with the controller's gain;
-- explicit: the same controller with lr_rule="linear": the controller's gain must not leak in.
+- explicit: the same controller with lr_rule="linear": the controller's gain must not leak in;
+- tuned:    the controller scenario with the LR tuned for TUNED_BATCH samples per step (above the
+            loader's): the gain is over that base, so below 1 while B is smaller.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ STEP_SIZE = 5       # StepLR's step_size, in base iterations
 DOUBLE_AT = 6
 RESUME_AT = 10
 WARMUP = 2
+TUNED_BATCH = 4 * B0
 
 
 def through_disk(state: dict[str, Any]) -> dict[str, Any]:
@@ -50,16 +53,16 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     data = IndexedData(SAMPLES)
     model = make_model()
     loader = dx.AdaptiveLoader(data, [B0 // world] * world, rank, seed=4)
-    kwargs: dict[str, Any] = {"base_batch_size": B0}
+    kwargs: dict[str, Any] = {"base_batch_size": TUNED_BATCH if scenario == "tuned" else B0}
     if scenario in ("fixed", "doubled", "resumed", "explicit"):
         kwargs["lr_rule"] = "linear"
-    if scenario != "controller":
+    if scenario not in ("controller", "tuned"):
         kwargs["lr_warmup_steps"] = WARMUP
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                           loader, **kwargs)
     sched = ProgressScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=STEP_SIZE, gamma=0.5), opt)
     controller = None
-    if scenario in ("controller", "explicit"):
+    if scenario in ("controller", "explicit", "tuned"):
         cfg = dx.ControllerConfig(policy="adabatch", policy_kwargs={"every": 1, "end": 32}, decide_every_steps=4,
                                   max_batch=64, timeout_s=60.0)
         controller = dx.DynamixController(loader, opt, cfg)
@@ -112,7 +115,7 @@ def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    result = {s: run(s, rank, world) for s in ("fixed", "doubled", "resumed", "controller", "explicit")}
+    result = {s: run(s, rank, world) for s in ("fixed", "doubled", "resumed", "controller", "explicit", "tuned")}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
