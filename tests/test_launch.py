@@ -45,8 +45,9 @@ def assert_refused(proc: subprocess.CompletedProcess, *needles: str) -> None:
 # --- real jobs through the wrappers ------------------------------------------------------------------
 @pytest.mark.parametrize("name,env", [("mpirun.sh", {}), ("horovodrun.sh", {"GLOO": "1"})])
 def test_wrapper_runs_a_real_job(tmp_path, name, env):
-    proc = wrapper(name, "--epochs", "1", "--samples", "512", "--no-report", "--out", str(tmp_path),
-                   NP="2", BATCH_SIZES="8,24", **env)
+    # --decide-every 0: decisions at epoch ends only, so the epoch line shows the sizes it was launched with
+    proc = wrapper(name, "--epochs", "1", "--samples", "512", "--no-report", "--decide-every", "0",
+                   "--out", str(tmp_path), NP="2", BATCH_SIZES="8,24", **env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "epoch 1/1 | sizes 8/24" in proc.stdout, proc.stdout
     assert (tmp_path / "trace.h5").is_file() and (tmp_path / "epochs.csv").is_file()
