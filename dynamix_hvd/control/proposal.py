@@ -235,6 +235,7 @@ class ModelPolicy:
         costs = self._costs(inp)
         fit = costs.fit()
         if fit is None:  # no timed step yet: keep the sizes
+            self.last = None
             return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
         self.last = propose(self.cfg, fit, costs.fit_network(), inp.sizes, inp.bounds, inp.ctx.base_batch,
                             self.noise(inp), self.decisions)

@@ -61,10 +61,8 @@ def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
     """The proposal for `inp` corrected by `actions` (R + 1 of them), B kept within the global batches
     the proposal allows; with no cost fit yet the current sizes stand in for the proposal and B stays."""
     out = model.decide(inp)
-    if model.last is not None and out.info.get("proposal", True) is not None:
-        allowed = (model.last.batch_min, model.last.batch_max)
-    else:
-        allowed = (sum(out.sizes), sum(out.sizes))
+    last = model.last  # None: no proposal this decision
+    allowed = (last.batch_min, last.batch_max) if last is not None else (sum(out.sizes), sum(out.sizes))
     sizes = compose(space, inp.bounds, out.sizes, actions, allowed)
     return sizes, {**out.info, "proposed_sizes": list(out.sizes)}
 
