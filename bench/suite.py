@@ -169,6 +169,10 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # exploration (model-explore), with plain Horovod as the reference (~35 min)
     "early-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "model-explore"],
                     "seeds": 5}],
+    # per-step logs of the other two workloads for the simulator's calibrated profiles
+    # (dynamix_hvd/rl/profiles/), with plain Horovod beside them (~20 min)
+    "calibration-logs": [{"workloads": ["charlm", "mlp"], "conditions": ["slow3x", "none"],
+                          "arms": ["plain", "model"], "seeds": 1}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
              "arms": ALL_ARMS, "seeds": 3}],
     "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
