@@ -132,10 +132,7 @@ def sample_cluster(rng: np.random.Generator, cfg: Optional[ScenarioConfig] = Non
         raise ValueError(f"unknown workload family {fam_name!r} (have: {family_names()})")
     fam = FAMILIES[fam_name]
     R = int(world_size or rng.choice(cfg.world_sizes))
-    b0 = int(rng.choice(cfg.base_batches))
-    init = np.full(R, b0)
-    if R > 1 and rng.random() < cfg.unequal_prob:
-        init = np.maximum(1, np.rint(b0 * _logu(rng, 0.5, 2.0, R))).astype(int)
+    init = _initial_sizes(rng, cfg, R, int(rng.choice(cfg.base_batches)))
     speed = _speeds(rng, cfg, R)
     beta = float(_logu(rng, *fam["beta"])) / speed
     alpha = float(_logu(rng, *fam["alpha"])) / speed
@@ -156,6 +153,13 @@ def sample_cluster(rng: np.random.Generator, cfg: Optional[ScenarioConfig] = Non
         max_batch=cfg.max_batch, name=fam_name)
     spec.update(_cluster_events(rng, cfg, spec))
     return ClusterSpec(**spec)
+
+
+def _initial_sizes(rng: np.random.Generator, cfg: ScenarioConfig, R: int, b0: int) -> np.ndarray:
+    init = np.full(R, b0)
+    if R > 1 and rng.random() < cfg.unequal_prob:
+        init = np.maximum(1, np.rint(b0 * _logu(rng, 0.5, 2.0, R))).astype(int)
+    return init
 
 
 def _speeds(rng: np.random.Generator, cfg: ScenarioConfig, R: int) -> np.ndarray:
@@ -206,10 +210,7 @@ def _calibrated_job(rng: np.random.Generator, cfg: ScenarioConfig, fam_name: str
     profile's per-rank lines are pooled into one device (their median), which the drawn speeds scale."""
     base = perturb_spec(load_profile(fam_name[len("real-"):]), rng, scale=0.2, drift=False)
     R = int(world_size or rng.choice(cfg.world_sizes))
-    b0 = int(np.median(base.initial_batch))
-    init = np.full(R, b0)
-    if R > 1 and rng.random() < cfg.unequal_prob:
-        init = np.maximum(1, np.rint(b0 * _logu(rng, 0.5, 2.0, R))).astype(int)
+    init = _initial_sizes(rng, cfg, R, int(np.median(base.initial_batch)))
     speed = _speeds(rng, cfg, R)
     alpha = float(np.median(base.alpha_s)) / speed
     beta = float(np.median(base.beta_s)) / speed
