@@ -506,6 +506,12 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
               "- Trained only in simulation, and briefly (time-boxed); the simulator's models are approximations. "
               "Calibrate against a real log (`python -m dynamix_hvd.rl.calibrate`) and fine-tune for a target.",
               "- The oracle knows the true noise scale and speeds; the policy sees the controller's noisy estimates.", ""]
+    evals = [r["eval_reward"] for r in curve if math.isfinite(r["eval_reward"])]
+    if evaluation.get("selected_eval_reward") == first:
+        lines.insert(-1, f"- The kept weights' deployed mode scores exactly the proposal's reward on the validation jobs "
+                     f"(it picks the neutral correction there); the updates whose mode moved scored "
+                     f"{min(evals):+.3f}..{max(e for e in evals if e != first) if len(set(evals)) > 1 else first:+.3f}: "
+                     "in the simulator the refinement does not yet improve on the proposal.")
     path.write_text("\n".join(lines))
 
 
