@@ -9,5 +9,7 @@ from setuptools import find_packages, setup
 setup(
     packages=[*find_packages(include=["dynamix_hvd", "dynamix_hvd.*"]), "dynamix_hvd.policies"],
     package_dir={"dynamix_hvd.policies": "policies"},
-    package_data={"dynamix_hvd.policies": ["*.pt", "*.json", "*.md", "*.csv", "*.png"]},
+    package_data={"dynamix_hvd.policies": ["*.pt", "*.json", "*.md", "*.csv", "*.png"],
+                  # the simulator's calibrated workload profiles (python -m dynamix_hvd.rl.calibrate)
+                  "dynamix_hvd.rl": ["profiles/*.json"]},
 )

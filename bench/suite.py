@@ -169,6 +169,9 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # exploration (model-explore), with plain Horovod as the reference (~35 min)
     "early-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "model-explore"],
                     "seeds": 5}],
+    # a live check of a newly trained shipped policy on the 3x row, beside the proposal alone (~28 min)
+    "policy-check": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "ppo"],
+                      "seeds": 3}],
     # per-step logs of the other two workloads for the simulator's calibrated profiles
     # (dynamix_hvd/rl/profiles/), with plain Horovod beside them (~20 min)
     "calibration-logs": [{"workloads": ["charlm", "mlp"], "conditions": ["slow3x", "none"],

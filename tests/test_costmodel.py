@@ -238,3 +238,55 @@ def test_noise_scale_interval_is_continuous_where_the_old_estimate_jumps():
     first.update([16, 16], np.array([0.5, 0.7]), 0.01)  # one estimate, |G|^2 estimate <= 0
     lo, pt, hi = first.noise_scale_interval(1.0)
     assert lo == 0.0 and hi == first.config.max_noise_scale, "one estimate: no bound, not the cap as a bound"
+
+
+def knee_interval(rng, sizes, knee, steps=50, jitter=0.03):
+    """Ranks with costs a + c * max(b, knee) (a GPU that small batches do not fill)."""
+    b = np.tile(np.asarray(sizes, dtype=float), (steps, 1))
+    t = (A + C * np.maximum(b, knee)) * np.exp(rng.normal(0, jitter, b.shape))
+    return b, t, t.max(1)
+
+
+def test_knee_is_fitted_where_seen_and_never_on_a_straight_line():
+    knee = np.array([48.0, 48.0])
+    rng, model = np.random.default_rng(3), CostModel(2)
+    for sizes in ([16, 16], [32, 32], [24, 40], [48, 48], [64, 64], [96, 80]):
+        model.record(*knee_interval(rng, sizes, knee))
+    fit = model.fit()
+    assert fit.knee == pytest.approx(knee, abs=9), fit.knee   # a recorded size near the true knee
+    assert fit.per_sample_s == pytest.approx(C, rel=0.15) and fit.identified.all()
+    # predictions follow the flat stretch and the slope
+    assert fit.arrival(np.array([16.0, 16.0])) == pytest.approx(A + C * 48, rel=0.1)
+    assert fit.arrival(np.array([96.0, 96.0])) == pytest.approx(A + C * 96, rel=0.1)
+    # the same sizes on straight lines: no knee
+    rng, straight = np.random.default_rng(3), CostModel(2)
+    for sizes in ([16, 16], [32, 32], [24, 40], [48, 48], [64, 64], [96, 80]):
+        straight.record(*interval(rng, sizes))
+    assert (straight.fit().knee == 0).all()
+    # knees off: the line through the points
+    rng, off = np.random.default_rng(3), CostModel(2, CostConfig(knee_residual=0.0))
+    for sizes in ([16, 16], [32, 32], [24, 40], [48, 48], [64, 64], [96, 80]):
+        off.record(*knee_interval(rng, sizes, knee))
+    assert (off.fit().knee == 0).all()
+    with pytest.raises(ValueError, match="knee_residual"):
+        CostConfig(knee_residual=1.5)
+
+
+def test_proposal_never_splits_below_a_fitted_knee():
+    knee = np.array([48.0, 48.0])
+    rng, model = np.random.default_rng(4), CostModel(2)
+    for sizes in ([16, 16], [32, 32], [24, 40], [48, 48], [64, 64], [96, 80]):
+        model.record(*knee_interval(rng, sizes, knee))
+    fit, net = model.fit(), model.fit_network()
+    assert fit.knee.min() > 30
+    bounds = BatchBounds(2, 1, 1024)
+    # without the knee the 3x slower rank would get ~1/4 of 64; with it both get at least the knee
+    p = propose(ProposalConfig(search_batch=False, dither=0.0), fit, net, [32, 32], bounds, 64, 1e6, 5)
+    assert min(p.sizes) >= min(int(fit.knee.min()), 64) and sum(p.sizes) >= 64
+    plain = CostModel(2)
+    rng = np.random.default_rng(4)
+    for sizes in ([16, 16], [32, 32], [24, 40], [48, 48], [64, 64], [96, 80]):
+        plain.record(*interval(rng, sizes))
+    q = propose(ProposalConfig(search_batch=False, dither=0.0), plain.fit(), plain.fit_network(), [32, 32], bounds,
+                64, 1e6, 5)
+    assert q.sizes[1] < 24 and sum(q.sizes) == 64

@@ -14,6 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("default.pt", "default.json")
+PROFILES = sorted(p.name for p in (REPO / "dynamix_hvd" / "rl" / "profiles").glob("*.json"))
 
 CHECK = """
 import dynamix_hvd, sys
@@ -28,6 +29,12 @@ assert policy.learner.config == learner.config
 print("package", dynamix_hvd.__file__)
 print("policy dir", default_policy_dir())
 print("default policy sha256", meta["sha256"], "updates", meta["provenance"]["num_updates"])
+import numpy as np
+from dynamix_hvd.rl.scenarios import ScenarioConfig, profile_names, sample_cluster
+names = profile_names()
+for name in names:
+    assert sample_cluster(np.random.default_rng(0), ScenarioConfig(families=("real-" + name,))).name == "real-" + name
+print("profiles", ",".join(names))
 """
 
 
@@ -49,6 +56,9 @@ def test_wheel_ships_the_policies(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for f in SHIPPED:
         assert f"dynamix_hvd/policies/{f}" in names, f"{f} missing from {wheel.name}"
+    assert PROFILES, "no calibrated profiles in the tree"
+    for f in PROFILES:
+        assert f"dynamix_hvd/rl/profiles/{f}" in names, f"{f} missing from {wheel.name}"
 
 
 def test_sdist_ships_the_policies(tmp_path):
@@ -57,6 +67,8 @@ def test_sdist_ships_the_policies(tmp_path):
     names = tarfile.open(sdist).getnames()
     for f in SHIPPED:
         assert any(n.endswith(f"/policies/{f}") for n in names), f"{f} missing from {sdist.name}"
+    for f in PROFILES:
+        assert any(n.endswith(f"/dynamix_hvd/rl/profiles/{f}") for n in names), f"{f} missing from {sdist.name}"
 
 
 def test_wheel_in_a_fresh_venv_outside_the_repo_loads_the_default_policy(wheel, tmp_path):
@@ -70,3 +82,4 @@ def test_wheel_in_a_fresh_venv_outside_the_repo_loads_the_default_policy(wheel, 
     assert f"policy dir {venv}" in out and "dynamix_hvd/policies" in out
     shipped = json.loads((REPO / "policies" / "default.json").read_text())["sha256"]
     assert f"default policy sha256 {shipped} " in out, "the wheel carries this tree's default policy"
+    assert "profiles " + ",".join(p[:-len(".json")] for p in PROFILES) in out, "the wheel carries the profiles"

@@ -16,7 +16,8 @@ from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.config import ControllerConfig
 from dynamix_hvd.control.core import DecisionCore
 from dynamix_hvd.control.policy import DecisionInput, DecisionOutput, StaticPolicy
-from dynamix_hvd.rl.simulator import FAMILIES, ClusterSimulator, ClusterSpec, ScenarioConfig, sample_cluster
+from dynamix_hvd.rl.scenarios import FAMILIES, ScenarioConfig, sample_cluster
+from dynamix_hvd.rl.simulator import ClusterSimulator, ClusterSpec
 from dynamix_hvd.control.state import OBS_DIM
 
 

@@ -2,12 +2,13 @@
 
 The model of one synchronous step (AdaptDL's form, with one cost line per rank):
 
-    arrival_i(b) = a_i + c_i * b                          data wait + forward/backward of rank i at batch b
+    arrival_i(b) = a_i + c_i * max(b, k_i)                data wait + forward/backward of rank i at batch b
     T_sync       = (max_i arrival_i ** gamma + T_net ** gamma) ** (1 / gamma)
     T_step       = T_sync + overhead                      (optimizer update and the rest)
 
 `a_i` is a fixed cost per step, `c_i` a cost per sample; per-sample time t/b = a/b + c depends on b,
-so only the pair is a speed. The fit:
+so only the pair is a speed. `k_i` is a small-batch knee (0: none): a GPU that a batch below k_i does
+not fill takes as long as for k_i samples. The fit:
 
 - per rank, a Huber-weighted least-squares line through the per-step (b, arrival) points (IRLS, the
   residual scale from their median absolute deviation), so a few slow steps (a GC pause, a page
@@ -21,6 +22,11 @@ so only the pair is a speed. The fit:
   the throughput model pins a_i to `pinned_fixed_share` of the measured time (AdaptDL pins alpha_c to
   about half the compute, optimistic but bounded about larger batches). Policies that hold sizes
   still dither them a little to keep the fits identified (see :mod:`dynamix_hvd.control.proposal`);
+- the knee, where it fits: after the line, each knee at one of the rank's recorded sizes is tried
+  (the line through max(b, k), with the line's robust weights); one is kept only if it leaves
+  `knee_residual` or less of the line's weighted squared residuals, with at least two sizes at or
+  below it and one above (a flat stretch and a slope, both seen); then the line is refitted on
+  max(b, k). No knee is ever assumed for sizes not seen;
 - T_net and gamma by minimising the mean absolute log error of T_sync over a grid of gamma, T_net
   the weighted median that fits each gamma; gamma = 1 (no overlap, pessimistic) unless another fits
   clearly better, which needs arrival times that vary (by more than 20% among the recent points).
@@ -58,13 +64,16 @@ class CostConfig:
     max_rel_se: float = 0.25
     """A slope whose standard error exceeds this fraction of it does not count as identified (two
     nearly equal sizes and timing noise give a line that would mislead the split)."""
+    knee_residual: float = 0.5
+    """A knee is kept only if its fit leaves at most this fraction of the line's squared residuals (0: no knees)."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
-                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0):
+                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1):
             raise ValueError(f"invalid CostConfig {self}: half_life_steps, huber_k > 0; capacity >= 2; "
-                             f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1")
+                             f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
+                             f"0 <= knee_residual < 1")
 
 
 @dataclass
@@ -84,6 +93,17 @@ class CostFit:
     """Weighted coefficient of variation of the rank's recorded batch sizes."""
     mean_batch: np.ndarray
     mean_time: np.ndarray
+    knee: np.ndarray | None = None
+    """k_i: sizes below it cost as much as it (0: no knee); None: no knees."""
+
+    def __post_init__(self) -> None:
+        if self.knee is None:
+            self.knee = np.zeros_like(self.fixed_s)
+
+    def arrival(self, sizes: np.ndarray, split: bool = False) -> np.ndarray:
+        """Predicted arrival times of per-rank sizes ``[..., R]`` (`split`: the split's coefficients)."""
+        a, c = self.split_coefficients() if split else self.time_coefficients()
+        return a + c * np.maximum(np.asarray(sizes, dtype=np.float64), self.knee)
 
     def split_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """(a, c) for splitting a batch: unidentified ranks as proportional to speed (a = 0)."""
@@ -97,14 +117,13 @@ class CostFit:
 
     def relative_speed(self, batch: float) -> np.ndarray:
         """Samples per second of each rank at local batch `batch`, over the fastest rank's."""
-        a, c = self.split_coefficients()
-        speed = batch / (a + c * batch)
+        speed = batch / self.arrival(np.full(len(self.fixed_s), float(batch)), split=True)
         return speed / speed.max()
 
     def summary(self) -> dict[str, list[float]]:
         return {"fixed_s": self.fixed_s.tolist(), "per_sample_s": self.per_sample_s.tolist(),
                 "identified": [bool(x) for x in self.identified], "per_sample_rel_se":
-                (self.per_sample_se / self.per_sample_s).tolist()}
+                (self.per_sample_se / self.per_sample_s).tolist(), "knee": np.asarray(self.knee).tolist()}
 
 
 @dataclass
@@ -202,8 +221,36 @@ class CostModel:
         return self._fit
 
     def _fit_lines(self) -> CostFit:
-        cfg, b, t = self.cfg, self._b, self._t
-        w = self._weights()[:, None] * np.ones_like(b)
+        b, w = self._b, self._weights()[:, None] * np.ones_like(self._b)
+        line = self._irls(b, w)
+        knee = self._knees(line[-1]) if self.cfg.knee_residual > 0 else np.zeros(self.world_size)
+        if not knee.any():
+            return line[0]
+        fit = self._irls(np.maximum(b, knee), w)[0]
+        fit.knee = knee
+        return fit
+
+    def _knees(self, W: np.ndarray) -> np.ndarray:
+        """Per rank, the knee (a recorded size) whose fit leaves at most `knee_residual` of the
+        line's weighted squared residuals, if any (0: none). `W`: the line's robust weights."""
+        out = np.zeros(self.world_size)
+        for r in range(self.world_size):
+            b, t, w = self._b[:, r], self._t[:, r], W[:, r]
+            sizes = np.unique(b[w > 1e-6 * w.max()])
+            if len(sizes) < 3:
+                continue
+            best = (self.cfg.knee_residual * _line_sse(b, t, w), 0.0)
+            for k in sizes[1:-1]:  # at least two sizes at or below the knee, one above
+                sse = _line_sse(np.maximum(b, k), t, w)
+                if sse < best[0]:
+                    best = (sse, float(k))
+            out[r] = best[1]
+        return out
+
+    def _irls(self, b: np.ndarray, w: np.ndarray) -> tuple[CostFit, np.ndarray]:
+        """Huber IRLS lines of the arrival times on `b` [n, R] (point weights `w`); the fit and the
+        final robust weights."""
+        cfg, t = self.cfg, self._t
         W = w
         for _ in range(cfg.iterations):
             sw = W.sum(0)
@@ -237,7 +284,7 @@ class CostModel:
         pin = cfg.pinned_fixed_share
         a = np.where(ident, a, pin * mt)
         c = np.where(ident, c, (1 - pin) * mt / mb)
-        return CostFit(a, c, ident, se_a, se_c, spread, mb, mt)
+        return CostFit(a, c, ident, se_a, se_c, spread, mb, mt), W
 
     def fit_network(self) -> NetworkFit:
         """T_net, gamma and the overhead (T_net = 0, gamma = 1 before any synchronisation was timed)."""
@@ -278,6 +325,15 @@ class CostModel:
 
 
 _ARRAYS = ("b", "t", "sync", "arrival", "overhead", "at", "mult")
+
+
+def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    """Weighted squared residuals of the weighted least-squares line of y on x."""
+    sw = w.sum()
+    mx, my = (w * x).sum() / sw, (w * y).sum() / sw
+    vx = (w * (x - mx) ** 2).sum()
+    c = (w * (x - mx) * (y - my)).sum() / vx if vx > 0 else 0.0
+    return float((w * (y - my - c * (x - mx)) ** 2).sum())
 
 
 def record_reports(model: CostModel, batches: Sequence[int], arrival: Sequence[float], sync_end: float,

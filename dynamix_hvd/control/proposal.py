@@ -4,7 +4,7 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
 
 - **split**: for a global batch B, the sizes that make every rank arrive at the allreduce together,
   b_i = (T - a_i) / c_i with T such that sum b_i = B, each clipped to the rank's bounds (fast ranks
-  fill up to the slow rank's arrival); rounded to integers that keep B, the leftover samples going to
+  fill up to the slow rank's arrival) and never below a fitted small-batch knee; rounded to integers that keep B, the leftover samples going to
   the ranks that arrive earliest with them;
 - **global batch**: the B in [initial global batch, memory bounds] that maximises predicted goodput
   B * E(B) / T_step(B), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
@@ -156,7 +156,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         lo = np.minimum(np.maximum(lo, np.ceil(cur / cfg.trust)), hi).astype(np.int64)
         hi = np.maximum(np.minimum(hi, np.floor(cur * cfg.trust)), lo).astype(np.int64)
     a_s, c_s = fit.split_coefficients()
-    a_t, c_t = fit.time_coefficients()
+    # below its knee a rank's samples are free: the split never leaves it there (within its bounds)
+    lo = np.maximum(lo, np.minimum(np.floor(fit.knee), hi)).astype(np.int64)
     B_lo, B_hi = float(max(base_batch, lo.sum())), float(hi.sum())
     if cfg.trust is not None:
         B_lo = max(B_lo, B_cur / cfg.trust)
@@ -164,7 +165,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
 
     def goodput(Bs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         shares = equalise(Bs, a_s, c_s, lo, hi)
-        step = np.asarray(net.step_time((a_t + c_t * shares).max(1)))
+        step = np.asarray(net.step_time(fit.arrival(shares).max(1)))
         total = shares.sum(1)
         return total * efficiency(noise, total, base_batch) / step, step, shares
 

@@ -80,8 +80,7 @@ def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequen
     """B / T_model(sizes) from the fits (0 when there is no fit for these ranks)."""
     if fit is None or net is None or len(fit.per_sample_s) != len(sizes):
         return 0.0
-    a, c = fit.time_coefficients()
-    step = float(net.step_time(float((a + c * np.asarray(sizes, dtype=np.float64)).max())))
+    step = float(net.step_time(float(fit.arrival(np.asarray(sizes, dtype=np.float64)).max())))
     return sum(sizes) / step if step > 0 and math.isfinite(step) else 0.0
 
 

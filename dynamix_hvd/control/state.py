@@ -108,7 +108,7 @@ def rank_features(reports: Sequence[RankReport], fit: CostFit | None) -> torch.T
     if fit is not None and len(fit.per_sample_s) == R:
         a, c = fit.split_coefficients()
         rel = np.log2(c / c.mean())
-        arrival = a + c * b
+        arrival = fit.arrival(b, split=True)
         fixed_share = a / arrival
         late = np.maximum(np.log2(arrival / arrival.max()), -4.0)
         conf = np.where(fit.identified, np.clip(fit.per_sample_se / fit.per_sample_s, 0.0, 1.0), 1.0)
@@ -124,8 +124,7 @@ def job_features(ctx: GlobalContext, reports: Sequence[RankReport], fit: CostFit
                  net: NetworkFit | None) -> list[float]:
     comm = 0.0
     if fit is not None and net is not None and len(fit.per_sample_s) == len(reports):
-        a, c = fit.time_coefficients()
-        arrival = float((a + c * np.array([r.local_batch for r in reports])).max())
+        arrival = float(fit.arrival(np.array([r.local_batch for r in reports], dtype=np.float64)).max())
         step = float(net.step_time(arrival))
         comm = _ratio(max(float(net.sync_time(arrival)) - arrival, 0.0), step)
     point, lower = ctx.noise_point, ctx.noise_lower

@@ -2,7 +2,9 @@
 
 The loader opens a step (data wait ends when the batch is handed out), the optimizer closes it
 (allreduce wait in ``synchronize()``, then the optimizer update). Forward+backward is the time between
-the two. A straggler shows up as ``sync_wait_s`` on the *other* ranks: they finish backward first and
+the two; on a GPU, where the host only launches kernels, it is the larger of that and the device time
+between two CUDA events recorded at the same two points (otherwise the device's compute would show up
+as allreduce wait, and every rank would look equally fast). A straggler shows up as ``sync_wait_s`` on the *other* ranks: they finish backward first and
 wait in ``synchronize()`` for the slow rank's gradients.
 """
 from __future__ import annotations
@@ -30,7 +32,10 @@ class StepRecord:
     data_wait_s: float
     """Time the training loop waited for the batch (loading, collation, transfer)."""
     compute_s: float = float("nan")
-    """Forward + backward: from batch handed out to ``optimizer.step()`` entered."""
+    """Forward + backward: from batch handed out to ``optimizer.step()`` entered (on GPU at least the
+    device time between those points, from CUDA events)."""
+    device_compute_s: float = float("nan")
+    """On GPU: the device time between those points (CUDA events); NaN on CPU."""
     sync_wait_s: float = float("nan")
     """Allreduce wait: time blocked in ``synchronize()`` for outstanding gradient allreduces."""
     optimizer_s: float = float("nan")
@@ -76,6 +81,7 @@ class StepTracker:
     _t_batch: float = field(default=0.0, init=False)
     _t_step: float = field(default=0.0, init=False)
     _t_sync: float = field(default=0.0, init=False)
+    _events: tuple | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.records = deque(maxlen=self.max_records)
@@ -86,14 +92,20 @@ class StepTracker:
 
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
         self._t_batch = time.perf_counter()
+        self._events = None
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events = (start, torch.cuda.Event(enable_timing=True))
         self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
                                 global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
 
     # --- called by the optimizer ----------------------------------------------------------------
     def step_started(self) -> None:
         self._t_step = time.perf_counter()
+        if self._events is not None:
+            self._events[1].record()
 
     def synchronized(self) -> None:
         self._t_sync = time.perf_counter()
@@ -111,7 +123,13 @@ class StepTracker:
             return None  # optimizer stepped without a batch from our loader: nothing to attribute
         now = time.perf_counter()
         rec.compute_s = self._t_step - self._t_batch
-        rec.sync_wait_s = self._t_sync - self._t_step
+        if self._events is not None:
+            # the allreduce has finished, so the backward kernels before the end event have too
+            start, end = self._events
+            end.synchronize()
+            rec.device_compute_s = start.elapsed_time(end) / 1e3
+            rec.compute_s = max(rec.compute_s, rec.device_compute_s)
+        rec.sync_wait_s = max(0.0, self._t_sync - self._t_batch - rec.compute_s)
         rec.optimizer_s = now - self._t_sync
         rec.step_s = now - self._t_request
         rec.samples_per_s = rec.local_batch / rec.step_s if rec.step_s > 0 else float("nan")

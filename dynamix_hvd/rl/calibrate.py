@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -69,11 +71,30 @@ class CalibrationResult:
         return {"spec": self.spec.to_dict(), "throughput": asdict(self.throughput), "statistics": self.statistics,
                 "fit": self.fit}
 
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, source: Optional[dict[str, Any]] = None) -> Path:
+        """Write the JSON (``source``: where the log came from, kept as provenance)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        path.write_text(json.dumps({**self.to_dict(), **({"source": source} if source else {})}, indent=2) + "\n")
         return path
+
+
+def run_source(run_dir: str | Path) -> dict[str, Any]:
+    """Provenance of a run directory: its path, and what its meta.json and command.txt say."""
+    run_dir = Path(run_dir)
+    out: dict[str, Any] = {"run_dir": os.path.relpath(run_dir)}
+    meta = run_dir / "meta.json"
+    if meta.is_file():
+        m = json.loads(meta.read_text())
+        out.update({k: m[k] for k in ("created", "example", "batch_sizes", "policy", "lr_rule", "epochs", "slow_rank",
+                                      "dynamix_hvd", "torch", "horovod") if k in m})
+    cmd = run_dir / "command.txt"
+    if cmd.is_file():
+        out["command"] = cmd.read_text().strip()
+        module = re.search(r"-m dynamix_hvd\.examples\.(\w+)", out["command"])
+        if module and "example" not in out:
+            out["example"] = module.group(1)
+    return out
 
 
 def load_run(run_dir: str | Path) -> tuple[pd.DataFrame, Optional[pd.DataFrame]]:
@@ -254,16 +275,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--out", default="", help="write the calibration JSON here")
     ap.add_argument("--holdout", type=float, default=0.25, help="fraction of steps (the last ones) held back")
     ap.add_argument("--window", type=int, default=20, help="steps per window for the windowed error")
+    ap.add_argument("--name", default="", help="the spec's name (default: the run directory's name)")
     args = ap.parse_args(argv)
     steps, decisions = load_run(args.run_dir)
-    res = calibrate(steps, decisions, args.holdout, args.window, name=Path(args.run_dir).name)
+    res = calibrate(steps, decisions, args.holdout, args.window, name=args.name or Path(args.run_dir).name)
     tp = res.throughput
     print(f"ranks {len(tp.alpha_s)}: alpha (ms) {[round(a * 1e3, 3) for a in tp.alpha_s]}, "
           f"beta (us/sample) {[round(b * 1e6, 2) for b in tp.beta_s]}, net {tp.net_s * 1e3:.3f} ms, gamma {tp.gamma}")
     print("fit: " + ", ".join(f"{k} {v:.3g}" for k, v in res.fit.items()))
     print(f"noise scale {res.spec.phi_start:.1f} -> {res.spec.phi_end:.1f}")
     if args.out:
-        print(f"wrote {res.save(args.out)}")
+        print(f"wrote {res.save(args.out, source=run_source(args.run_dir))}")
 
 
 if __name__ == "__main__":

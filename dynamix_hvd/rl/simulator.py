@@ -12,8 +12,11 @@ policy trained here sees the same numbers at run time.
 
 Models (all vectorised over ranks and steps; 1024 ranks are fine):
 
-* compute of rank i per step: ``(alpha_i + beta_i * b_i) * slow_i * lognormal(jitter)``; ``slow_i`` can
-  drift mid-run (``drift``: at a progress fraction a rank slows by a factor, e.g. 2x);
+* compute of rank i per step: ``(alpha_i + beta_i * max(b_i, knee_i)) * slow_i * lognormal(jitter)``
+  (``knee_i``: a GPU that a small batch does not fill takes as long as for ``knee_i`` samples), plus
+  transient stalls (``stall_prob`` per rank and step, Pareto-distributed above ``stall_s``: a garbage
+  collection, a noisy neighbour); ``slow_i`` can drift mid-run (``drift``: at a progress fraction a
+  rank slows by a factor, e.g. 2x);
 * data loading: ``data_s + data_s_per_sample * b_i``;
 * ring allreduce: ``T_net = 2 (R-1) latency + 2 (R-1)/R * model_bytes / (bandwidth / (1 + load))``, where
   the background load (contention) fluctuates per interval and causes TCP retransmits;
@@ -32,6 +35,11 @@ Models (all vectorised over ranks and steps; 1024 ranks are fine):
   global batch (hence, through the LR rule, the learning rate) jumps up, the loss spikes by
   ``spike_coef * log2(lr ratio)`` (decaying over ``spike_steps``) and progress slows meanwhile.
 
+Decisions: every ``steps_per_decision`` steps (``cadence="fixed"``), or where the live controller's
+default cadence puts them (``cadence="live"``: :class:`~dynamix_hvd.control.cadence.DecisionCadence` over
+epochs of ``dataset_size`` samples, whose last step takes the remainder: epoch ends, a ramp of short
+first intervals, then ``target_decisions`` spread over ``total_epochs``).
+
 An episode is a training run from ``start_progress`` until the statistical target or ``max_decisions``.
 """
 from __future__ import annotations
@@ -44,6 +52,7 @@ import numpy as np
 import torch
 
 from ..control.actions import ActionSpace, BatchBounds
+from ..control.cadence import DecisionCadence
 from ..control.core import DecisionCore, Observation, RankInput, StepSeries
 from ..control.policy import BatchSizePolicy, DecisionInput
 from ..control.proposal import ModelPolicy
@@ -90,6 +99,15 @@ class ClusterSpec:
     """Optimizer update time per step (s)."""
     jitter: float = 0.05
     """Log-normal sigma of per-step compute-time noise."""
+    knee: list[float] = field(default_factory=list)
+    """Small-batch knee of each rank (samples): compute is ``alpha + beta * max(b, knee)``, flat below
+    it (a GPU a small batch does not fill); empty: no knee."""
+    stall_prob: float = 0.0
+    """Chance per rank and step of a transient stall (GC pause, noisy neighbour, slow I/O)."""
+    stall_s: float = 0.0
+    """Shortest stall (s); stalls are Pareto-distributed above it (heavy-tailed), capped at 50x."""
+    stall_shape: float = 1.5
+    """Pareto shape of the stalls (smaller = heavier tail)."""
     drift: list[tuple[float, int, float]] = field(default_factory=list)
     """Speed changes: (progress fraction, rank, factor), e.g. (0.5, 3, 2.0) = rank 3 twice as slow from half-way."""
     phi_start: float = 200.0
@@ -129,7 +147,15 @@ class ClusterSpec:
     total_epochs: int = 0
     """Training budget for the progress feature (as ControllerConfig.total_epochs); 0: target at B_ref."""
     steps_per_decision: int = 20
-    """Optimizer steps per decision interval (ControllerConfig.decide_every_steps)."""
+    """Optimizer steps per decision interval with ``cadence="fixed"`` (ControllerConfig.decide_every_steps)."""
+    cadence: str = "fixed"
+    """"fixed": a decision every `steps_per_decision` steps; "live": the live controller's default
+    cadence (epoch ends, a ramp, then `target_decisions` spread over `total_epochs` epochs of
+    `dataset_size` samples; an epoch's last step takes the remainder)."""
+    target_decisions: int = 32
+    """ControllerConfig.target_decisions (``cadence="live"``)."""
+    min_decision_steps: int = 8
+    """ControllerConfig.min_decision_steps (``cadence="live"``)."""
     max_decisions: int = 2000
     """Decisions after which an episode stops even if the target was not reached."""
     min_batch: int = 1
@@ -146,7 +172,8 @@ class ClusterSpec:
         if R < 1 or len(self.beta_s) != R or len(self.initial_batch) != R:
             raise ValueError(f"alpha_s, beta_s, initial_batch need one entry per rank (got {len(self.alpha_s)}, "
                              f"{len(self.beta_s)}, {len(self.initial_batch)})")
-        for name, default in (("mem_base_bytes", 1e9), ("mem_per_sample_bytes", 2e7), ("mem_total_bytes", 16e9)):
+        for name, default in (("mem_base_bytes", 1e9), ("mem_per_sample_bytes", 2e7), ("mem_total_bytes", 16e9),
+                              ("knee", 0.0)):
             value = getattr(self, name)
             if len(value) == 0:
                 setattr(self, name, [default] * R)
@@ -158,6 +185,16 @@ class ClusterSpec:
             raise ValueError("phi_start, phi_end, target_progress must be > 0 and gamma >= 1")
         if self.steps_per_decision < 1 or self.grad_dims < 1:
             raise ValueError("steps_per_decision and grad_dims must be >= 1")
+        if self.cadence not in ("fixed", "live"):
+            raise ValueError(f"cadence={self.cadence!r}: use 'fixed' or 'live'")
+        if self.cadence == "live" and (self.target_decisions < 1 or self.min_decision_steps < 1):
+            raise ValueError(f"target_decisions={self.target_decisions} and min_decision_steps="
+                             f"{self.min_decision_steps} must be >= 1")
+        if not (0.0 <= self.stall_prob < 1.0 and self.stall_s >= 0.0 and self.stall_shape > 0.0):
+            raise ValueError(f"stall_prob={self.stall_prob} must be in [0, 1), stall_s={self.stall_s} >= 0, "
+                             f"stall_shape={self.stall_shape} > 0")
+        if min(self.knee) < 0:
+            raise ValueError(f"knee {self.knee[:8]} must be >= 0")
         if not 1 <= self.min_batch <= min(self.initial_batch) or max(self.initial_batch) > self.max_batch:
             raise ValueError(f"initial_batch {self.initial_batch[:8]} outside [{self.min_batch}, {self.max_batch}]")
         self.drift = [tuple(d) for d in self.drift]  # type: ignore[misc]
@@ -211,6 +248,7 @@ class ClusterSimulator:
         self.R = s.world_size
         self.alpha = np.asarray(s.alpha_s, dtype=np.float64)
         self.beta = np.asarray(s.beta_s, dtype=np.float64)
+        self.knee = np.asarray(s.knee, dtype=np.float64)
         self.mem_base = np.asarray(s.mem_base_bytes, dtype=np.float64)
         self.mem_ps = np.asarray(s.mem_per_sample_bytes, dtype=np.float64)
         self.mem_total = np.asarray(s.mem_total_bytes, dtype=np.float64)
@@ -244,7 +282,7 @@ class ClusterSimulator:
         """Noise-free step time of per-rank sizes ``[..., R]`` with the current speeds."""
         s = self.spec
         b = np.asarray(sizes, dtype=np.float64)
-        arrival = s.data_s + s.data_s_per_sample * b + (self.alpha + self.beta * b) * self.slow
+        arrival = s.data_s + s.data_s_per_sample * b + (self.alpha + self.beta * np.maximum(b, self.knee)) * self.slow
         net = self.net_time(s.contention if load is None else load)
         g = s.gamma
         return (arrival.max(axis=-1) ** g + net ** g) ** (1 / g) + s.optimizer_s
@@ -265,16 +303,20 @@ class ClusterSimulator:
         caps = np.maximum(caps, s.min_batch)
         per_sample = self.beta * self.slow + s.data_s_per_sample
         fixed = self.alpha * self.slow + s.data_s
-        t_lo, t_hi = float((fixed + per_sample * s.min_batch).max()), float((fixed + per_sample * caps).max())
+        t_lo = float((fixed + per_sample * np.maximum(s.min_batch, self.knee)).max())
+        t_hi = float((fixed + per_sample * np.maximum(caps, self.knee)).max())
+        knee = np.clip(np.floor(self.knee), s.min_batch, caps)
 
         def fill(times: np.ndarray) -> np.ndarray:
-            b = np.floor((times[:, None] - fixed) / per_sample * (1 + 1e-12))
-            return np.clip(b, s.min_batch, caps)
+            # the line above the knee; below it a rank arrives at the knee's time whatever its batch,
+            # so each fill also has a twin with every rank at least at its knee (those samples are free)
+            b = np.clip(np.floor((times[:, None] - fixed) / per_sample * (1 + 1e-12)), s.min_batch, caps)
+            return np.concatenate([b, np.maximum(b, knee)])
 
         times = np.geomspace(t_lo, max(t_hi, t_lo * (1 + 1e-9)), grid)
         cands = fill(times)
         g = self.goodput(cands)
-        k = int(np.argmax(g))
+        k = int(np.argmax(g)) % grid
         fine = np.linspace(times[max(k - 1, 0)], times[min(k + 1, grid - 1)], 64)
         cands = np.concatenate([cands, fill(fine)])
         g = self.goodput(cands)
@@ -300,6 +342,11 @@ class ClusterSimulator:
         self.wall_s, self.ooms = 0.0, 0
         self.proposer = ModelPolicy()  # the proposal PPO's actions correct (step)
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
+        # the loader's position (cadence="live"): epoch, samples and steps done in it
+        self._pos_epoch = int(self.samples_seen // s.dataset_size)
+        self._pos_samples = float(self.samples_seen - self._pos_epoch * s.dataset_size)
+        self._pos_step = int(self._pos_samples // max(1, sum(s.initial_batch)))
+        self.cadence = DecisionCadence(None, s.target_decisions, s.min_decision_steps, self.total_epochs)
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
@@ -309,16 +356,48 @@ class ClusterSimulator:
         self._interval()
         return self.obs
 
+    def _step_fractions(self) -> np.ndarray:
+        """The next interval's steps, as each step's fraction of the full batch (1, except an epoch's
+        last step under ``cadence="live"``, which takes the remainder); advances the loader position."""
+        s = self.spec
+        if s.cadence == "fixed":
+            return np.ones(s.steps_per_decision)
+        B, fractions = float(sum(self.sizes)), []
+        while len(fractions) < 100_000:
+            left = s.dataset_size - self._pos_samples
+            f = min(1.0, left / B)
+            fractions.append(f)
+            self._pos_samples += f * B
+            self._pos_step += 1
+            epoch_end = self._pos_samples >= s.dataset_size - 1e-9
+            length = self._pos_step + math.ceil(max(0.0, s.dataset_size - self._pos_samples) / B - 1e-9)
+            due = self.cadence.due(epoch_end=epoch_end, steps_since=len(fractions), decisions=self.decisions,
+                                   epoch=self._pos_epoch, step=self._pos_step, sizes=self.sizes,
+                                   epoch_length=lambda: length)
+            if epoch_end:
+                self._pos_epoch, self._pos_samples, self._pos_step = self._pos_epoch + 1, 0.0, 0
+            if due:
+                break
+        return np.asarray(fractions)
+
     def _interval(self) -> None:
-        """Run ``steps_per_decision`` steps at ``self.sizes`` and build reports, context, reward, obs."""
-        s, R, k = self.spec, self.R, self.spec.steps_per_decision
+        """Run one decision interval at ``self.sizes`` and build reports, context, reward, obs."""
+        s, R = self.spec, self.R
         rng = self.rng
         self._oom_check()
-        b = np.asarray(self.sizes, dtype=np.float64)
-        B = float(b.sum())
+        frac_b = self._step_fractions()
+        k = len(frac_b)
+        b_full = np.asarray(self.sizes, dtype=np.float64)
+        b = np.maximum(1.0, np.rint(b_full[None, :] * frac_b[:, None]))   # [k, R] samples per step
+        B_t = b.sum(axis=1)
         # network load: log-normal fluctuation around the mean contention
         self._load = s.contention * float(np.exp(rng.normal(0.0, 0.5))) if s.contention > 0 else 0.0
-        compute = (self.alpha + self.beta * b) * self.slow * np.exp(rng.normal(0.0, s.jitter, (k, R)))
+        compute = (self.alpha + self.beta * np.maximum(b, self.knee)) * self.slow \
+            * np.exp(rng.normal(0.0, s.jitter, (k, R)))
+        if s.stall_prob > 0:
+            stalled = rng.random((k, R)) < s.stall_prob
+            pareto = np.minimum(50.0, (1.0 - rng.random((k, R))) ** (-1.0 / s.stall_shape))
+            compute = compute + np.where(stalled, s.stall_s * pareto, 0.0)
         data = (s.data_s + s.data_s_per_sample * b) * np.exp(rng.normal(0.0, 0.1, (k, R)))
         arrival = data + compute
         net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
@@ -331,7 +410,7 @@ class ClusterSimulator:
         self._spike = float(spike[-1] * math.exp(-1.0 / s.spike_steps))
         frac0 = min(1.0, self.progress / s.target_progress)
         phi = s.phi_start * (s.phi_end / s.phi_start) ** frac0
-        gain = B * (phi + self.ref_batch) / (phi + B)
+        gain = B_t * (phi + self.ref_batch) / (phi + B_t)
         dprog = gain * (1.0 - np.minimum(0.9, s.spike_progress_cost * spike))
         prog = self.progress + np.concatenate([[0.0], np.cumsum(dprog)[:-1]])
         frac = np.minimum(1.0, prog / s.target_progress)
@@ -341,10 +420,10 @@ class ClusterSimulator:
         loss_true = (s.loss_end + (s.loss_start - s.loss_end) * np.exp(-s.loss_rate * frac)) * (1.0 + spike)
         losses = loss_true[:, None] * (1.0 + s.loss_noise * rng.normal(0.0, 1.0, (k, R)) / np.sqrt(b))
         batches = [int(x) for x in self.sizes]
-        self.last_steps = {"batches": batches, "local_sq": local_sq, "global_sq": global_sq, "losses": losses,
-                           "compute": compute, "data": data, "wait": wait, "step_s": step_s}
+        self.last_steps = {"batches": batches, "step_batches": b, "local_sq": local_sq, "global_sq": global_sq,
+                           "losses": losses, "compute": compute, "data": data, "wait": wait, "step_s": step_s}
         if self.log_steps:
-            self._log_steps(B)
+            self._log_steps()
         # clocks and progress
         self.wall_s += float(step_s.sum()) + self._oom_time
         if math.isinf(self.time_to_target) and self.progress + dprog.sum() >= s.target_progress:
@@ -352,12 +431,13 @@ class ClusterSimulator:
             j = int(np.argmax(cum >= s.target_progress))
             self.time_to_target = self.wall_s - float(step_s[j + 1:].sum())
         self.progress += float(dprog.sum())
-        self.samples_seen += B * k
+        self.samples_seen += float(B_t.sum())
         self._apply_drift()
         # reports, exactly the fields the controller's ranks send
-        mem_used = self.mem_base + self.mem_ps * b
+        mem_used = self.mem_base + self.mem_ps * b_full
         mean_step = float(step_s.mean())
         comp_m, wait_m, data_m = compute.mean(0), wait.mean(0), data.mean(0)
+        b_mean = b.mean(0)
         net_bps = (2 * (R - 1) / R * s.model_bytes / mean_step) if R > 1 else 0.0
         retrans = float(rng.poisson(50.0 * self._load * self._load)) / (k * mean_step) if self._load > 0 else 0.0
         busy = (comp_m + data_m) / mean_step
@@ -368,14 +448,14 @@ class ClusterSimulator:
         upper = [self.bounds.upper(r) for r in range(R)]
         self.reports = [RankReport(
             rank=r, local_batch=batches[r], steps=k, compute_s=float(comp_m[r]), sync_wait_s=float(wait_m[r]),
-            data_wait_s=float(data_m[r]), step_s=mean_step, samples_per_s=batches[r] / mean_step,
+            data_wait_s=float(data_m[r]), step_s=mean_step, samples_per_s=float(b_mean[r]) / mean_step,
             peak_memory_bytes=int(mem_used[r]), mem_used_bytes=int(mem_used[r]), mem_total_bytes=int(self.mem_total[r]),
             cpu_util=float(cpu[r]), gpu_util=float(gpu[r]), net_bytes_per_s=net_bps, tcp_retrans_per_s=retrans,
             loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r])
             for r in range(R)]
         kind = "cuda" if s.gpu else "rss"
         glob = global_sq.tolist()
-        self.inputs = [RankInput(rep, StepSeries([batches[r]] * k, local_sq[:, r].tolist(), glob,
+        self.inputs = [RankInput(rep, StepSeries(b[:, r].astype(int).tolist(), local_sq[:, r].tolist(), glob,
                                                  losses[:, r].tolist(), kind, compute[:, r].tolist(),
                                                  data[:, r].tolist(), wait[:, r].tolist()))
                        for r, rep in enumerate(self.reports)]
@@ -384,21 +464,25 @@ class ClusterSimulator:
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 
-    def _log_steps(self, B: float) -> None:
-        """Append the last interval's steps as StepRecord-like rows (one per rank and step)."""
+    def _log_steps(self) -> None:
+        """Append the last interval's steps as StepRecord-like rows (one per rank and step); called
+        before ``samples_seen`` moves past the interval."""
         d, s = self.last_steps, self.spec
         lr0 = 1.0
+        b = d["step_batches"]
+        before = self.samples_seen + np.concatenate([[0.0], np.cumsum(b.sum(axis=1))[:-1]])
         for j in range(len(d["step_s"])):
-            epoch = int((self.samples_seen + j * B) // s.dataset_size)
+            epoch = int(before[j] // s.dataset_size)
             if epoch != self._epoch:
                 self._epoch, self._epoch_step = epoch, 0
+            B = float(b[j].sum())
             lr = lr0 * self.lr_factor(B, self.base_batch)
             for r in range(self.R):
                 self.step_log.append(dict(
-                    epoch=epoch, step=self._epoch_step, rank=r, local_batch=d["batches"][r], global_batch=int(B),
+                    epoch=epoch, step=self._epoch_step, rank=r, local_batch=int(b[j, r]), global_batch=int(B),
                     data_wait_s=float(d["data"][j, r]), compute_s=float(d["compute"][j, r]),
                     sync_wait_s=float(d["wait"][j, r]), optimizer_s=s.optimizer_s, step_s=float(d["step_s"][j]),
-                    samples_per_s=d["batches"][r] / float(d["step_s"][j]), status="ok", lr=lr,
+                    samples_per_s=float(b[j, r]) / float(d["step_s"][j]), status="ok", lr=lr,
                     local_grad_sq=float(d["local_sq"][j, r]), global_grad_sq=float(d["global_sq"][j]),
                     memory_kind="cuda" if s.gpu else "rss"))
             self._epoch_step += 1
@@ -431,15 +515,17 @@ class ClusterSimulator:
         return int(self.samples_seen // self.spec.dataset_size)
 
     def _grad_norms(self, b: np.ndarray, phi_t: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-step squared norms of each rank's local mean gradient ``[k, R]`` and of the global one ``[k]``."""
+        """Per-step squared norms of each rank's local mean gradient ``[k, R]`` and of the global one ``[k]``
+        for per-step local batches ``b`` ``[k, R]`` (or ``[R]``, the same every step)."""
         k, R, D = len(phi_t), self.R, self.spec.grad_dims
-        noise_sd = np.sqrt(phi_t[:, None] * g2[:, None] / (b[None, :] * D))  # per dimension, [k, R]
+        b = np.broadcast_to(np.asarray(b, dtype=np.float64), (k, R))
+        noise_sd = np.sqrt(phi_t[:, None] * g2[:, None] / (b * D))  # per dimension, [k, R]
         n = self.rng.standard_normal((k, R, D)) * noise_sd[:, :, None]
         mean = np.zeros(D)
         mean[0] = 1.0
         G = np.sqrt(g2)[:, None] * mean[None, :]                              # [k, D]
         local = G[:, None, :] + n
-        glob = G + np.einsum("krd,r->kd", n, b / b.sum())
+        glob = G + np.einsum("krd,kr->kd", n, b / b.sum(axis=1, keepdims=True))
         return (local ** 2).sum(-1), (glob ** 2).sum(-1)
 
     def _oom_check(self) -> None:
@@ -524,110 +610,3 @@ class ClusterSimulator:
                              mean_reward=float(np.mean(rewards)) if len(rewards) else 0.0,
                              mean_goodput_ratio=float(np.mean(ratios)) if len(ratios) else math.nan,
                              final_sizes=list(self.sizes), ooms=self.ooms)
-
-
-# --- randomised clusters and workloads -------------------------------------------------------------
-#: Per-family ranges: (low, high) are drawn log-uniformly unless noted.
-FAMILIES: dict[str, dict[str, Any]] = {
-    # small dense nets on CPUs or small GPUs: cheap samples, fixed costs and the allreduce dominate
-    "mlp": dict(beta=(2e-6, 6e-5), alpha=(3e-4, 4e-3), model_bytes=(1e5, 8e6), phi_growth=(2.0, 20.0),
-                spike=(0.1, 0.3), gpu_prob=0.3, loss=(2.3, 0.2), epochs=(3, 30)),
-    # convolutional nets on GPUs: expensive samples, big activations, moderate models
-    "cnn": dict(beta=(1e-4, 4e-3), alpha=(2e-3, 2e-2), model_bytes=(1e7, 2e8), phi_growth=(3.0, 30.0),
-                spike=(0.1, 0.4), gpu_prob=0.9, loss=(2.3, 0.1), epochs=(5, 40)),
-    # transformers / language models: per-sequence cost, large models, Adam-style LR sensitivity
-    "transformer": dict(beta=(5e-4, 2e-2), alpha=(5e-3, 3e-2), model_bytes=(2e7, 5e8), phi_growth=(5.0, 50.0),
-                        spike=(0.3, 0.8), gpu_prob=0.9, loss=(4.5, 1.2), epochs=(1, 10)),
-}
-
-
-@dataclass
-class ScenarioConfig:
-    """Distribution of simulated jobs that :func:`sample_cluster` draws from (the pretraining curriculum)."""
-
-    families: tuple[str, ...] = ("mlp", "cnn")
-    """Workload families (keys of FAMILIES) drawn uniformly."""
-    world_sizes: tuple[int, ...] = (1, 2, 2, 3, 4, 4, 8, 16, 32)
-    """World sizes drawn uniformly (repeat a value to weight it)."""
-    base_batches: tuple[int, ...] = (8, 16, 32, 64, 128)
-    """Initial local batch of a rank (the user's static choice)."""
-    unequal_prob: float = 0.3
-    """Chance that the initial local batches differ per rank (x0.5..x2)."""
-    speed_sigma: tuple[float, float] = (0.0, 0.6)
-    """Log-normal sigma of per-rank speed differences (uniform range)."""
-    straggler_prob: float = 0.3
-    """Chance of one rank slower by x1.5..4 from the start."""
-    drift_prob: float = 0.3
-    """Chance that one rank slows x1.5..3 part-way through training."""
-    phi_vs_batch: tuple[float, float] = (0.125, 8.0)
-    """Initial noise scale relative to the initial global batch (log-uniform)."""
-    bandwidth_Bps: tuple[float, float] = (1e8, 1.25e10)
-    """Link bandwidth range (log-uniform)."""
-    latency_s: tuple[float, float] = (1e-6, 5e-5)
-    """Allreduce hop latency range (log-uniform)."""
-    contention_prob: float = 0.4
-    """Chance of background network load (0.1..2 x the job's own traffic)."""
-    overlap_prob: float = 0.5
-    """Chance of compute/allreduce overlap (gamma in 1..4 instead of 1)."""
-    capacity_vs_batch: tuple[float, float] = (2.0, 64.0)
-    """Memory capacity relative to the initial local batch (log-uniform)."""
-    jitter: tuple[float, float] = (0.02, 0.25)
-    """Per-step compute noise sigma (uniform)."""
-    steps_per_decision: tuple[int, ...] = (10, 20, 50)
-    """Decision interval choices."""
-    static_decisions: tuple[float, float] = (30.0, 300.0)
-    """Length of a run under the static sizes, in decisions (log-uniform): sets the statistical target."""
-    max_batch: int = 1024
-    """ControllerConfig.max_batch of the simulated jobs."""
-
-
-def _logu(rng: np.random.Generator, lo: float, hi: float, size: Any = None) -> Any:
-    return np.exp(rng.uniform(math.log(lo), math.log(hi), size))
-
-
-def sample_cluster(rng: np.random.Generator, cfg: Optional[ScenarioConfig] = None,
-                   world_size: Optional[int] = None, family: Optional[str] = None) -> ClusterSpec:
-    """Draw one simulated job from the scenario distribution."""
-    cfg = cfg or ScenarioConfig()
-    fam_name = family or str(rng.choice(cfg.families))
-    fam = FAMILIES[fam_name]
-    R = int(world_size or rng.choice(cfg.world_sizes))
-    b0 = int(rng.choice(cfg.base_batches))
-    init = np.full(R, b0)
-    if R > 1 and rng.random() < cfg.unequal_prob:
-        init = np.maximum(1, np.rint(b0 * _logu(rng, 0.5, 2.0, R))).astype(int)
-    speed = np.exp(rng.normal(0.0, rng.uniform(*cfg.speed_sigma), R))
-    if R > 1 and rng.random() < cfg.straggler_prob:
-        speed[rng.integers(R)] /= rng.uniform(1.5, 4.0)
-    beta = float(_logu(rng, *fam["beta"])) / speed
-    alpha = float(_logu(rng, *fam["alpha"])) / speed
-    gpu = bool(rng.random() < fam["gpu_prob"])
-    cap = np.maximum(init + 1, np.rint(init * _logu(rng, *cfg.capacity_vs_batch, R)))
-    mem_total = np.full(R, float(rng.choice([16e9, 24e9, 40e9, 80e9]) if gpu else 64e9))
-    mem_base = mem_total * rng.uniform(0.05, 0.3)
-    mem_ps = (mem_total - mem_base) / cap
-    B0 = int(init.sum())
-    phi0 = B0 * float(_logu(rng, *cfg.phi_vs_batch))
-    steps_per_decision = int(rng.choice(cfg.steps_per_decision))
-    target = float(_logu(rng, *cfg.static_decisions)) * steps_per_decision * B0
-    epochs = int(rng.integers(fam["epochs"][0], fam["epochs"][1] + 1))
-    dataset = max(1, math.ceil(target / epochs))
-    drift: list[tuple[float, int, float]] = []
-    if R > 1 and rng.random() < cfg.drift_prob:
-        drift.append((float(rng.uniform(0.1, 0.7)), int(rng.integers(R)), float(rng.uniform(1.5, 3.0))))
-    loss0, loss1 = fam["loss"]
-    return ClusterSpec(
-        alpha_s=alpha.tolist(), beta_s=beta.tolist(), initial_batch=init.tolist(),
-        mem_base_bytes=mem_base.tolist(), mem_per_sample_bytes=mem_ps.tolist(), mem_total_bytes=mem_total.tolist(),
-        gpu=gpu, net_latency_s=float(_logu(rng, *cfg.latency_s)), model_bytes=float(_logu(rng, *fam["model_bytes"])),
-        bandwidth_Bps=float(_logu(rng, *cfg.bandwidth_Bps)),
-        contention=float(rng.uniform(0.1, 2.0)) if rng.random() < cfg.contention_prob else 0.0,
-        gamma=float(rng.uniform(1.0, 4.0)) if rng.random() < cfg.overlap_prob else 1.0,
-        data_s=float(_logu(rng, 2e-5, 1e-3)), data_s_per_sample=float(beta.min() * rng.uniform(0.0, 0.3)),
-        optimizer_s=float(_logu(rng, 5e-5, 2e-3)), jitter=float(rng.uniform(*cfg.jitter)), drift=drift,
-        phi_start=phi0, phi_end=phi0 * float(_logu(rng, *fam["phi_growth"])),
-        grad_sq_start=1.0, grad_sq_end=float(_logu(rng, 0.01, 0.3)),
-        loss_start=loss0 * float(rng.uniform(0.8, 1.2)), loss_end=loss1 * float(rng.uniform(0.5, 1.5)),
-        spike_coef=float(rng.uniform(*fam["spike"])), target_progress=target, dataset_size=dataset,
-        total_epochs=epochs, steps_per_decision=steps_per_decision,
-        max_batch=cfg.max_batch, name=fam_name)

@@ -67,7 +67,8 @@ def inspect_policy(name_or_path: str | os.PathLike, directory: Optional[Path] = 
 def sample_observations(n: int = 256, seed: int = 0) -> torch.Tensor:
     """``[n, OBS_DIM]`` realistic observations: simulated jobs (random clusters and workloads) driven by
     random actions, so states away from the static configuration are covered too."""
-    from ..rl.simulator import ClusterSimulator, ScenarioConfig, sample_cluster
+    from ..rl.scenarios import ScenarioConfig, sample_cluster
+    from ..rl.simulator import ClusterSimulator
 
     rng = np.random.default_rng(seed)
     scenario = ScenarioConfig(families=("mlp", "cnn", "transformer"), world_sizes=(1, 2, 3, 4, 8))

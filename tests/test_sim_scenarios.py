@@ -1,0 +1,124 @@
+"""The simulator's small-batch knee, transient stalls, live decision cadence over finite epochs, and
+the scenario distribution (synthetic families and the profiles calibrated from real runs)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dynamix_hvd.control.cadence import DecisionCadence
+from dynamix_hvd.control.policy import StaticPolicy
+from dynamix_hvd.rl.scenarios import (FAMILIES, PROFILE_DIR, ScenarioConfig, family_names, load_profile,
+                                      profile_names, sample_cluster)
+from dynamix_hvd.rl.simulator import ClusterSimulator
+
+from test_simulator import spec
+
+
+def test_knee_makes_compute_flat_below_it_and_the_optimum_fills_it() -> None:
+    sim = ClusterSimulator(spec(2, knee=[64.0, 64.0], jitter=0.0, contention=0.0), seed=0)
+    t16, t64, t128 = (float(sim.expected_step_time(np.array([b, b]))) for b in (16, 64, 128))
+    assert t16 == pytest.approx(t64, rel=1e-3)  # only per-sample data time differs
+    assert t128 > t64 * 1.2
+    # measured compute in an interval follows the same curve
+    sim.step_sizes([16, 16])
+    small = np.mean(sim.last_steps["compute"], axis=0)
+    sim.step_sizes([64, 64])
+    assert np.allclose(np.mean(sim.last_steps["compute"], axis=0), small, rtol=1e-6)
+    # below the knee samples are free, so the goodput optimum never leaves a rank under it
+    assert min(sim.optimum_sizes()) >= 64
+    plain = ClusterSimulator(spec(2, jitter=0.0), seed=0)
+    assert float(plain.expected_step_time(np.array([16, 16]))) < t16
+
+
+def test_transient_stalls_are_rare_heavy_tailed_and_land_in_compute_time() -> None:
+    calm = ClusterSimulator(spec(2, jitter=0.0, steps_per_decision=2000), seed=3)
+    stormy = ClusterSimulator(spec(2, jitter=0.0, steps_per_decision=2000, stall_prob=0.02, stall_s=0.05,
+                                   stall_shape=1.2), seed=3)
+    extra = stormy.last_steps["compute"] - calm.last_steps["compute"]
+    stalled = extra > 1e-9
+    assert 0.01 < stalled.mean() < 0.03, stalled.mean()
+    assert extra[stalled].min() >= 0.05 - 1e-12 and extra.max() <= 50 * 0.05 + 1e-9
+    assert np.median(extra[stalled]) < 0.5 * extra.max()  # heavy tail: a few long pauses
+    # the other ranks wait for a stalled one
+    assert (stormy.last_steps["step_s"] > calm.last_steps["step_s"] + 0.04).mean() > 0.02
+    with pytest.raises(ValueError, match="stall_prob=1.5"):
+        spec(2, stall_prob=1.5)
+
+
+def test_live_cadence_decides_where_the_controller_would_over_finite_epochs() -> None:
+    # 2 x 16 = 32 per step; an epoch of 1,000 samples is 31 full steps and one of 8
+    s = spec(2, initial_batch=[16, 16], cadence="live", dataset_size=1000, total_epochs=6, target_decisions=24,
+             min_decision_steps=4, target_progress=6000.0 * 0.98, max_decisions=500)
+    sim = ClusterSimulator(s, seed=1)
+    lengths, batches = [], []
+    policy = StaticPolicy()
+    while not sim.done:
+        lengths.append(len(sim.last_steps["step_s"]))
+        batches.append(sim.last_steps["step_batches"].sum(axis=1))
+        sim.step_sizes(policy.decide(sim.decision_input()).sizes)
+    steps = np.concatenate(batches)
+    # no sample lost or duplicated: every epoch holds exactly 1,000 samples, its last step the remainder
+    epochs = np.cumsum(steps)
+    ends = np.flatnonzero(np.isclose(epochs % 1000, 0))
+    assert len(ends) >= 5 and steps[ends[0]] == 8 and (steps[:ends[0]] == 32).all()
+    # replay the live cadence on the same loop: the same interval lengths
+    cadence = DecisionCadence(None, 24, 4, 6)
+    expect, since, pos, step, epoch = [], 0, 0, 0, 0
+    for _ in range(len(steps)):
+        take = min(32, 1000 - pos)
+        pos, step, since = pos + take, step + 1, since + 1
+        end = pos == 1000
+        if cadence.due(epoch_end=end, steps_since=since, decisions=len(expect), epoch=epoch, step=step,
+                       sizes=[16, 16], epoch_length=lambda: 32):
+            expect.append(since)
+            since = 0
+        if end:
+            pos, step, epoch = 0, 0, epoch + 1
+    assert lengths == expect[:len(lengths)]
+    assert lengths[:3] == [4, 8, 8]  # the ramp (4, 8, ...) up to 32 steps / ceil(24 / 6) per epoch
+    assert 24 <= len(lengths) <= 40
+    with pytest.raises(ValueError, match="cadence='sometimes'"):
+        spec(2, cadence="sometimes")
+
+
+def test_scenarios_draw_every_family_and_the_new_events() -> None:
+    rng = np.random.default_rng(5)
+    names = family_names()
+    assert set(FAMILIES) <= set(names) and {"real-cnn", "real-mlp", "real-charlm"} <= set(names)
+    specs = [sample_cluster(rng, ScenarioConfig(families=tuple(names))) for _ in range(200)]
+    assert {s.name for s in specs} == set(names)
+    assert 0.15 < np.mean([s.stall_prob > 0 for s in specs]) < 0.35
+    assert 0.35 < np.mean([s.cadence == "live" for s in specs]) < 0.65
+    gpu = [s for s in specs if s.gpu]
+    assert 0.3 < np.mean([max(s.knee) > 0 for s in gpu]) < 0.7
+    assert all(max(s.knee) == 0 for s in specs if not s.gpu)
+    for s in specs[:40]:  # every drawn job runs
+        sim = ClusterSimulator(s, seed=0)
+        sim.step_sizes(sim.sizes)
+        assert math.isfinite(sim.wall_s) and sim.wall_s > 0
+    with pytest.raises(ValueError, match="'resnet'"):
+        sample_cluster(rng, family="resnet")
+    with pytest.raises(ValueError, match="'nope'"):
+        load_profile("nope")
+
+
+@pytest.mark.parametrize("name", ["cnn", "charlm", "mlp"])
+def test_a_real_profile_keeps_its_workload_on_a_drawn_cluster(name: str) -> None:
+    assert name in profile_names()
+    raw = json.loads((PROFILE_DIR / f"{name}.json").read_text())
+    assert raw["source"]["example"] == f"{name}_train" and raw["fit"]["holdout_window_mape_pct"] < 25
+    base = load_profile(name)
+    rng = np.random.default_rng(0)
+    cfg = ScenarioConfig(families=(f"real-{name}",), straggler_prob=0.0, speed_sigma=(0.0, 0.0))
+    jobs = [sample_cluster(rng, cfg, world_size=8) for _ in range(20)]
+    for job in jobs:
+        assert job.world_size == 8 and job.name == f"real-{name}"
+        assert job.ref_batch == sum(base.initial_batch)  # progress in the logged job's unit
+        assert job.dataset_size == base.dataset_size and job.total_epochs == base.total_epochs
+    beta = np.median([job.beta_s[0] for job in jobs])
+    assert beta == pytest.approx(float(np.median(base.beta_s)), rel=0.25)
+    phi = np.median([job.phi_start for job in jobs])
+    assert phi == pytest.approx(base.phi_start, rel=0.3)
