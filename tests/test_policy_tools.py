@@ -94,7 +94,9 @@ def test_compare_policies(store: Path) -> None:
     same = compare_policies(DEFAULT_POLICY, DEFAULT_POLICY, n_states=128, directory=store)
     assert same["agreement_pct"] == 100.0 and abs(same["mean_kl_ab"]) < 1e-6 and same["mean_tv"] < 1e-6
     diff = compare_policies(DEFAULT_POLICY, "fresh", n_states=128, directory=store)
-    assert diff["agreement_pct"] < 90 and diff["mean_kl_ab"] > 0.05 and diff["mean_kl_ba"] > 0
+    # the shipped policy's greedy action is the proposal's almost everywhere (policies/default.md), as a
+    # fresh one's is, so the comparison must see the difference in the distributions themselves
+    assert diff["mean_kl_ab"] > 0.02 and diff["mean_kl_ba"] > 0.02 and diff["mean_tv"] > 0.05, diff
     neutral = diff["multipliers"].index(1.0)
     probs_b = diff["mean_probs_b"]
     assert abs(sum(probs_b) - 1) < 1e-3 and probs_b[neutral] > 0.5 and all(
