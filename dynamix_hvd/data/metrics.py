@@ -92,12 +92,11 @@ class StepTracker:
 
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
         self._t_batch = time.perf_counter()
-        self._events = None
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events = (start, torch.cuda.Event(enable_timing=True))
+            if self._events is None:  # two events for the tracker's life, re-recorded every step
+                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
                                 global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
 
