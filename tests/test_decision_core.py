@@ -47,7 +47,7 @@ def sample_input(rank: int, steps: int = 4, layers: int = 3) -> RankInput:
     series = StepSeries([16 + rank] * steps, [1.0 + k / 7 for k in range(steps)], [0.5 + k for k in range(steps)],
                         [math.nan if k == 1 else 2.0 - k / 3 for k in range(steps)], "cuda" if rank else "rss",
                         [0.01 * (rank + 1) + 1e-4 * k for k in range(steps)], [2e-4] * steps,
-                        [math.nan if rank == 2 else 1e-3 / (k + 1) for k in range(steps)])
+                        [math.nan if rank == 2 else 1e-3 / (k + 1) for k in range(steps)], [1 + rank % 2] * steps)
     means = LayerMeans([0.1 * (i + 1) for i in range(layers)], [0.01 * (i + 1) for i in range(layers)]) if layers else None
     return RankInput(report, series, means)
 
@@ -56,20 +56,21 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     for layers in (3, 0):
         inputs = [sample_input(r, layers=layers) for r in range(3)]
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 22 + 7 * 4 + 2 * layers)
+        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 22 + 8 * 4 + 2 * layers)
         back = wire.decode_reports(rows)
         assert all(same(a.to_dict(), b.to_dict()) for a, b in zip(inputs, back))
         assert all(type(b.report.peak_memory_bytes) is int and type(b.steps.local_batch[0]) is int for b in back)
     assert back[1].layers is None and back[1].steps.memory_kind == "cuda"
-    with pytest.raises(ValueError, match="does not match its 49 values"):
+    with pytest.raises(ValueError, match="does not match its 53 values"):
         wire.decode_report(rows[0][:-1])
     assert same(wire.padded_losses([1.0, 2.0], 4), [1.0, 2.0, math.nan, math.nan])
     assert wire.padded_losses([1.0, 2.0, 3.0], 2) == [1.0, 2.0]
-    sent = wire.encode_decision(7, 2, 1.375, [10, 20, 30], [8, 16, 32])
-    assert len(sent) == wire.decision_length(3) == 9
+    assert back[1].steps.micro_batches == [2] * 4 and back[0].steps.micro_batches == [1] * 4
+    sent = wire.encode_decision(7, 2, 1.375, [10, 20, 30], [8, 16, 32], passes=3)
+    assert len(sent) == wire.decision_length(3) == 10
     assert wire.decode_decision(sent, 3) == {"decision": 7, "epoch": 2, "sizes": [10, 20, 30],
-                                             "previous_sizes": [8, 16, 32], "lr_gain": 1.375}
-    with pytest.raises(ValueError, match="for 2 ranks has 7 values"):
+                                             "previous_sizes": [8, 16, 32], "lr_gain": 1.375, "passes": 3}
+    with pytest.raises(ValueError, match="for 2 ranks has 8 values"):
         wire.decode_decision(sent, 2)
     short = [sample_input(0, steps=4), sample_input(1, steps=2)]  # rank 1 rejoined after an elastic reset
     ragged = wire.decode_reports([wire.encode_report(i) for i in short])
@@ -175,8 +176,8 @@ def test_plain_optimizer_is_refused_with_what_to_use() -> None:
     loader = AdaptiveLoader(teacher_classification(64, seed=0)[0], [8, 8], 0)
     model = nn.Linear(32, 10)
     with pytest.raises(TypeError, match=r"missing on torch\.optim\.sgd\.SGD: lr_gain, base_batch_size, "
-                                        r"backward_passes_per_step, oom_handler, param_names, "
-                                        r"pop_layer_means.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
+                                        r"backward_passes_per_step, oom_handler, param_names, accumulating, "
+                                        r"set_backward_passes_per_step, pop_layer_means.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
         DynamixController(loader, torch.optim.SGD(model.parameters(), lr=0.1), ControllerConfig(policy="static"))
 
 

@@ -5,7 +5,8 @@ per rank multiplies that rank's *proposed share*, and one action of the batch ro
 *proposed global batch* (:func:`compose`); the neutral action (1.0) of every row gives exactly the
 proposal. Sizes are clipped to [min_batch, max_i], where max_i is the rank's memory bound: the configured
 ceiling, lowered by what was learned from an out-of-memory error or from a fit of peak device memory
-against batch size (only on CUDA, where the allocator's peak is a per-step measurement).
+against batch size (only on CUDA, where the allocator's peak is a per-step measurement). Sizes are
+per micro-batch: a decision may also accumulate up to `max_passes` of them per optimizer step.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class BatchBounds:
     max_batch: int = 1024
     memory_safety: float = 0.9
     """Fraction of device memory a batch may plan to use."""
+    max_passes: int = 1
+    """Micro-batches a decision may accumulate into one optimizer step (gradient accumulation), so
+    that the global batch can grow past what memory allows in one pass; 1: none."""
     learned_max: list[int] = field(default_factory=list)
     _memory: list[dict[int, int]] = field(default_factory=list)
 
@@ -55,6 +59,8 @@ class BatchBounds:
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch}, max_batch={self.max_batch}")
         if not 0 < self.memory_safety <= 1:
             raise ValueError(f"memory_safety={self.memory_safety} must be in (0, 1]")
+        if isinstance(self.max_passes, bool) or not isinstance(self.max_passes, int) or self.max_passes < 1:
+            raise ValueError(f"max_passes={self.max_passes!r}; it must be an integer >= 1")
         if not self.learned_max:
             self.learned_max = [self.max_batch] * self.world_size
         self._memory = [dict() for _ in range(self.world_size)]

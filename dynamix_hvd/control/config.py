@@ -53,6 +53,12 @@ class ControllerConfig:
     """Smallest local batch any rank may get."""
     max_batch: int = 1024
     """Largest local batch any rank may get (lowered per rank by what memory allows)."""
+    max_passes: int = 1
+    """Micro-batches the controller may accumulate into one optimizer step, so that the global batch
+    grows past what memory allows in one pass (the model-based policies use it when the predicted
+    goodput says so; the schedules when their target exceeds the memory bounds). Needs a training
+    loop that steps only when ``optimizer.should_step()``. 1: the controller never accumulates (a
+    ``backward_passes_per_step`` given to the optimizer is then kept as it is)."""
     multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
     """The discrete actions: corrections of a rank's proposed share and of the proposed global batch."""
     total_epochs: int | None = None
@@ -91,6 +97,7 @@ class ControllerConfig:
         integer("target_decisions", 1)
         integer("min_decision_steps", 1)
         integer("keep_inputs", 0)
+        integer("max_passes", 1)
         if integer("min_batch", 1) > integer("max_batch", 1):
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
         if self.total_epochs is not None:
@@ -144,4 +151,4 @@ def make_core(cfg: ControllerConfig, world_size: int, base_batch: int,
     `lr_base_batch`: the optimizer's ``base_batch_size`` (default `base_batch`)."""
     return DecisionCore(world_size, base_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        layer_names=layer_names, lr_base_batch=lr_base_batch)
+                        layer_names=layer_names, lr_base_batch=lr_base_batch, max_passes=cfg.max_passes)

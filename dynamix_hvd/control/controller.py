@@ -74,8 +74,10 @@ class DynamixController:
                                  f"{self.cfg.max_batch}]")
         # Every rank holds a core and a policy, so that any rank can take over as rank 0 after an
         # elastic reset; only rank 0's is consulted.
-        self.core = make_core(self.cfg, loader.world_size, loader.global_batch_size, self.optimizer.param_names,
-                              lr_base_batch=self.optimizer.base_batch_size)
+        self.core = make_core(self.cfg, loader.world_size,
+                              loader.global_batch_size * self.optimizer.backward_passes_per_step,
+                              self.optimizer.param_names, lr_base_batch=self.optimizer.base_batch_size)
+        self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
         # Under MPI: a rank that waits in the gradient allreduce longer than timeout_s probes the others
@@ -100,7 +102,8 @@ class DynamixController:
         self.channel.rebind(rank, world_size)
         self.rank = rank
         if world_size != self.core.world_size:
-            self.core.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch)
+            self.core.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch,
+                                           max_passes=self.cfg.max_passes)
         self.core.decisions = len(self.history)  # a new rank 0 numbers on from the shared history
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
@@ -122,7 +125,12 @@ class DynamixController:
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
                                epoch_length=lambda: len(loader))
-        if due:
+        # Ordering hazard: with accumulation a decision between micro-batches would report a step
+        # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
+        # (every rank is between the same micro-batches; an epoch's end always ends a step).
+        self._due = self._due or due
+        if self._due and not self.optimizer.accumulating:
+            self._due = False
             try:
                 self.decide()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
@@ -151,12 +159,14 @@ class DynamixController:
                                         passes=self.optimizer.backward_passes_per_step)
             record = decision.record()
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
-                                        decision.previous_sizes)
+                                        decision.previous_sizes, decision.passes)
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
             self.channel.broadcast_array(sent, wire.decision_length(world), what="batch-size decision"), world)
         self.loader.set_batch_sizes(compact["sizes"])
+        if compact["passes"] != self.optimizer.backward_passes_per_step:
+            self.optimizer.set_backward_passes_per_step(compact["passes"])
         self.optimizer.lr_gain = compact["lr_gain"]
         record = dict(record or compact, overhead_s=time.perf_counter() - t0)
         if self.rank == 0:
@@ -190,7 +200,8 @@ class DynamixController:
                            losses=wire.padded_losses(losses, len(records)),
                            memory_kind=records[-1].memory_kind if records else "rss",
                            compute_s=[r.compute_s for r in records], data_wait_s=[r.data_wait_s for r in records],
-                           sync_wait_s=[r.sync_wait_s for r in records])
+                           sync_wait_s=[r.sync_wait_s for r in records],
+                           micro_batches=[r.micro_batches for r in records])
         layers = self.optimizer.pop_layer_means()
         return RankInput(report, steps, None if layers is None else LayerMeans(*layers))
 

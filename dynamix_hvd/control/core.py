@@ -61,13 +61,20 @@ class StepSeries:
     """Wait for each step's batch (s)."""
     sync_wait_s: list[float] = field(default_factory=list)
     """Allreduce wait of each step (s)."""
+    micro_batches: list[int] = field(default_factory=list)
+    """Micro-batches accumulated into each step (local_batch and the times cover all of them); empty: 1 each."""
 
     def __post_init__(self) -> None:
         n = len(self.local_batch)
         for name in TIMED:
             if n and not getattr(self, name):
                 setattr(self, name, [math.nan] * n)
-        for name in ("local_sq", "global_sq", "losses", *TIMED):
+        if n and not self.micro_batches:
+            self.micro_batches = [1] * n
+        if any(isinstance(m, bool) or int(m) != m or m < 1 for m in self.micro_batches):
+            raise ValueError(f"StepSeries.micro_batches={self.micro_batches!r}; each must be an integer >= 1")
+        self.micro_batches = [int(m) for m in self.micro_batches]
+        for name in ("local_sq", "global_sq", "losses", *TIMED, "micro_batches"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"StepSeries.{name} has {len(getattr(self, name))} steps, local_batch has {n}")
         if self.memory_kind not in MEMORY_KINDS:
@@ -141,6 +148,9 @@ class Decision:
     fit: dict[str, Any] | None = None
     noise_interval: tuple[float, float] = (math.nan, math.nan)
     """(lower bound, continuous point estimate) of the noise scale the observation used."""
+    passes: int = 1
+    """Micro-batches per optimizer step from this decision on (gradient accumulation; 1: none)."""
+    previous_passes: int = 1
 
     def record(self) -> dict[str, Any]:
         """The controller's history entry (plain values only)."""
@@ -149,7 +159,8 @@ class Decision:
                 "loss": self.loss, "noise_scale": self.noise_scale, "efficiency": self.efficiency,
                 "throughput": self.throughput, "reports": [r.to_dict() for r in self.reports],
                 "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance, "fit": self.fit,
-                "noise_lower": self.noise_interval[0], "noise_point": self.noise_interval[1]}
+                "noise_lower": self.noise_interval[0], "noise_point": self.noise_interval[1],
+                "passes": self.passes, "previous_passes": self.previous_passes}
 
 
 # --- the pieces shared with the transition rebuild ----------------------------------------------------
@@ -170,10 +181,11 @@ def progress_fraction(epoch: int, total_epochs: int | None) -> float:
 
 def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], base_batch: int, noise_scale: float,
                     efficiency: float, trend: float, progress: float, noise_point: float = math.nan,
-                    noise_lower: float = math.nan, fit: dict[str, Any] | None = None
+                    noise_lower: float = math.nan, fit: dict[str, Any] | None = None, passes: int = 1
                     ) -> tuple[GlobalContext, torch.Tensor]:
-    """The global context and the observation [R + 1, OBS_DIM] the policy sees (`fit`: `fit_record`)."""
-    ctx = GlobalContext(global_batch=sum(sizes), base_batch=base_batch, noise_scale=noise_scale,
+    """The global context and the observation [R + 1, OBS_DIM] the policy sees (`fit`: `fit_record`;
+    the global batch is `passes` micro-batches of `sizes`)."""
+    ctx = GlobalContext(global_batch=passes * sum(sizes), base_batch=base_batch, noise_scale=noise_scale,
                         efficiency=efficiency, loss_trend=trend, progress=progress, world_size=len(sizes),
                         noise_point=noise_point, noise_lower=noise_lower)
     cost, net = fits_from_record(fit)
@@ -201,7 +213,8 @@ class DecisionCore:
     def __init__(self, world_size: int, base_batch: int, policy: BatchSizePolicy | None = None, *,
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
-                 layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None) -> None:
+                 layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None,
+                 max_passes: int = 1) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"DecisionCore world_size={world_size!r}; it must be an integer >= 1")
         if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
@@ -212,7 +225,7 @@ class DecisionCore:
         self.min_batch, self.max_batch = min_batch, max_batch
         self.total_epochs = total_epochs
         self.layer_names = None if layer_names is None else list(layer_names)
-        self.bounds = BatchBounds(world_size, min_batch, max_batch)
+        self.bounds = BatchBounds(world_size, min_batch, max_batch, max_passes=max_passes)
         self.stats = GradientStatistics(self.stats_cfg)
         self.costs = CostModel(world_size)
         if lr_base_batch is not None and (isinstance(lr_base_batch, bool) or not isinstance(lr_base_batch, (int, float))
@@ -225,6 +238,7 @@ class DecisionCore:
         self.prev_loss = math.nan
         self.prev_sizes: list[int] | None = None
         self.initial_sizes: list[int] | None = None  # the static reference of the reward
+        self.passes = self.prev_passes = self.initial_passes = 1  # micro-batches per optimizer step
         self.decisions = 0
 
     @property
@@ -232,37 +246,42 @@ class DecisionCore:
         return len(self.bounds.learned_max)
 
     # --- one decision --------------------------------------------------------------------------------
-    def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int) -> Observation:
-        """Take one interval's reports (in rank order) and the sizes it ran with; update the state."""
+    def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Observation:
+        """Take one interval's reports (in rank order), the sizes it ran with (per micro-batch) and its
+        micro-batches per optimizer step; update the state."""
         if [i.report.rank for i in inputs] != list(range(len(inputs))) or len(inputs) != len(sizes):
             raise ValueError(f"need one input per rank in rank order for {len(sizes)} sizes, got ranks "
                              f"{[i.report.rank for i in inputs]}")
         sizes = list(sizes)
+        self.passes = passes
+        B = passes * sum(sizes)  # samples per optimizer step
         reports = [i.report for i in inputs]
         self._record_steps(inputs)
         for i in inputs:
             if i.steps.memory_kind == "cuda":
                 r = i.report
                 self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
-        efficiency = float(self.stats.efficiency_at(sum(sizes)))
+        efficiency = float(self.stats.efficiency_at(B))
         loss = weighted_loss(reports)
         trend = loss_trend(loss, self.prev_loss)
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
         cost, net = self.costs.fit(), self.costs.fit_network()
         fit = fit_record(cost, net)
         ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
-                                   progress_fraction(epoch, self.total_epochs), point, lower, fit)
-        tput = global_throughput(reports)
-        eff = continuous_efficiency(lower if self.reward_cfg.noise == "lower" else point, sum(sizes), self.base_batch)
+                                   progress_fraction(epoch, self.total_epochs), point, lower, fit, passes)
+        tput = global_throughput(reports, passes)
+        eff = continuous_efficiency(lower if self.reward_cfg.noise == "lower" else point, B, self.base_batch)
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
         if self.initial_sizes is None or len(self.initial_sizes) != len(sizes):
-            self.initial_sizes = list(sizes)
+            self.initial_sizes, self.initial_passes = list(sizes), passes
         reward = None
         if self.prev_sizes is not None:
-            static = predicted_goodput(cost, net, self.initial_sizes) or self.ref_goodput
-            reward = compute_reward(self.reward_cfg, reports, eff, static, trend, self.prev_sizes, sizes)
-        self.prev_sizes, self.prev_loss = sizes, loss
+            static = predicted_goodput(cost, net, self.initial_sizes, self.initial_passes) or self.ref_goodput
+            reward = compute_reward(self.reward_cfg, reports, eff, static, trend,
+                                    [self.prev_passes * b for b in self.prev_sizes], [passes * b for b in sizes],
+                                    passes)
+        self.prev_sizes, self.prev_loss, self.prev_passes = sizes, loss, passes
         self.decisions += 1
         return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
                            self._layer_variance(inputs, sizes), fit)
@@ -270,7 +289,7 @@ class DecisionCore:
     def policy_input(self, seen: Observation) -> DecisionInput:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
-                             costs=self.costs, noise_lower=lower, noise_point=point)
+                             costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes)
 
     def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
@@ -280,16 +299,25 @@ class DecisionCore:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"DecisionCore.decide passes={passes!r}; it must be an integer >= 1")
         index = self.decisions
-        seen = self.observe(inputs, sizes, epoch)
+        seen = self.observe(inputs, sizes, epoch, passes)
         out = self.policy.decide(self.policy_input(seen))
-        gain = float(self.stats.gain_at(passes * sum(out.sizes), self.lr_base_batch))
-        return Decision(index=index, epoch=epoch, sizes=out.sizes, previous_sizes=seen.sizes,
+        new_passes = self.next_passes(out.passes, passes)
+        gain = float(self.stats.gain_at(new_passes * sum(out.sizes), self.lr_base_batch))
+        return Decision(index=index, epoch=epoch, sizes=out.sizes, previous_sizes=seen.sizes, passes=new_passes,
+                        previous_passes=passes,
                         lr_gain=gain if math.isfinite(gain) and gain > 0 else 1.0,
                         reward=None if seen.reward is None else seen.reward.tolist(), loss=seen.loss,
                         noise_scale=self.stats.noise_scale, efficiency=seen.efficiency, throughput=seen.throughput,
                         reports=seen.reports, policy=self.policy.name, info=out.info,
                         layer_variance=seen.layer_variance, fit=seen.fit,
                         noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point))
+
+    def next_passes(self, chosen: int | None, current: int) -> int:
+        """The policy's micro-batches per step (None: keep `current`), within [1, bounds.max_passes]
+        when accumulation is the controller's to choose (max_passes > 1)."""
+        if chosen is None or self.bounds.max_passes == 1:
+            return current
+        return max(1, min(self.bounds.max_passes, int(chosen)))
 
     def _record_steps(self, inputs: Sequence[RankInput]) -> None:
         """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""
@@ -313,7 +341,8 @@ class DecisionCore:
             arrival = np.array([np.add(i.steps.compute_s[:n], np.nan_to_num(i.steps.data_wait_s[:n]))
                                 for i in inputs]).T
             wait = np.array([i.steps.sync_wait_s[:n] for i in inputs], dtype=np.float64).T
-            self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead)
+            passes = np.array(inputs[0].steps.micro_batches[:n], dtype=np.float64)  # the same on every rank
+            self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes)
         elif all(r.compute_s > 0 for r in reports):
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))
@@ -338,7 +367,8 @@ class DecisionCore:
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
                 "base_batch": self.base_batch, "lr_base_batch": self.lr_base_batch, "decisions": self.decisions,
                 "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict(),
-                "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes)}
+                "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes),
+                "passes": [self.passes, self.prev_passes, self.initial_passes]}
 
     def load_state_dict(self, state: dict[str, Any], world_size: int | None = None) -> None:
         """Restore `state_dict()` output into a job of `world_size` ranks (default: this core's); a
@@ -353,6 +383,7 @@ class DecisionCore:
         self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
         self.lr_base_batch = float(state.get("lr_base_batch", self.lr_base_batch))  # absent in older checkpoints
         self.decisions = int(state["decisions"])
+        self.passes, self.prev_passes, self.initial_passes = (int(p) for p in state.get("passes", (1, 1, 1)))
         costs = state.get("costs")  # absent in checkpoints from before the cost model
         self.costs = CostModel(world, self.costs.cfg)
         if costs is not None and int(costs["world_size"]) == world:

@@ -6,6 +6,10 @@ The model of one synchronous step (AdaptDL's form, with one cost line per rank):
     T_sync       = (max_i arrival_i ** gamma + T_net ** gamma) ** (1 / gamma)
     T_step       = T_sync + overhead                      (optimizer update and the rest)
 
+With gradient accumulation (p micro-batches per optimizer step) a step is p arrivals of the micro-batch,
+the allreduce overlapping only the last: T_step = (p - 1) max_i arrival_i + T_sync + overhead; steps
+are recorded as their mean micro-batch, so the lines stay per micro-batch.
+
 `a_i` is a fixed cost per step, `c_i` a cost per sample; per-sample time t/b = a/b + c depends on b,
 so only the pair is a speed. `k_i` is a small-batch knee (0: none): a GPU that a batch below k_i does
 not fill takes as long as for k_i samples. The fit:
@@ -139,8 +143,11 @@ class NetworkFit:
         g = self.gamma
         return (np.asarray(arrival, dtype=np.float64) ** g + self.net_s ** g) ** (1.0 / g)
 
-    def step_time(self, arrival: np.ndarray | float) -> np.ndarray | float:
-        return self.sync_time(arrival) + self.overhead_s
+    def step_time(self, arrival: np.ndarray | float, passes: np.ndarray | int = 1) -> np.ndarray | float:
+        """One optimizer step of `passes` micro-batches whose slowest arrival is `arrival` each: the
+        allreduce overlaps only the last one's backward."""
+        a = np.asarray(arrival, dtype=np.float64)
+        return (np.asarray(passes) - 1) * a + self.sync_time(a) + self.overhead_s
 
 
 def weighted_median(x: np.ndarray, w: np.ndarray) -> float:
@@ -176,11 +183,13 @@ class CostModel:
         return len(self._at)
 
     def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
-               overhead_s: float = 0.0, steps_each: float = 1.0) -> None:
+               overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None) -> None:
         """Add one interval: `batches`, `arrival` [n, R] per step (arrival = data wait + compute),
         `sync_end` [n] the time from a step's start to the end of its allreduce (None: unknown, the
         network is then fitted from other intervals), `overhead_s` the time after it. `steps_each`: steps
-        each row stands for (> 1 when only interval means are known). Non-finite or non-positive rows
+        each row stands for (> 1 when only interval means are known). `passes` [n]: micro-batches
+        accumulated into each step (None: 1); such a step is kept as its mean micro-batch (batch and
+        arrival over p), and its allreduce as following the last one. Non-finite or non-positive rows
         are dropped."""
         b = np.asarray(batches, dtype=np.float64)
         t = np.asarray(arrival, dtype=np.float64)
@@ -191,6 +200,12 @@ class CostModel:
         s = np.full(n, np.nan) if sync_end is None else np.asarray(sync_end, dtype=np.float64)
         if s.shape != (n,):
             raise ValueError(f"sync_end needs shape ({n},), got {s.shape}")
+        if passes is not None:
+            p = np.asarray(passes, dtype=np.float64)
+            if p.shape != (n,) or not (p >= 1).all():
+                raise ValueError(f"passes needs shape ({n},) with values >= 1, got {p}")
+            b, t = b / p[:, None], t / p[:, None]
+            s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)

@@ -28,12 +28,16 @@ class DecisionInput:
     costs: CostModel | None = None    # per-step cost fits (the core's); None when built by hand
     noise_lower: float = math.nan     # lower confidence bound on the noise scale (NaN: unknown)
     noise_point: float = math.nan     # its continuous point estimate (NaN: unknown)
+    passes: int = 1                   # micro-batches per optimizer step the interval ran with
 
 
 @dataclass
 class DecisionOutput:
     sizes: list[int]
+    """Per-rank sizes of one micro-batch (of one step without accumulation)."""
     info: dict[str, Any] = field(default_factory=dict)
+    passes: int | None = None
+    """Micro-batches per optimizer step from now on (within ``bounds.max_passes``); None: keep."""
 
 
 class BatchSizePolicy(Protocol):

@@ -6,8 +6,9 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   b_i = (T - a_i) / c_i with T such that sum b_i = B, each clipped to the rank's bounds (fast ranks
   fill up to the slow rank's arrival) and never below a fitted small-batch knee; rounded to integers that keep B, the leftover samples going to
   the ranks that arrive earliest with them;
-- **global batch**: the B in [initial global batch, memory bounds] that maximises predicted goodput
-  B * E(B) / T_step(B), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
+- **global batch**: the B in [initial global batch, memory bounds x `BatchBounds.max_passes`
+  micro-batches] that maximises predicted goodput B * E(B) / T_step(B) (with p micro-batches
+  accumulated, T_step = p slowest arrivals + the allreduce after the last), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
   `trust`x per decision, each rank's size too) and with hysteresis (B changes only when the predicted
   goodput improves by more than `hysteresis`, as AdaptDL); in the first `hold_unidentified` decisions
@@ -126,7 +127,9 @@ def efficiency(noise: float, batch: np.ndarray, base_batch: float) -> np.ndarray
 @dataclass
 class Proposal:
     sizes: list[int]
+    """Per-rank sizes of one micro-batch."""
     global_batch: int
+    """Samples per optimizer step: passes x sum(sizes)."""
     predicted_step_s: float
     predicted_goodput: float
     goodput_now: float
@@ -138,6 +141,8 @@ class Proposal:
     batch_max: int
     """The global batches this decision allows (initial global batch or memory, trust region, no growth
     on unidentified lines): what a refinement of the proposal must stay within."""
+    passes: int = 1
+    """Micro-batches per optimizer step (gradient accumulation past the memory bounds)."""
 
     def info(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()
@@ -145,51 +150,80 @@ class Proposal:
 
 
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
-            base_batch: int, noise: float, index: int) -> Proposal:
-    """The proposal for the next interval (see the module docstring); `index` drives the dither."""
+            base_batch: int, noise: float, index: int, passes: int = 1) -> Proposal:
+    """The proposal for the next interval (see the module docstring); `index` drives the dither;
+    `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step.
+
+    Global batches count samples per optimizer step. With ``bounds.max_passes`` > 1 every count of
+    micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
+    bounds, the step p slowest arrivals plus the allreduce after the last (see
+    :meth:`NetworkFit.step_time`), so accumulation wins only where memory caps the one-pass batch and
+    the larger B is worth its time. The trust region bounds each rank's samples per step."""
     R = len(sizes)
     cur = np.asarray(sizes, dtype=np.int64)
-    B_cur = int(cur.sum())
-    lo = np.full(R, bounds.min_batch, dtype=np.int64)
-    hi = np.array([bounds.upper(r) for r in range(R)], dtype=np.int64)
-    if cfg.trust is not None:
-        lo = np.minimum(np.maximum(lo, np.ceil(cur / cfg.trust)), hi).astype(np.int64)
-        hi = np.maximum(np.minimum(hi, np.floor(cur * cfg.trust)), lo).astype(np.int64)
+    per_step = passes * cur                      # each rank's samples per optimizer step now
+    B_cur = int(per_step.sum())
+    upper = np.array([bounds.upper(r) for r in range(R)], dtype=np.int64)
     a_s, c_s = fit.split_coefficients()
-    # below its knee a rank's samples are free: the split never leaves it there (within its bounds)
-    lo = np.maximum(lo, np.minimum(np.floor(fit.knee), hi)).astype(np.int64)
-    B_lo, B_hi = float(max(base_batch, lo.sum())), float(hi.sum())
+    knee = np.floor(fit.knee)
+
+    def micro_bounds(p: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.full(R, bounds.min_batch, dtype=np.int64), upper
+        if cfg.trust is not None:
+            lo = np.minimum(np.maximum(lo, np.ceil(per_step / cfg.trust / p - 1e-9)), hi).astype(np.int64)
+            hi = np.maximum(np.minimum(hi, np.floor(per_step * cfg.trust / p + 1e-9)), lo).astype(np.int64)
+        # below its knee a rank's samples are free: the split never leaves it there (within its bounds)
+        return np.maximum(lo, np.minimum(knee, hi)).astype(np.int64), hi
+
+    choices = list(range(1, bounds.max_passes + 1)) if bounds.max_passes > 1 else [passes]
+    if passes not in choices:
+        choices.append(passes)
+    limits = {p: micro_bounds(p) for p in choices}
+    B_lo = float(max(base_batch, passes * limits[passes][0].sum()))
     if cfg.trust is not None:
         B_lo = max(B_lo, B_cur / cfg.trust)
+    B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
 
-    def goodput(Bs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        shares = equalise(Bs, a_s, c_s, lo, hi)
-        step = np.asarray(net.step_time(fit.arrival(shares).max(1)))
-        total = shares.sum(1)
+    def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lo, hi = limits[p]
+        shares = equalise(np.asarray(Bs, dtype=np.float64) / p, a_s, c_s, lo, hi)
+        step = np.asarray(net.step_time(fit.arrival(shares).max(1), p))
+        total = p * shares.sum(1)
         return total * efficiency(noise, total, base_batch) / step, step, shares
 
-    B_keep = int(round(min(max(B_cur, B_lo), B_hi)))
+    keep_hi = passes * float(limits[passes][1].sum())
+    B_keep = int(round(min(max(B_cur, B_lo), keep_hi)))
     if index < cfg.hold_unidentified and not fit.identified.all():
         B_hi = min(B_hi, float(B_keep))
-    keep_gp, keep_step, _ = goodput(np.array([B_keep]))
-    B_new, switched = B_keep, False
+    keep_gp, _, _ = goodput(np.array([B_keep]), passes)
+    B_new, p_new, switched = B_keep, passes, False
     if cfg.search_batch and B_hi > B_lo:
-        grid = np.unique(np.round(np.geomspace(B_lo, B_hi, cfg.candidates)))
-        gp, _, _ = goodput(grid)
-        k = int(np.argmax(gp))
-        if gp[k] > (1 + cfg.hysteresis) * keep_gp[0]:
-            B_new, switched = int(grid[k]), True
-    gp_new, step_new, shares = goodput(np.array([B_new]))
-    out = np.array(round_split(shares[0], B_new, a_s, c_s, lo, hi), dtype=np.int64)
+        best = (-np.inf, B_keep, passes)
+        for p in choices:
+            lo_p, hi_p = max(B_lo, p * float(limits[p][0].sum())), min(B_hi, p * float(limits[p][1].sum()))
+            if lo_p > hi_p:
+                continue
+            grid = np.unique(np.round(np.geomspace(lo_p, max(hi_p, lo_p), cfg.candidates) / p)) * p
+            gp, _, _ = goodput(grid, p)
+            k = int(np.argmax(gp))
+            if gp[k] > best[0] * (1 + 1e-9):  # ties: fewer micro-batches
+                best = (float(gp[k]), int(grid[k]), p)
+        if best[0] > (1 + cfg.hysteresis) * keep_gp[0]:
+            _, B_new, p_new = best
+            switched = True
+    gp_new, step_new, shares = goodput(np.array([B_new]), p_new)
+    lo, hi = limits[p_new]
+    micro = int(round(B_new / p_new))
+    out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
     dithered = False
     if cfg.dither > 0 and not fit.identified.all() and R > 1:
         out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
         dithered = True
     b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep, B_new)
     b_max = max(int(math.floor(B_hi + 1e-9)), B_keep, B_new)
-    return Proposal(out.tolist(), int(out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
-                    switched, dithered, float(noise), b_min, b_max)
+    return Proposal(out.tolist(), int(p_new * out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
+                    switched, dithered, float(noise), b_min, b_max, p_new)
 
 
 def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,
@@ -239,12 +273,12 @@ class ModelPolicy:
             self.last = None
             return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
         self.last = propose(self.cfg, fit, costs.fit_network(), inp.sizes, inp.bounds, inp.ctx.base_batch,
-                            self.noise(inp), self.decisions)
+                            self.noise(inp), self.decisions, inp.passes)
         self.decisions += 1
         net = costs.fit_network()
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma}
-        return DecisionOutput(self.last.sizes, info)
+        return DecisionOutput(self.last.sizes, info, self.last.passes)
 
     def after_decision(self) -> dict[str, float]:
         return {}

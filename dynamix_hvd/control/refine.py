@@ -59,12 +59,16 @@ class FlipGuard:
 def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
            actions: Sequence[int]) -> tuple[list[int], dict[str, Any]]:
     """The proposal for `inp` corrected by `actions` (R + 1 of them), B kept within the global batches
-    the proposal allows; with no cost fit yet the current sizes stand in for the proposal and B stays."""
+    the proposal allows; with no cost fit yet the current sizes stand in for the proposal and B stays.
+    The sizes are per micro-batch; ``info["passes"]`` is the proposal's micro-batches per step."""
     out = model.decide(inp)
     last = model.last  # None: no proposal this decision
-    allowed = (last.batch_min, last.batch_max) if last is not None else (sum(out.sizes), sum(out.sizes))
+    p = last.passes if last is not None else inp.passes
+    # the allowed global batches count samples per step; the actions act on one micro-batch
+    allowed = ((-(-last.batch_min // p), last.batch_max // p) if last is not None
+               else (sum(out.sizes), sum(out.sizes)))
     sizes = compose(space, inp.bounds, out.sizes, actions, allowed)
-    return sizes, {**out.info, "proposed_sizes": list(out.sizes)}
+    return sizes, {**out.info, "proposed_sizes": list(out.sizes), "passes": p}
 
 
 class PPOPolicy:
@@ -100,7 +104,8 @@ class PPOPolicy:
         if not self.learn:
             sizes, held = self.guard(sizes, inp.sizes, bool(info.get("dithered")))
         return DecisionOutput(sizes, {**info, "actions": actions.tolist(), "held": held,
-                                      "value": round(float(values.mean()), 4)})
+                                      "value": round(float(values.mean()), 4)},
+                              inp.passes if held else info["passes"])
 
     def reset_world(self, world_size: int) -> None:
         """The number of ranks changed: drop the rollout (its transitions have the old shape)."""

@@ -63,10 +63,11 @@ class RewardConfig:
                 raise ValueError(f"reward weight {name}={value!r} must be a finite number >= 0")
 
 
-def global_throughput(reports: Sequence[RankReport]) -> float:
-    """Samples per second of the synchronous job: global batch over the mean step time."""
+def global_throughput(reports: Sequence[RankReport], passes: int = 1) -> float:
+    """Samples per second of the synchronous job: global batch (`passes` micro-batches of the reports'
+    sizes per step) over the mean step time."""
     step_s = statistics.fmean(r.step_s for r in reports)
-    return sum(r.local_batch for r in reports) / step_s if step_s > 0 else 0.0
+    return passes * sum(r.local_batch for r in reports) / step_s if step_s > 0 else 0.0
 
 
 def continuous_efficiency(noise_point: float, global_batch: float, base_batch: float) -> float:
@@ -76,19 +77,22 @@ def continuous_efficiency(noise_point: float, global_batch: float, base_batch: f
     return (noise_point + base_batch) / (noise_point + global_batch)
 
 
-def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequence[int]) -> float:
-    """B / T_model(sizes) from the fits (0 when there is no fit for these ranks)."""
+def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequence[int], passes: int = 1) -> float:
+    """B / T_model(sizes) from the fits, `passes` micro-batches of `sizes` per step (0 when there is
+    no fit for these ranks)."""
     if fit is None or net is None or len(fit.per_sample_s) != len(sizes):
         return 0.0
-    step = float(net.step_time(float(fit.arrival(np.asarray(sizes, dtype=np.float64)).max())))
-    return sum(sizes) / step if step > 0 and math.isfinite(step) else 0.0
+    step = float(net.step_time(float(fit.arrival(np.asarray(sizes, dtype=np.float64)).max()), passes))
+    return passes * sum(sizes) / step if step > 0 and math.isfinite(step) else 0.0
 
 
 def compute_reward(cfg: RewardConfig, reports: Sequence[RankReport], efficiency: float, static_goodput: float,
-                   loss_change: float, old_sizes: Sequence[int], new_sizes: Sequence[int]) -> torch.Tensor:
+                   loss_change: float, old_sizes: Sequence[int], new_sizes: Sequence[int],
+                   passes: int = 1) -> torch.Tensor:
     """The shared reward (see the module docstring), repeated for every rank [R]. `efficiency` is
-    E(B) of the interval from the continuous noise estimate (`RewardConfig.noise`: its lower bound by default); `static_goodput` the reference G_static."""
-    tput = global_throughput(reports)
+    E(B) of the interval from the continuous noise estimate (`RewardConfig.noise`: its lower bound by
+    default); `static_goodput` the reference G_static; `passes` the interval's micro-batches per step."""
+    tput = global_throughput(reports, passes)
     eff = efficiency if math.isfinite(efficiency) and efficiency > 0 else 1.0
     shared = 0.0
     if static_goodput > 0 and tput > 0:

@@ -38,6 +38,15 @@ def split(global_batch: int, weights: Sequence[float], bounds: BatchBounds) -> l
     return [bounds.clip(r, b) for r, b in enumerate(sizes)]
 
 
+def accumulation(global_batch: float, bounds: BatchBounds, world: int, current: int) -> int:
+    """Micro-batches per step for a rule's target B: the fewest that fit B into the memory bounds,
+    up to ``bounds.max_passes``; `current` when accumulation is not the controller's (max_passes 1)."""
+    if bounds.max_passes == 1:
+        return current
+    one_pass = sum(bounds.upper(r) for r in range(world))
+    return max(1, min(bounds.max_passes, math.ceil(global_batch / one_pass)))
+
+
 class _Rule:
     name = "rule"
 
@@ -49,10 +58,12 @@ class _Rule:
         raise NotImplementedError
 
     def decide(self, inp: DecisionInput) -> DecisionOutput:
-        self.base = self.base or sum(inp.sizes)
+        self.base = self.base or inp.passes * sum(inp.sizes)
         global_batch, weights = self.target(inp)
         self.decisions += 1
-        return DecisionOutput(split(global_batch, weights, inp.bounds), {"target_global_batch": global_batch})
+        passes = accumulation(global_batch, inp.bounds, len(weights), inp.passes)
+        micro = split(math.ceil(global_batch / passes), weights, inp.bounds)
+        return DecisionOutput(micro, {"target_global_batch": global_batch, "passes": passes}, passes)
 
     def after_decision(self) -> dict[str, float]:
         return {}
@@ -111,7 +122,7 @@ class NoiseScaleRule(_Rule):
 
     def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
         noise = inp.ctx.noise_scale
-        global_batch = self.scale * noise if math.isfinite(noise) and noise > 0 else sum(inp.sizes)
+        global_batch = self.scale * noise if math.isfinite(noise) and noise > 0 else inp.passes * sum(inp.sizes)
         return int(global_batch), [1.0] * len(inp.sizes)
 
 

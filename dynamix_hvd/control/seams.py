@@ -22,6 +22,12 @@ class ControlledOptimizer(Protocol):
     """Called with (sizes, failed sizes per rank) after an out-of-memory step; returns the new sizes."""
     param_names: list[str]
     """Names of the parameters, in the order of the per-layer means."""
+    accumulating: bool
+    """True between the micro-batches of one optimizer step (decisions wait for the step's end)."""
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Micro-batches per optimizer step from the next step on (called between steps)."""
+        ...
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:
         """Mean per-parameter squared norms (local, global) since the last call (None: no step)."""
@@ -33,7 +39,7 @@ def check_optimizer(optimizer: Any) -> ControlledOptimizer:
     if isinstance(optimizer, ControlledOptimizer):
         return optimizer
     members = ("lr_gain", "base_batch_size", "backward_passes_per_step", "oom_handler", "param_names",
-               "pop_layer_means")
+               "accumulating", "set_backward_passes_per_step", "pop_layer_means")
     missing = [m for m in members if not hasattr(optimizer, m)]
     raise TypeError(
         f"DynamixController needs an optimizer that provides {', '.join(members)} (missing on "

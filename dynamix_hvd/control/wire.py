@@ -4,7 +4,7 @@ Pure NumPy: no MPI, no Horovod. Every value is a float64, so integers (sizes, by
 floats (NaN included) survive the round trip exactly and decisions are the same as on typed objects.
 
 One rank's report for one decision (n steps in the interval, L parameters with layer means, or L = 0
-when the optimizer had none), ``report_length(n, L) = 22 + 7 n + 2 L`` values::
+when the optimizer had none), ``report_length(n, L) = 22 + 8 n + 2 L`` values::
 
     [0]            n                       steps in the interval
     [1]            L                       parameters with layer means (0: none)
@@ -17,15 +17,17 @@ when the optimizer had none), ``report_length(n, L) = 22 + 7 n + 2 L`` values::
     [.. +n]        compute_s per step      NaN where not timed (so for the three below)
     [.. +n]        data_wait_s per step
     [.. +n]        sync_wait_s per step
+    [.. +n]        micro-batches per step  accumulated into each optimizer step (1: none)
     [.. +L]        layer local_sq means
     [.. +L]        layer global_sq means
 
 Ranks normally report the same n (they run the same steps between decisions); a rank that rejoined
 after an elastic reset may report fewer, and the core then uses the first min(n) steps of every rank.
 
-A decision for R ranks, ``decision_length(R) = 3 + 2 R`` values::
+A decision for R ranks, ``decision_length(R) = 4 + 2 R`` values::
 
-    [0] decision index, [1] epoch, [2] lr_gain, [3 : 3+R] new sizes, [3+R : 3+2R] previous sizes
+    [0] decision index, [1] epoch, [2] lr_gain, [3] micro-batches per optimizer step,
+    [4 : 4+R] new sizes (per micro-batch), [4+R : 4+2R] previous sizes
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ REPORT_FIELDS = tuple(f.name for f in fields(RankReport))
 _INT_FIELDS = frozenset(f.name for f in fields(RankReport) if f.type in (int, "int"))
 _HEADER = 3
 _FIXED = _HEADER + len(REPORT_FIELDS)
-_SERIES = ("local_batch", "local_sq", "global_sq", "losses", *TIMED)
+_SERIES = ("local_batch", "local_sq", "global_sq", "losses", *TIMED, "micro_batches")
 
 
 def report_length(steps: int, layers: int) -> int:
@@ -51,7 +53,7 @@ def report_length(steps: int, layers: int) -> int:
 
 
 def decision_length(world_size: int) -> int:
-    return 3 + 2 * world_size
+    return 4 + 2 * world_size
 
 
 def encode_report(inp: RankInput) -> np.ndarray:
@@ -85,7 +87,7 @@ def decode_report(row: np.ndarray) -> RankInput:
         values[k] = int(v) if k in _INT_FIELDS else v
     series = [row[_FIXED + i * n:_FIXED + (i + 1) * n].tolist() for i in range(len(_SERIES))]
     steps = StepSeries([int(b) for b in series[0]], series[1], series[2], series[3], MEMORY_KINDS[kind],
-                       *series[4:])
+                       *series[4:4 + len(TIMED)], micro_batches=[int(m) for m in series[-1]])
     layers = None
     if L:
         at = _FIXED + len(_SERIES) * n
@@ -106,18 +108,18 @@ def padded_losses(losses: Sequence[float], steps: int) -> list[float]:
 
 
 def encode_decision(index: int, epoch: int, lr_gain: float, sizes: Sequence[int],
-                    previous_sizes: Sequence[int]) -> np.ndarray:
+                    previous_sizes: Sequence[int], passes: int = 1) -> np.ndarray:
     if len(sizes) != len(previous_sizes):
         raise ValueError(f"{len(sizes)} sizes but {len(previous_sizes)} previous sizes")
-    return np.array([index, epoch, lr_gain, *sizes, *previous_sizes], dtype=np.float64)
+    return np.array([index, epoch, lr_gain, passes, *sizes, *previous_sizes], dtype=np.float64)
 
 
 def decode_decision(values: np.ndarray, world_size: int) -> dict[str, Any]:
-    """``{"decision", "epoch", "sizes", "previous_sizes", "lr_gain"}`` as every rank applies it."""
+    """``{"decision", "epoch", "sizes", "previous_sizes", "lr_gain", "passes"}`` as every rank applies it."""
     v = np.asarray(values, dtype=np.float64)
     if v.shape != (decision_length(world_size),):
         raise ValueError(f"an encoded decision for {world_size} ranks has {decision_length(world_size)} values, "
                          f"got shape {v.shape}")
     R = world_size
-    return {"decision": int(v[0]), "epoch": int(v[1]), "sizes": [int(b) for b in v[3:3 + R]],
-            "previous_sizes": [int(b) for b in v[3 + R:]], "lr_gain": float(v[2])}
+    return {"decision": int(v[0]), "epoch": int(v[1]), "sizes": [int(b) for b in v[4:4 + R]],
+            "previous_sizes": [int(b) for b in v[4 + R:]], "lr_gain": float(v[2]), "passes": int(v[3])}

@@ -26,7 +26,7 @@ class StepRecord:
     step: int
     rank: int
     local_batch: int
-    """Samples this rank processed in the step (b_i)."""
+    """Samples this rank processed in the step (b_i; with accumulation, over all its micro-batches)."""
     global_batch: int
     """Samples all ranks processed in the step (B = sum of b_i); the update is their exact mean."""
     data_wait_s: float
@@ -57,6 +57,9 @@ class StepRecord:
     """Squared norm of this rank's local mean gradient (before allreduce)."""
     global_grad_sq: float = float("nan")
     """Squared norm of the global mean gradient (after allreduce)."""
+    micro_batches: int = 1
+    """Loader steps (micro-batches) accumulated into this optimizer step; the times above cover all of
+    them (data wait and compute summed, the allreduce after the last)."""
 
 
 def peak_memory(device: torch.device | None) -> tuple[int, str]:
@@ -82,6 +85,8 @@ class StepTracker:
     _t_step: float = field(default=0.0, init=False)
     _t_sync: float = field(default=0.0, init=False)
     _events: tuple | None = field(default=None, init=False)
+    _group: list = field(default_factory=list, init=False)
+    """(request, ready) times of the batches handed out since the last closed step (its micro-batches)."""
 
     def __post_init__(self) -> None:
         self.records = deque(maxlen=self.max_records)
@@ -92,11 +97,15 @@ class StepTracker:
 
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
         self._t_batch = time.perf_counter()
+        first = not self._group  # the first micro-batch of an optimizer step (every batch without accumulation)
+        self._group = (self._group + [(self._t_request, self._t_batch)])[-256:]
         if self.device is not None and self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+            if first:
+                torch.cuda.reset_peak_memory_stats(self.device)
             if self._events is None:  # two events for the tracker's life, re-recorded every step
                 self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
+            if first:  # device time spans all micro-batches of the step
+                self._events[0].record()
         self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
                                 global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
 
@@ -116,21 +125,31 @@ class StepTracker:
         return t_step if t_step > t_sync else None
 
     def step_finished(self, **extra: Any) -> StepRecord | None:
-        """Close the open step; `extra` fills optional fields (lr, grad norms)."""
+        """Close the open step; `extra` fills optional fields (lr, grad norms; ``micro_batches``: the
+        loader steps accumulated into this one, whose data waits and compute are then summed)."""
         rec = self._open
+        group, self._group = self._group, []
         if rec is None:
             return None  # optimizer stepped without a batch from our loader: nothing to attribute
         now = time.perf_counter()
-        rec.compute_s = self._t_step - self._t_batch
+        n = max(1, min(int(extra.get("micro_batches", 1)), len(group)))
+        waits = [ready - request for request, ready in group[-n:]]
+        # From the first micro-batch's arrival to step(): its compute, then for each later one the loop
+        # asking for the next batch (its data wait, not compute) and that batch's forward/backward.
+        t_first = group[-n][1] if group else self._t_batch
+        span = self._t_step - t_first - sum(waits[1:])
+        rec.compute_s = span
+        if n > 1:
+            rec.data_wait_s = sum(waits)
         if self._events is not None:
             # the allreduce has finished, so the backward kernels before the end event have too
             start, end = self._events
             end.synchronize()
             rec.device_compute_s = start.elapsed_time(end) / 1e3
             rec.compute_s = max(rec.compute_s, rec.device_compute_s)
-        rec.sync_wait_s = max(0.0, self._t_sync - self._t_batch - rec.compute_s)
+        rec.sync_wait_s = max(0.0, self._t_sync - self._t_step + span - rec.compute_s)
         rec.optimizer_s = now - self._t_sync
-        rec.step_s = now - self._t_request
+        rec.step_s = now - (group[-n][0] if group else self._t_request)
         rec.samples_per_s = rec.local_batch / rec.step_s if rec.step_s > 0 else float("nan")
         rec.peak_memory_bytes, rec.memory_kind = peak_memory(self.device)
         for key, value in extra.items():

@@ -342,6 +342,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._engine.set_backward_passes_per_step(passes)
         self._update_hooks()
 
+    @property
+    def accumulating(self) -> bool:
+        """True between the micro-batches of one optimizer step (some accumulated, step() not yet run)."""
+        return bool(self._micro)
+
     def should_step(self) -> bool:
         """True once this step's micro-batches are all in: k of them, or the epoch's last ones."""
         return len(self._micro) >= self.backward_passes_per_step or not self.loader.remaining_steps()
@@ -481,7 +486,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if synced["global_n"]:
             step_s = time.perf_counter() - self._group_t0
             extra.update(local_batch=synced["local_n"], global_batch=synced["global_n"], step_s=step_s,
-                         samples_per_s=synced["local_n"] / step_s if step_s > 0 else float("nan"))
+                         samples_per_s=synced["local_n"] / step_s if step_s > 0 else float("nan"),
+                         micro_batches=len(self._micro))
         self._micro = []
         self._clear_local()
         tracker.step_finished(**extra)
@@ -512,12 +518,13 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
+        micro = max(1, len(self._micro))
         self.flat.zero()
         self._clear_local()
         self._micro = []
         self.last_status = reason
         self.skipped_steps[reason] += 1
-        tracker.step_finished(status=reason, grad_norm=grad_norm)
+        tracker.step_finished(status=reason, grad_norm=grad_norm, micro_batches=micro)
 
     def set_local_gradients(self, grads: Mapping[str, torch.Tensor], local: Mapping[str, int],
                             global_: Mapping[str, int]) -> None:

@@ -284,7 +284,7 @@ def transitions_from_history(history: Sequence[dict[str, Any]], total_epochs: Op
     sizes); the reward of action t is the (shared) reward logged at decision t+1, on every row.
     """
     space = actions or ActionSpace()
-    base = sum(history[0]["previous_sizes"])
+    base = history[0].get("previous_passes", 1) * sum(history[0]["previous_sizes"])
     obs, acts, rews = [], [], []
     prev_loss = math.nan
     for t, d in enumerate(history):
@@ -292,7 +292,7 @@ def transitions_from_history(history: Sequence[dict[str, Any]], total_epochs: Op
         trend, prev_loss = loss_trend(d["loss"], prev_loss), d["loss"]
         _, observation = observe_reports(reports, d["previous_sizes"], base, d["noise_scale"], d["efficiency"], trend,
                                          progress_fraction(d["epoch"], total_epochs), d.get("noise_point", math.nan),
-                                         d.get("noise_lower", math.nan), d.get("fit"))
+                                         d.get("noise_lower", math.nan), d.get("fit"), d.get("previous_passes", 1))
         if t + 1 < len(history) and history[t + 1].get("reward") is not None:
             obs.append(observation.numpy())
             info = d.get("info") or {}

@@ -162,6 +162,8 @@ class ClusterSpec:
     """Smallest local batch (ControllerConfig.min_batch)."""
     max_batch: int = 1024
     """Largest local batch (ControllerConfig.max_batch)."""
+    max_passes: int = 1
+    """Micro-batches a policy may accumulate per optimizer step (ControllerConfig.max_passes)."""
     oom_penalty_s: float = 0.0
     """Extra time lost per out-of-memory failure beyond the redone step (s)."""
     name: str = "cluster"
@@ -193,6 +195,8 @@ class ClusterSpec:
         if not (0.0 <= self.stall_prob < 1.0 and self.stall_s >= 0.0 and self.stall_shape > 0.0):
             raise ValueError(f"stall_prob={self.stall_prob} must be in [0, 1), stall_s={self.stall_s} >= 0, "
                              f"stall_shape={self.stall_shape} > 0")
+        if isinstance(self.max_passes, bool) or not isinstance(self.max_passes, int) or self.max_passes < 1:
+            raise ValueError(f"max_passes={self.max_passes!r} must be an integer >= 1")
         if min(self.knee) < 0:
             raise ValueError(f"knee {self.knee[:8]} must be >= 0")
         if not 1 <= self.min_batch <= min(self.initial_batch) or max(self.initial_batch) > self.max_batch:
@@ -336,9 +340,11 @@ class ClusterSimulator:
         self._drift_done = [frac <= start_progress for frac, _, _ in s.drift]
         fresh = BatchBounds(self.R, s.min_batch, s.max_batch)
         self.sizes = [fresh.clip(r, b) for r, b in enumerate(s.initial_batch)]
+        self.passes = 1  # micro-batches per optimizer step
         self.base_batch = sum(self.sizes)
         self.core = DecisionCore(self.R, self.base_batch, reward=self.reward_cfg, stats=self.stats_cfg,
-                                 min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs)
+                                 min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs,
+                                 max_passes=s.max_passes)
         self.wall_s, self.ooms = 0.0, 0
         self.proposer = ModelPolicy()  # the proposal PPO's actions correct (step)
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
@@ -362,7 +368,7 @@ class ClusterSimulator:
         s = self.spec
         if s.cadence == "fixed":
             return np.ones(s.steps_per_decision)
-        B, fractions = float(sum(self.sizes)), []
+        B, fractions, p = float(self.passes * sum(self.sizes)), [], self.passes
         while len(fractions) < 100_000:
             left = s.dataset_size - self._pos_samples
             f = min(1.0, left / B)
@@ -371,9 +377,10 @@ class ClusterSimulator:
             self._pos_step += 1
             epoch_end = self._pos_samples >= s.dataset_size - 1e-9
             length = self._pos_step + math.ceil(max(0.0, s.dataset_size - self._pos_samples) / B - 1e-9)
-            due = self.cadence.due(epoch_end=epoch_end, steps_since=len(fractions), decisions=self.decisions,
-                                   epoch=self._pos_epoch, step=self._pos_step, sizes=self.sizes,
-                                   epoch_length=lambda: length)
+            # the cadence counts loader steps (micro-batches); decisions fall at optimizer-step ends
+            due = self.cadence.due(epoch_end=epoch_end, steps_since=p * len(fractions), decisions=self.decisions,
+                                   epoch=self._pos_epoch, step=p * self._pos_step, sizes=self.sizes,
+                                   epoch_length=lambda: p * length)
             if epoch_end:
                 self._pos_epoch, self._pos_samples, self._pos_step = self._pos_epoch + 1, 0.0, 0
             if due:
@@ -386,22 +393,25 @@ class ClusterSimulator:
         rng = self.rng
         self._oom_check()
         frac_b = self._step_fractions()
-        k = len(frac_b)
+        k, p = len(frac_b), self.passes
         b_full = np.asarray(self.sizes, dtype=np.float64)
-        b = np.maximum(1.0, np.rint(b_full[None, :] * frac_b[:, None]))   # [k, R] samples per step
+        b_micro = np.maximum(1.0, np.rint(b_full[None, :] * frac_b[:, None]))   # [k, R] samples per micro-batch
+        b = p * b_micro                                                          # [k, R] samples per step
         B_t = b.sum(axis=1)
         # network load: log-normal fluctuation around the mean contention
         self._load = s.contention * float(np.exp(rng.normal(0.0, 0.5))) if s.contention > 0 else 0.0
-        compute = (self.alpha + self.beta * np.maximum(b, self.knee)) * self.slow \
-            * np.exp(rng.normal(0.0, s.jitter, (k, R)))
+        # p micro-batches per step: p times the micro-batch's cost (their jitter averages over the p)
+        compute = p * (self.alpha + self.beta * np.maximum(b_micro, self.knee)) * self.slow \
+            * np.exp(rng.normal(0.0, s.jitter / math.sqrt(p), (k, R)))
         if s.stall_prob > 0:
             stalled = rng.random((k, R)) < s.stall_prob
             pareto = np.minimum(50.0, (1.0 - rng.random((k, R))) ** (-1.0 / s.stall_shape))
             compute = compute + np.where(stalled, s.stall_s * pareto, 0.0)
-        data = (s.data_s + s.data_s_per_sample * b) * np.exp(rng.normal(0.0, 0.1, (k, R)))
+        data = p * (s.data_s + s.data_s_per_sample * b_micro) * np.exp(rng.normal(0.0, 0.1, (k, R)))
         arrival = data + compute
         net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
-        sync_end = (arrival.max(axis=1) ** s.gamma + net ** s.gamma) ** (1.0 / s.gamma)
+        last = arrival.max(axis=1) / p  # the allreduce overlaps only the last micro-batch
+        sync_end = arrival.max(axis=1) - last + (last ** s.gamma + net ** s.gamma) ** (1.0 / s.gamma)
         step_s = sync_end + s.optimizer_s
         wait = sync_end[:, None] - arrival
         # statistics, progress, loss: step by step (progress moves phi and |G|^2)
@@ -437,7 +447,7 @@ class ClusterSimulator:
         mem_used = self.mem_base + self.mem_ps * b_full
         mean_step = float(step_s.mean())
         comp_m, wait_m, data_m = compute.mean(0), wait.mean(0), data.mean(0)
-        b_mean = b.mean(0)
+        b_mean = b.mean(0)  # samples per step
         net_bps = (2 * (R - 1) / R * s.model_bytes / mean_step) if R > 1 else 0.0
         retrans = float(rng.poisson(50.0 * self._load * self._load)) / (k * mean_step) if self._load > 0 else 0.0
         busy = (comp_m + data_m) / mean_step
@@ -457,10 +467,10 @@ class ClusterSimulator:
         glob = global_sq.tolist()
         self.inputs = [RankInput(rep, StepSeries(b[:, r].astype(int).tolist(), local_sq[:, r].tolist(), glob,
                                                  losses[:, r].tolist(), kind, compute[:, r].tolist(),
-                                                 data[:, r].tolist(), wait[:, r].tolist()))
+                                                 data[:, r].tolist(), wait[:, r].tolist(), [p] * k))
                        for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
-        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch)
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p)
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 
@@ -484,7 +494,7 @@ class ClusterSimulator:
                     sync_wait_s=float(d["wait"][j, r]), optimizer_s=s.optimizer_s, step_s=float(d["step_s"][j]),
                     samples_per_s=float(b[j, r]) / float(d["step_s"][j]), status="ok", lr=lr,
                     local_grad_sq=float(d["local_sq"][j, r]), global_grad_sq=float(d["global_sq"][j]),
-                    memory_kind="cuda" if s.gpu else "rss"))
+                    memory_kind="cuda" if s.gpu else "rss", micro_batches=self.passes))
             self._epoch_step += 1
 
     def step_log_frame(self) -> Any:
@@ -553,26 +563,31 @@ class ClusterSimulator:
         """What a live policy is handed at this decision (reward of the previous decision included)."""
         return self.core.policy_input(self.seen)
 
-    def step_sizes(self, sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
-        """Apply new per-rank sizes (clipped to the bounds), simulate the next interval; returns
-        ``(obs, reward [R] earned by this change, done, info)``."""
+    def step_sizes(self, sizes: Sequence[int], passes: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
+        """Apply new per-rank (micro-batch) sizes, clipped to the bounds, and micro-batches per step
+        (None: keep), simulate the next interval; returns ``(obs, reward [R] earned by this change,
+        done, info)``."""
         if len(sizes) != self.R:
             raise ValueError(f"{len(sizes)} sizes for {self.R} ranks")
+        old_B = self.core.prev_passes * sum(self.prev_sizes or self.sizes)
+        self.passes = self.core.next_passes(passes, self.passes)
         self.sizes = [self.bounds.clip(r, int(b)) for r, b in enumerate(sizes)]
-        old_B, new_B = sum(self.prev_sizes or self.sizes), sum(self.sizes)
+        new_B = self.passes * sum(self.sizes)
         if new_B > old_B:  # a larger global batch raises the LR through the LR rule: loss spike
             ratio = self.lr_factor(new_B, old_B)
             self._spike += self.spec.spike_coef * max(0.0, math.log2(max(ratio, 1.0)))
         self._interval()
         assert self.last_reward is not None
-        info = {"sizes": list(self.sizes), "wall_s": self.wall_s, "progress": self.progress / self.spec.target_progress}
+        info = {"sizes": list(self.sizes), "passes": self.passes, "wall_s": self.wall_s,
+                "progress": self.progress / self.spec.target_progress}
         return self.obs, self.last_reward, self.done, info
 
     def step(self, actions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
         """Apply R + 1 action indices (the ranks' share corrections, then the batch row's) to this
         decision's model-based proposal, as the live PPO policy does (see :meth:`step_sizes`)."""
-        sizes, _ = refine(self.proposer, self.actions, self.decision_input(), [int(a) for a in actions])
-        return self.step_sizes(sizes)
+        sizes, info = refine(self.proposer, self.actions, self.decision_input(), [int(a) for a in actions])
+        return self.step_sizes(sizes, info["passes"])
 
     def goodput_ratio(self, sizes: Optional[Sequence[int]] = None) -> float:
         """Expected goodput of ``sizes`` (default: current) / that of :meth:`optimum_sizes`, now."""
@@ -588,7 +603,7 @@ class ClusterSimulator:
         while not self.done:
             out = policy.decide(self.decision_input())
             policy.after_decision()
-            self.step_sizes(out.sizes)
+            self.step_sizes(out.sizes, out.passes)
             rewards.append(float(self.last_reward.mean()))
             if track_optimum:
                 ratios.append(self.goodput_ratio())
