@@ -290,3 +290,64 @@ def test_proposal_never_splits_below_a_fitted_knee():
     q = propose(ProposalConfig(search_batch=False, dither=0.0), plain.fit(), plain.fit_network(), [32, 32], bounds,
                 64, 1e6, 5)
     assert q.sizes[1] < 24 and sum(q.sizes) == 64
+
+
+# --- gradient accumulation -------------------------------------------------------------------------------
+def test_accumulated_steps_fit_the_micro_batch_line_and_the_network():
+    """A step of p micro-batches is p arrivals then the allreduce: recorded with its micro-batch count it
+    gives the same per-micro-batch line and T_net as steps without accumulation."""
+    rng = np.random.default_rng(7)
+    plain, mixed = CostModel(2), CostModel(2)
+    for sizes, p in (([32, 32], 1), ([40, 24], 2), ([36, 28], 3), ([44, 20], 1)):
+        b, t, _ = interval(rng, sizes, jitter=0.01)
+        net = 0.02
+        plain.record(b, t, t.max(1) + net)
+        # p micro-batches of `sizes` per step: p times the samples and the arrival, one allreduce
+        mixed.record(p * b, p * t, p * t.max(1) + net, passes=np.full(len(b), p))
+    for model in (plain, mixed):
+        fit = model.fit()
+        assert fit.identified.all()
+        assert fit.per_sample_s == pytest.approx(C, rel=0.1) and fit.fixed_s == pytest.approx(A, rel=0.25)
+        assert model.fit_network().net_s == pytest.approx(0.02, rel=0.05)
+    net = NetworkFit(0.02, 1.0, 1e-3)
+    assert float(net.step_time(0.1, 3)) == pytest.approx(3 * 0.1 + 0.02 + 1e-3)
+    with pytest.raises(ValueError, match="passes needs shape"):
+        mixed.record(b, t, t.max(1), passes=np.zeros(len(b)))
+
+
+def test_proposal_accumulates_only_where_memory_caps_a_batch_worth_growing():
+    fit = known_costs().fit()
+    heavy = NetworkFit(0.05, 1.0, 1e-3)  # a slow allreduce: a larger B amortises it
+    capped = BatchBounds(2, 1, 40, max_passes=8)
+    grown = propose(ProposalConfig(trust=None), fit, heavy, [32, 32], capped, 64, 1e6, 5)
+    assert grown.passes > 1 and max(grown.sizes) <= 40, grown
+    assert grown.global_batch == grown.passes * sum(grown.sizes) > 80, "B past what one pass holds"
+    assert grown.batch_max >= grown.global_batch
+    one_pass = propose(ProposalConfig(trust=None), fit, heavy, [32, 32], BatchBounds(2, 1, 40), 64, 1e6, 5)
+    assert one_pass.passes == 1 and sum(one_pass.sizes) <= 80, "max_passes=1: memory is the limit"
+    assert grown.predicted_goodput > one_pass.predicted_goodput
+    roomy = propose(ProposalConfig(trust=None), fit, heavy, [32, 32], BatchBounds(2, 1, 4096, max_passes=8),
+                    64, 3000.0, 5)
+    assert roomy.passes == 1 and 80 < roomy.global_batch < 4096, \
+        "memory allows the best batch in one pass: accumulating would only add fixed costs"
+    small = propose(ProposalConfig(trust=None), fit, heavy, [32, 32], capped, 64, 1.0, 5)
+    assert small.passes == 1 and small.global_batch == 64, "nothing gained by a larger batch"
+    # the trust region bounds the samples per step, with accumulation too
+    step = propose(ProposalConfig(), fit, heavy, [32, 32], capped, 64, 1e6, 5)
+    assert step.global_batch <= 2 * 64 and step.passes * max(step.sizes) <= 2 * 32
+    # from an accumulating state: the current B is p x the micro-batches
+    back = propose(ProposalConfig(), fit, heavy, [40, 40], capped, 64, 1.0, 5, passes=4)
+    assert back.global_batch >= 320 / 2 and back.passes * max(back.sizes) >= 160 / 2, "at most /2 per decision"
+
+
+def test_rules_accumulate_to_a_target_past_the_memory_bounds():
+    from dynamix_hvd.control.rules import make_baseline
+
+    rule = make_baseline("linear-ramp", end=96, ramp=1)
+    inp = decision_input([8, 8])
+    inp.bounds = BatchBounds(2, 1, 16, max_passes=4)
+    out = rule.decide(inp)
+    assert out.passes == 3 and max(out.sizes) <= 16 and out.passes * sum(out.sizes) >= 96, out
+    fixed = make_baseline("linear-ramp", end=96, ramp=1)
+    inp.bounds = BatchBounds(2, 1, 16)
+    assert fixed.decide(inp).passes == 1 and sum(fixed.decide(inp).sizes) == 32, "no accumulation: clipped"

@@ -31,9 +31,9 @@ def results(tmp_path_factory):
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
-def replay(opt_factory, batches, lrs=None, max_grad_norm=None, skip=(), momenta=None):
-    """Full-batch single-process training over `batches` (lists of sample indices)."""
-    data = IndexedData(SAMPLES)
+def replay(opt_factory, batches, lrs=None, max_grad_norm=None, skip=(), momenta=None, samples=SAMPLES):
+    """Full-batch single-process training over `batches` (lists of sample indices of `samples`)."""
+    data = IndexedData(samples)
     model = make_model()
     opt = opt_factory(model.parameters())
     for step, idx in enumerate(batches):
