@@ -25,7 +25,8 @@ from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
 from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
-                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start)
+                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start,
+                                         step_due)
 from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
@@ -118,8 +119,8 @@ def main() -> None:
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                          # dx
         model.train()
+        optimizer.zero_grad()
         for x, y in loader:
-            optimizer.zero_grad()
             rec.compute_start()
             slow.before_compute(len(y))
             loss = loss_fn(model(x).reshape(-1, 128), y.reshape(-1))
@@ -131,8 +132,10 @@ def main() -> None:
                 nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 with optimizer.skip_synchronize():
                     optimizer.step()
-            else:
+                optimizer.zero_grad()
+            elif step_due(optimizer):  # dx: every micro-batch of the step is in (accumulation)
                 optimizer.step()
+                optimizer.zero_grad()
             if controller is not None:
                 controller.record_loss(loss)                                             # dx
             steps += 1

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 import dynamix_hvd as dx
 from dynamix_hvd.examples.common import (PlainHorovodLoader, Slowdown, add_bench_flags, add_common_flags,  # noqa: F401
                                          controller_config, local_batches, make_slowdown, parser,
-                                         plain_horovod_optimizer, start)
+                                         plain_horovod_optimizer, start, step_due)
 from dynamix_hvd.examples.common import parse_slow_schedule as parse_schedule  # noqa: F401 - old name
 from dynamix_hvd.examples.records import SuiteRecorder
 from dynamix_hvd.runs.runlog import RunLog
@@ -120,15 +120,17 @@ def main(argv: list[str] | None = None) -> None:
         loader.set_epoch(epoch)                                                 # dx
         model.train()
         step = 0
+        optimizer.zero_grad()
         for x, y in loader:
-            optimizer.zero_grad()
             rec.compute_start()
             slow.before_compute(len(y))
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             slow.after_compute(len(y))
             rec.compute_end()
-            optimizer.step()
+            if step_due(optimizer):  # dx: every micro-batch of the step is in (accumulation)
+                optimizer.step()
+                optimizer.zero_grad()
             if controller is not None:
                 controller.record_loss(loss)                                    # dx
             if run is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -44,6 +45,10 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                     help="decide every k steps (0: at the end of every epoch only; -1 or the default: at "
                          "every epoch end and inside epochs, so that the run gets about 32 decisions, the "
                          "first ones after 8, 16, ... steps)")
+    ap.add_argument("--max-batch", type=int, default=1024,
+                    help="largest local batch (per micro-batch) the controller may give a rank (its memory bound)")
+    ap.add_argument("--max-passes", type=int, default=1,
+                    help="micro-batches the controller may accumulate per optimizer step past --max-batch (1: none)")
     ap.add_argument("--slow-rank", type=int, default=-1, help="make this rank slow (straggler demo)")
     ap.add_argument("--slow-ms", type=float, default=0.0, help="extra milliseconds per step on --slow-rank")
     ap.add_argument("--out", default=os.environ.get("OUT", out), help="run directory for the records (env OUT)")
@@ -72,12 +77,19 @@ def start(args: argparse.Namespace, default_batch: int) -> list[int]:
     return [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [default_batch] * hvd.size()
 
 
+def step_due(optimizer: Any) -> bool:
+    """Horovod's accumulation pattern: step once every micro-batch of the step is in
+    (``WeightedDistributedOptimizer.should_step``; a plain Horovod optimizer here never accumulates)."""
+    should_step = getattr(optimizer, "should_step", None)
+    return True if should_step is None else should_step()
+
+
 def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
     """The controller's configuration from the common flags."""
     return dx.ControllerConfig(
         policy=args.policy, policy_kwargs=json.loads(args.policy_kwargs),
         policy_file=None if args.policy_file == "none" else args.policy_file,
-        learn=bool(args.learn), total_epochs=args.epochs,
+        learn=bool(args.learn), total_epochs=args.epochs, max_batch=args.max_batch, max_passes=args.max_passes,
         decide_every_steps=None if args.decide_every is None or args.decide_every < 0 else args.decide_every,
         ppo=dx.PPOConfig(seed=args.seed, rollout_length=8))
 

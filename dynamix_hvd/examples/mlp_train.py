@@ -14,7 +14,8 @@ from torch import nn
 import dynamix_hvd as dx
 from dynamix_hvd.data.synthetic import teacher_classification
 from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
-                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start)
+                                         local_batches, make_slowdown, parser, plain_horovod_optimizer, start,
+                                         step_due)
 from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
 from dynamix_hvd.runs.runlog import RunLog
 from dynamix_hvd.tools.progress import Progress
@@ -64,15 +65,17 @@ def main() -> None:
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                 # dx
         model.train()
+        optimizer.zero_grad()
         for x, y in loader:
-            optimizer.zero_grad()
             rec.compute_start()
             slow.before_compute(len(y))
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             slow.after_compute(len(y))
             rec.compute_end()
-            optimizer.step()
+            if step_due(optimizer):  # dx: every micro-batch of the step is in (accumulation)
+                optimizer.step()
+                optimizer.zero_grad()
             if controller is not None:
                 controller.record_loss(loss)                                    # dx
             if run is not None:
