@@ -351,3 +351,27 @@ def test_rules_accumulate_to_a_target_past_the_memory_bounds():
     fixed = make_baseline("linear-ramp", end=96, ramp=1)
     inp.bounds = BatchBounds(2, 1, 16)
     assert fixed.decide(inp).passes == 1 and sum(fixed.decide(inp).sizes) == 32, "no accumulation: clipped"
+
+
+def test_joint_fit_recovers_overlap_between_the_staged_grid_points():
+    """AdaptDL fits compute, network and overlap at once; the staged fit's gamma is a grid point. With a
+    true gamma of 1.8 (between the grid's 1.5 and 2.0) and a few stalls, the joint fit finds gamma and
+    T_net, keeps the lines, and the goodput rule proposes from it."""
+    from dynamix_hvd.control.jointfit import fit_joint
+
+    rng, model = np.random.default_rng(0), CostModel(2)
+    for sizes in ([8, 8], [16, 16], [32, 32], [64, 64], [128, 128]):
+        model.record(*interval(rng, sizes, jitter=0.03, net=0.02, gamma=1.8, outliers=3), overhead_s=2e-3)
+    staged = model.fit_network()
+    fit, net = fit_joint(model)
+    assert staged.gamma in (1.5, 2.0) and abs(staged.net_s - 0.02) > 0.002
+    assert net.gamma == pytest.approx(1.8, abs=0.1) and net.net_s == pytest.approx(0.02, rel=0.05)
+    assert fit.per_sample_s == pytest.approx(C, rel=0.03) and fit.fixed_s == pytest.approx(A, rel=0.05)
+    assert net.overhead_s == staged.overhead_s
+    one = CostModel(2)  # one arrival time: gamma is not identifiable, it stays 1 as in the staged fit
+    one.record(*interval(rng, [32, 32], jitter=0.01, net=0.02, gamma=3.0))
+    assert fit_joint(one)[1].gamma == 1.0
+    assert fit_joint(CostModel(2)) is None
+    rule = make_policy(ControllerConfig(policy="goodput"))
+    out = rule.decide(decision_input([32, 32], costs=model, noise=1e4))
+    assert out.info["fit"] == "joint" and out.info["gamma"] == pytest.approx(net.gamma)

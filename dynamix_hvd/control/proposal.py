@@ -33,6 +33,7 @@ import numpy as np
 
 from .actions import BatchBounds
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
+from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
 
@@ -55,6 +56,9 @@ class ProposalConfig:
     """Decisions at the start during which B may not grow while some rank's cost line is not identified
     (its throughput gain would rest on the pinned fixed share, not a measurement; the dither usually
     identifies the lines within one interval). 0: grow on the guess from the first decision (AdaptDL)."""
+    joint_fit: bool = False
+    """Refine the staged fits jointly (compute, network and overlap at once, as AdaptDL; see
+    :mod:`dynamix_hvd.control.jointfit`) before proposing."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -272,12 +276,14 @@ class ModelPolicy:
         if fit is None:  # no timed step yet: keep the sizes
             self.last = None
             return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
-        self.last = propose(self.cfg, fit, costs.fit_network(), inp.sizes, inp.bounds, inp.ctx.base_batch,
+        net = costs.fit_network()
+        if self.cfg.joint_fit:
+            fit, net = fit_joint(costs) or (fit, net)
+        self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.base_batch,
                             self.noise(inp), self.decisions, inp.passes)
         self.decisions += 1
-        net = costs.fit_network()
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
-                "net_s": net.net_s, "gamma": net.gamma}
+                "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged"}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
 
     def after_decision(self) -> dict[str, float]:

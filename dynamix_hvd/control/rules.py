@@ -138,7 +138,7 @@ class SpeedSplit(ModelPolicy):
 
 class Goodput(ModelPolicy):
     """Pollux/AdaptDL: the B from the initial global batch up to the memory bounds that maximises
-    predicted goodput (fitted compute, network and overlap; alpha pinned to half the measured time
+    predicted goodput (compute, network and overlap fitted jointly; alpha pinned to half the measured time
     while one size was seen; the point estimate of the noise scale), split by fitted cost; switch
     only for a predicted gain above `hysteresis`. No trust region and no dither, as AdaptDL."""
 
@@ -146,7 +146,7 @@ class Goodput(ModelPolicy):
 
     def __init__(self, hysteresis: float = 0.05, candidates: int = 32) -> None:
         super().__init__(ProposalConfig(hysteresis=hysteresis, candidates=candidates, trust=None, noise="point",
-                                        dither=0.0, hold_unidentified=0))
+                                        dither=0.0, hold_unidentified=0, joint_fit=True))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}
