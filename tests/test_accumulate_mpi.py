@@ -38,6 +38,7 @@ def test_decisions_switch_to_accumulation_past_the_memory_bounds(runs):
     assert max(d["passes"] * sum(d["sizes"]) for d in history) >= 12 * RANKS, "B stayed within one pass"
     for r in runs:
         assert not any(r["decided_mid_step"]), "a decision between the micro-batches of a step"
+        assert r["restored"] == {"passes": passes[-1], "optimizer": passes[-1], "controller": passes[-1]}
 
 
 def test_every_step_is_its_micro_batches(runs):

@@ -65,7 +65,7 @@ class DynamixController:
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
-        self._steps_since = 0  # optimizer steps since the last decision (identical on every rank)
+        self._steps_since = 0  # loader steps (micro-batches) since the last decision (identical on every rank)
         self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.target_decisions,
                                        self.cfg.min_decision_steps, self.cfg.total_epochs)
         for r, b in enumerate(loader.batch_sizes):
@@ -145,6 +145,8 @@ class DynamixController:
         Called directly, a failure (e.g. `ControlPlaneTimeout` naming a silent rank) raises to the
         caller; the decisions the controller takes by itself inside the loop abort the MPI world
         instead (`comm.abort_world`), since the other ranks would wait for this one forever."""
+        if self.optimizer.accumulating:
+            raise RuntimeError("decide() between the micro-batches of an optimizer step; call it after step()")
         t0 = time.perf_counter()
         self._steps_since = 0
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
@@ -222,6 +224,12 @@ class DynamixController:
         self.history = list(state["history"])
         self._total_steps = int(state["total_steps"])
         self._steps_since = int(state.get("steps_since", 0))
+        self._due = False
+        # the micro-batches per step the last decision set (a rank joining after an elastic reset
+        # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
+        passes = int(self.history[-1].get("passes", 0)) if self.history else 0
+        if passes and passes != self.optimizer.backward_passes_per_step and not self.optimizer.accumulating:
+            self.optimizer.set_backward_passes_per_step(passes)
         if state["world_size"] == self.loader.world_size:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:

@@ -284,7 +284,7 @@ class DecisionCore:
         self.prev_sizes, self.prev_loss, self.prev_passes = sizes, loss, passes
         self.decisions += 1
         return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
-                           self._layer_variance(inputs, sizes), fit)
+                           self._layer_variance(inputs, [passes * b for b in sizes]), fit)
 
     def policy_input(self, seen: Observation) -> DecisionInput:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
@@ -347,7 +347,7 @@ class DecisionCore:
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))
             record_reports(self.costs, [r.local_batch for r in reports], arrival, sync, overhead,
-                           max(min(r.steps for r in reports), 1))
+                           max(min(r.steps for r in reports), 1), self.passes)
 
     def _layer_variance(self, inputs: Sequence[RankInput], sizes: list[int]) -> dict[str, float] | None:
         """Per-parameter gradient variance tr(Sigma_l) over the interval (unbiased, pooled over ranks)."""

@@ -352,7 +352,9 @@ def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
 
 
 def record_reports(model: CostModel, batches: Sequence[int], arrival: Sequence[float], sync_end: float,
-                   overhead_s: float, steps: float) -> None:
-    """Feed one interval known only by its means (one point per rank, standing for `steps` steps)."""
-    model.record(np.asarray([batches], dtype=np.float64), np.asarray([arrival], dtype=np.float64),
-                 np.asarray([sync_end]), overhead_s, steps_each=max(float(steps), 1.0))
+                   overhead_s: float, steps: float, passes: int = 1) -> None:
+    """Feed one interval known only by its means (one point per rank, standing for `steps` steps);
+    `batches` are micro-batch sizes, `arrival` and `sync_end` whole steps of `passes` micro-batches."""
+    model.record(passes * np.asarray([batches], dtype=np.float64), np.asarray([arrival], dtype=np.float64),
+                 np.asarray([sync_end]), overhead_s, steps_each=max(float(steps), 1.0),
+                 passes=np.array([float(passes)]))

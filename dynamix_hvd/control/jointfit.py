@@ -44,7 +44,8 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
     Ws = torch.tensor(np.where(timed, w, 0.0), dtype=dt)
     Ws = Ws / Ws.sum() if bool(Ws.sum() > 0) else Ws
     mask = torch.tensor(ident)
-    a0 = torch.tensor(np.maximum(staged.fixed_s, 1e-6 * staged.mean_time), dtype=dt)
+    a_staged = torch.tensor(staged.fixed_s, dtype=dt)
+    a0 = torch.tensor(np.maximum(staged.fixed_s, 1e-6 * staged.mean_time), dtype=dt)  # log-space start
     c0 = torch.tensor(staged.per_sample_s, dtype=dt)
     varied = model._arrival[w > 1e-3 * w.max()]
     free_gamma = bool(timed.any()) and varied.max() > 1.2 * varied.min()
@@ -55,7 +56,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
              "g": torch.tensor(_logit((start_g - 1.0) / (GAMMA_MAX - 1.0)), dtype=dt, requires_grad=True)}
 
     def unpack() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = torch.where(mask, torch.exp(theta["log_a"]), a0)
+        a = torch.where(mask, torch.exp(theta["log_a"]), a_staged)
         c = torch.where(mask, torch.exp(theta["log_c"]), c0)
         g = 1.0 + (GAMMA_MAX - 1.0) * torch.sigmoid(theta["g"]) if free_gamma else torch.ones((), dtype=dt)
         return a, c, torch.exp(theta["log_net"]), g
@@ -63,8 +64,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
     def rho(x: torch.Tensor) -> torch.Tensor:
         return delta ** 2 * (torch.sqrt(1.0 + (x / delta) ** 2) - 1.0)
 
-    def objective() -> torch.Tensor:
-        a, c, net_s, g = unpack()
+    def loss(a: torch.Tensor, c: torch.Tensor, net_s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         arrival = a + c * B
         err = (W[:, None] * rho(torch.log(arrival) - logT))[:, mask].sum() / max(int(mask.sum()), 1)
         if bool(Ws.sum() > 0):
@@ -74,22 +74,26 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
             err = err + (Ws * rho(torch.log(sync) - logS)).sum()
         return err
 
+    def objective() -> torch.Tensor:
+        return loss(*unpack())
+
     params = [theta["log_a"], theta["log_c"], theta["log_net"]] + ([theta["g"]] if free_gamma else [])
     opt = torch.optim.LBFGS(params, lr=1.0, max_iter=iterations, line_search_fn="strong_wolfe")
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = objective()
-        loss.backward()
-        return loss
+        value = objective()
+        value.backward()
+        return value
 
-    with torch.no_grad():
-        before = float(objective())
+    with torch.no_grad():  # the staged fit exactly (the start differs where a or gamma sit on a bound)
+        before = float(loss(a_staged, c0, torch.tensor(max(net.net_s, 1e-12), dtype=dt),
+                            torch.tensor(net.gamma, dtype=dt)))
     opt.step(closure)
     with torch.no_grad():
         after = float(objective())
         a, c, net_s, g = unpack()
-    if not (math.isfinite(after) and after <= before):  # never worse than where it started
+    if not (math.isfinite(after) and after <= before):  # never worse than the staged fit
         return staged, net
     joint = CostFit(a.numpy().copy(), c.numpy().copy(), staged.identified, staged.fixed_se, staged.per_sample_se,
                     staged.spread, staged.mean_batch, staged.mean_time, staged.knee)

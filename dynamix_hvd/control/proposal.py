@@ -263,7 +263,7 @@ class ModelPolicy:
         R = len(inp.reports)
         if self._own is None or self._own.world_size != R:
             self._own = CostModel(R, self.costs_cfg)
-        feed_means(self._own, inp.reports)
+        feed_means(self._own, inp.reports, inp.passes)
         return self._own
 
     def noise(self, inp: DecisionInput) -> float:
@@ -299,12 +299,13 @@ class ModelPolicy:
         self.decisions = int(state["decisions"])
 
 
-def feed_means(model: CostModel, reports: Sequence[RankReport]) -> None:
-    """One interval known only by its reports' means (what a hand-built DecisionInput carries)."""
+def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:
+    """One interval known only by its reports' means (what a hand-built DecisionInput carries; its
+    sizes are micro-batches, `passes` of them per step)."""
     arrival = [r.compute_s + max(r.data_wait_s, 0.0) for r in reports]
     if not all(t > 0 and math.isfinite(t) for t in arrival):
         return
     sync = float(np.median([t + max(r.sync_wait_s, 0.0) for t, r in zip(arrival, reports)]))
     overhead = float(np.median([r.step_s - t - max(r.sync_wait_s, 0.0) for t, r in zip(arrival, reports)]))
     record_reports(model, [r.local_batch for r in reports], arrival, sync, overhead,
-                   max(min(r.steps for r in reports), 1))
+                   max(min(r.steps for r in reports), 1), passes)

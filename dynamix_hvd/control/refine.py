@@ -100,12 +100,14 @@ class PPOPolicy:
         self._awaiting_reward = self.learn
         self._last_obs = inp.obs
         sizes, info = refine(self.model, self.actions, inp, actions.tolist())
-        held = False
-        if not self.learn:
-            sizes, held = self.guard(sizes, inp.sizes, bool(info.get("dithered")))
+        held, passes = False, info["passes"]
+        if not self.learn:  # the guard compares samples per step (a flip may be in the passes alone)
+            _, held = self.guard([passes * b for b in sizes], [inp.passes * b for b in inp.sizes],
+                                        bool(info.get("dithered")))
+            if held:
+                sizes, passes = list(inp.sizes), inp.passes
         return DecisionOutput(sizes, {**info, "actions": actions.tolist(), "held": held,
-                                      "value": round(float(values.mean()), 4)},
-                              inp.passes if held else info["passes"])
+                                      "value": round(float(values.mean()), 4)}, passes)
 
     def reset_world(self, world_size: int) -> None:
         """The number of ranks changed: drop the rollout (its transitions have the old shape)."""

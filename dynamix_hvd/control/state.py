@@ -124,8 +124,10 @@ def job_features(ctx: GlobalContext, reports: Sequence[RankReport], fit: CostFit
                  net: NetworkFit | None) -> list[float]:
     comm = 0.0
     if fit is not None and net is not None and len(fit.per_sample_s) == len(reports):
-        arrival = float(fit.arrival(np.array([r.local_batch for r in reports], dtype=np.float64)).max())
-        step = float(net.step_time(arrival))
+        micro = np.array([r.local_batch for r in reports], dtype=np.float64)
+        passes = max(1, round(ctx.global_batch / max(micro.sum(), 1.0)))  # micro-batches per step
+        arrival = float(fit.arrival(micro).max())
+        step = float(net.step_time(arrival, passes))
         comm = _ratio(max(float(net.sync_time(arrival)) - arrival, 0.0), step)
     point, lower = ctx.noise_point, ctx.noise_lower
     known = math.isfinite(point) and point > 0

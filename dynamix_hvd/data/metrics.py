@@ -146,7 +146,8 @@ class StepTracker:
             start, end = self._events
             end.synchronize()
             rec.device_compute_s = start.elapsed_time(end) / 1e3
-            rec.compute_s = max(rec.compute_s, rec.device_compute_s)
+            # the events span the later micro-batches' data waits too (the device idles through them)
+            rec.compute_s = max(rec.compute_s, rec.device_compute_s - sum(waits[1:]))
         rec.sync_wait_s = max(0.0, self._t_sync - self._t_step + span - rec.compute_s)
         rec.optimizer_s = now - self._t_sync
         rec.step_s = now - (group[-n][0] if group else self._t_request)

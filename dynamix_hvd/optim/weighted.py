@@ -303,6 +303,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         """The torch optimizer's state plus this wrapper's own (plain values under "dynamix")."""
         state = _inner(self, "state_dict")(self)
         state["dynamix"] = {"lr_gain": float(self.lr_gain), "skipped_steps": dict(self.skipped_steps),
+                            "backward_passes_per_step": int(self.backward_passes_per_step),
                             "lr_coupling": self.lr_coupling.state_dict()}
         return state
 
@@ -322,6 +323,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             self.skipped_steps = dict(own["skipped_steps"])
             if "lr_coupling" in own:  # absent in checkpoints from before progress accounting
                 self.lr_coupling.load_state_dict(own["lr_coupling"])
+            if "backward_passes_per_step" in own:  # absent in checkpoints from before accumulation decisions
+                self.set_backward_passes_per_step(int(own["backward_passes_per_step"]))
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
@@ -518,13 +521,16 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
-        micro = max(1, len(self._micro))
+        group = {}
+        if len(self._micro) > 1:  # the record covers every micro-batch of the skipped step
+            group = {"micro_batches": len(self._micro), "global_batch": sum(s.global_count for s in self._micro),
+                     "local_batch": sum(s.counts[self.loader.rank] for s in self._micro)}
         self.flat.zero()
         self._clear_local()
         self._micro = []
         self.last_status = reason
         self.skipped_steps[reason] += 1
-        tracker.step_finished(status=reason, grad_norm=grad_norm, micro_batches=micro)
+        tracker.step_finished(status=reason, grad_norm=grad_norm, **group)
 
     def set_local_gradients(self, grads: Mapping[str, torch.Tensor], local: Mapping[str, int],
                             global_: Mapping[str, int]) -> None:

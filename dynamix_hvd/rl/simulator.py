@@ -282,20 +282,22 @@ class ClusterSimulator:
             return 0.0
         return 2 * (R - 1) * s.net_latency_s + 2 * (R - 1) / R * s.model_bytes * (1 + load) / s.bandwidth_Bps
 
-    def expected_step_time(self, sizes: np.ndarray, load: Optional[float] = None) -> np.ndarray:
-        """Noise-free step time of per-rank sizes ``[..., R]`` with the current speeds."""
+    def expected_step_time(self, sizes: np.ndarray, load: Optional[float] = None, passes: int = 1) -> np.ndarray:
+        """Noise-free step time of per-rank (micro-batch) sizes ``[..., R]`` with the current speeds,
+        `passes` micro-batches per step (the allreduce after the last)."""
         s = self.spec
         b = np.asarray(sizes, dtype=np.float64)
         arrival = s.data_s + s.data_s_per_sample * b + (self.alpha + self.beta * np.maximum(b, self.knee)) * self.slow
         net = self.net_time(s.contention if load is None else load)
-        g = s.gamma
-        return (arrival.max(axis=-1) ** g + net ** g) ** (1 / g) + s.optimizer_s
+        g, last = s.gamma, arrival.max(axis=-1)
+        return (passes - 1) * last + (last ** g + net ** g) ** (1 / g) + s.optimizer_s
 
-    def goodput(self, sizes: np.ndarray, phi: Optional[float] = None) -> np.ndarray:
-        """Expected progress per second of sizes ``[..., R]`` (B_ref-equivalent samples per second)."""
-        B = np.asarray(sizes, dtype=np.float64).sum(axis=-1)
+    def goodput(self, sizes: np.ndarray, phi: Optional[float] = None, passes: int = 1) -> np.ndarray:
+        """Expected progress per second of sizes ``[..., R]``, `passes` micro-batches of them per step
+        (B_ref-equivalent samples per second)."""
+        B = passes * np.asarray(sizes, dtype=np.float64).sum(axis=-1)
         phi = self.phi() if phi is None else phi
-        return B * (phi + self.ref_batch) / (phi + B) / self.expected_step_time(sizes)
+        return B * (phi + self.ref_batch) / (phi + B) / self.expected_step_time(sizes, passes=passes)
 
     def optimum_sizes(self, caps: Optional[np.ndarray] = None, grid: int = 400) -> list[int]:
         """Goodput-maximising per-rank sizes for the current speeds and true noise scale, within
@@ -547,7 +549,8 @@ class ClusterSimulator:
             if not failed:
                 return
             self.ooms += len(failed)
-            self._oom_time += float(self.expected_step_time(np.asarray(self.sizes))) + self.spec.oom_penalty_s
+            self._oom_time += float(self.expected_step_time(np.asarray(self.sizes), passes=self.passes)) \
+                + self.spec.oom_penalty_s
             for r in failed:
                 self.sizes[r] = min(self.sizes[r], self.bounds.record_oom(r, self.sizes[r]))
 
@@ -590,10 +593,12 @@ class ClusterSimulator:
         return self.step_sizes(sizes, info["passes"])
 
     def goodput_ratio(self, sizes: Optional[Sequence[int]] = None) -> float:
-        """Expected goodput of ``sizes`` (default: current) / that of :meth:`optimum_sizes`, now."""
+        """Expected goodput of ``sizes`` (default: the current sizes and passes) / that of
+        :meth:`optimum_sizes` (one pass), now; above 1 where accumulation beats the one-pass optimum."""
         caps = np.array([self.bounds.upper(r) for r in range(self.R)])
         best = float(self.goodput(np.asarray(self.optimum_sizes(np.minimum(caps, self.capacity)))))
-        return float(self.goodput(np.asarray(self.sizes if sizes is None else sizes))) / best
+        now = self.goodput(np.asarray(self.sizes), passes=self.passes) if sizes is None else self.goodput(np.asarray(sizes))
+        return float(now) / best
 
     def run_policy(self, policy: BatchSizePolicy, start_progress: float = 0.0,
                    track_optimum: bool = True) -> EpisodeResult:

@@ -72,8 +72,16 @@ def main() -> None:
                 micro = []
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "passes", "lr_gain")} for d in controller.history]
+    # restore: the optimizer's state and the controller's both carry the micro-batches per step
+    saved_opt, saved_ctl, passes = opt.state_dict(), controller.state_dict(), opt.backward_passes_per_step
+    opt.set_backward_passes_per_step(1)
+    opt.load_state_dict(saved_opt)
+    from_optimizer = opt.backward_passes_per_step
+    opt.set_backward_passes_per_step(1)
+    controller.load_state_dict(saved_ctl)  # what an elastic sync does on a joining rank
+    restored = {"passes": passes, "optimizer": from_optimizer, "controller": opt.backward_passes_per_step}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
-        "groups": groups, "history": history, "decided_mid_step": decided_mid_step,
+        "groups": groups, "history": history, "decided_mid_step": decided_mid_step, "restored": restored,
         "params": {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()},
         "sleep_per_sample": args.sleep_per_sample}))
     controller.close()
