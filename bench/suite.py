@@ -172,6 +172,10 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # a live check of a newly trained shipped policy on the 3x row, beside the proposal alone (~28 min)
     "policy-check": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "ppo"],
                       "seeds": 3}],
+    # the controller issue's three goal rows with the shipped default (ppo, greedy) against both
+    # references, 5 seeds each, in one run (~110 min)
+    "headline-final": [{"workloads": ["cnn"], "conditions": ["slow3x", "slow2x", "none"],
+                        "arms": ["plain", "static-32", "ppo"], "seeds": 5}],
     # per-step logs of the other two workloads for the simulator's calibrated profiles
     # (dynamix_hvd/rl/profiles/), with plain Horovod beside them (~20 min)
     "calibration-logs": [{"workloads": ["charlm", "mlp"], "conditions": ["slow3x", "none"],
