@@ -98,7 +98,9 @@ class StepTracker:
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
         self._t_batch = time.perf_counter()
         first = not self._group  # the first micro-batch of an optimizer step (every batch without accumulation)
-        self._group = (self._group + [(self._t_request, self._t_batch)])[-256:]
+        self._group.append((self._t_request, self._t_batch))  # a new list per step only at step_finished
+        if len(self._group) > 256:  # batches drawn without ever stepping: keep the recent ones
+            del self._group[0]
         if self.device is not None and self.device.type == "cuda":
             if first:
                 torch.cuda.reset_peak_memory_stats(self.device)
