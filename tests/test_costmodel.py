@@ -186,10 +186,14 @@ def test_batch_grows_only_on_identified_fits_unless_exploring():
     assert sum(held.sizes) == 64 and not held.switched
     assert held.sizes[0] >= 2.5 * held.sizes[1], "re-split by speed (3x) while B is held"
     assert (held.batch_min, held.batch_max) == (64, 64)
-    explore = propose(ProposalConfig(hold_unidentified=0), fit, net, [32, 32], bounds, 64, 1e6, 0)
-    late = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 2)
+    adaptdl = dict(confident_growth=False, grow_margin=0.0)  # the pinned fixed share counts as a gain
+    explore = propose(ProposalConfig(hold_unidentified=0, **adaptdl), fit, net, [32, 32], bounds, 64, 1e6, 0)
+    late = propose(ProposalConfig(**adaptdl), fit, net, [32, 32], bounds, 64, 1e6, 2)
     assert late.switched and sum(late.sizes) > 64, "an unidentifiable line holds B only in the first decisions"
     assert explore.switched and sum(explore.sizes) > 64 and explore.batch_max == 128
+    # the default credits no guessed fixed cost: with none measured, B never grows on a guess
+    confident = propose(ProposalConfig(), fit, net, [32, 32], bounds, 64, 1e6, 2)
+    assert not confident.switched and sum(confident.sizes) == 64
     # PPO's batch row cannot leave that range either: x1.25 or x0.8 on B keeps 64 here
     space = ActionSpace()
     for m in (1.25, 0.8):

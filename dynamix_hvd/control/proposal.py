@@ -33,6 +33,7 @@ import numpy as np
 
 from .actions import BatchBounds
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
+from .growth import GrowthCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
@@ -50,6 +51,10 @@ class ProposalConfig:
     """Noise scale used in E(B): "lower" (a lower confidence bound) or "point" (the estimate)."""
     dither: float = 0.04
     """Relative size dither while a rank's cost line is not identified (0: none)."""
+    dither_decisions: int | None = 4
+    """Decisions at the start of a job during which unidentified lines are dithered (None: always).
+    Later an unidentified rank is split by its measured speed and credited no fixed cost, so holding
+    still costs nothing; a dither would only shake a settled split."""
     candidates: int = 64
     """Global batches scored per decision (a geometric grid over the allowed range)."""
     hold_unidentified: int = 2
@@ -59,6 +64,24 @@ class ProposalConfig:
     joint_fit: bool = False
     """Refine the staged fits jointly (compute, network and overlap at once, as AdaptDL; see
     :mod:`dynamix_hvd.control.jointfit`) before proposing."""
+    split_margin: float = 0.05
+    """Leave the neutral split (the job's initial sizes, scaled to B) only when the arrival-equalising
+    split is predicted to shorten the step by more than this fraction; ranks whose measured speeds do
+    not differ by that much keep it, undithered (half the margin keeps a split once taken). 0: always
+    equalise."""
+    grow_margin: float = 0.10
+    """B grows past the current and the initial global batch only when the predicted goodput gain exceeds
+    this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
+    `confident_growth`, without crediting any unidentified fixed cost."""
+    confident_growth: bool = True
+    """Predict the time of a larger batch with no fixed cost on ranks whose cost line is not identified
+    (only measured fixed costs: the allreduce, the update, identified lines), so B grows only where a
+    gain is measured, not guessed. False: AdaptDL's optimistic pinned fixed share."""
+    check_growth: bool = True
+    """After B grew past the initial global batch, compare the training loss with what the initial
+    batch was making (its recent loss against log time, extrapolated); where the larger batch falls
+    behind by more than the static fit's scatter, return to the initial batch and never grow again in
+    this job (see :class:`GrowthCheck`)."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -70,6 +93,10 @@ class ProposalConfig:
             raise ValueError(f"ProposalConfig.hold_unidentified={self.hold_unidentified!r}; give an integer >= 0")
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
+        for name in ("split_margin", "grow_margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"ProposalConfig.{name}={value!r}; give a fraction in [0, 1)")
 
 
 def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
@@ -147,6 +174,10 @@ class Proposal:
     on unidentified lines): what a refinement of the proposal must stay within."""
     passes: int = 1
     """Micro-batches per optimizer step (gradient accumulation past the memory bounds)."""
+    split_gain: float = 0.0
+    """Predicted step-time gain of the equalising split over the neutral one (at this B)."""
+    neutral: bool = False
+    """The neutral split was kept (the ranks' speeds do not differ by `split_margin`)."""
 
     def info(self) -> dict[str, Any]:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()
@@ -154,9 +185,12 @@ class Proposal:
 
 
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
-            base_batch: int, noise: float, index: int, passes: int = 1) -> Proposal:
+            base_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
+            may_grow: bool = True) -> Proposal:
     """The proposal for the next interval (see the module docstring); `index` drives the dither;
-    `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step.
+    `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
+    `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
+    at most `base_batch` now and stays there (the growth check failed).
 
     Global batches count samples per optimizer step. With ``bounds.max_passes`` > 1 every count of
     micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
@@ -184,20 +218,23 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         choices.append(passes)
     limits = {p: micro_bounds(p) for p in choices}
     B_lo = float(max(base_batch, passes * limits[passes][0].sum()))
-    if cfg.trust is not None:
+    if cfg.trust is not None and may_grow:
         B_lo = max(B_lo, B_cur / cfg.trust)
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
+    if not may_grow:
+        B_hi = min(B_hi, max(float(base_batch), B_lo))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
 
     def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = limits[p]
         shares = equalise(np.asarray(Bs, dtype=np.float64) / p, a_s, c_s, lo, hi)
-        step = np.asarray(net.step_time(fit.arrival(shares).max(1), p))
+        # confident: an unidentified rank's time is all per-sample (no guessed fixed cost to amortise)
+        step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth).max(1), p))
         total = p * shares.sum(1)
         return total * efficiency(noise, total, base_batch) / step, step, shares
 
     keep_hi = passes * float(limits[passes][1].sum())
-    B_keep = int(round(min(max(B_cur, B_lo), keep_hi)))
+    B_keep = int(round(min(max(B_cur, B_lo), keep_hi, B_hi)))
     if index < cfg.hold_unidentified and not fit.identified.all():
         B_hi = min(B_hi, float(B_keep))
     keep_gp, _, _ = goodput(np.array([B_keep]), passes)
@@ -213,21 +250,53 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
             k = int(np.argmax(gp))
             if gp[k] > best[0] * (1 + 1e-9):  # ties: fewer micro-batches
                 best = (float(gp[k]), int(grid[k]), p)
-        if best[0] > (1 + cfg.hysteresis) * keep_gp[0]:
+        growing = best[1] > max(B_keep, base_batch)
+        if best[0] > (1 + cfg.hysteresis + (cfg.grow_margin if growing else 0.0)) * keep_gp[0]:
             _, B_new, p_new = best
             switched = True
     gp_new, step_new, shares = goodput(np.array([B_new]), p_new)
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
     out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
+    even, split_gain = _neutral_split(cfg, fit, out, cur, micro, neutral, a_s, c_s, lo, hi)
+    if even is not None:
+        out = even
     dithered = False
-    if cfg.dither > 0 and not fit.identified.all() and R > 1:
+    early = cfg.dither_decisions is None or index < cfg.dither_decisions
+    if cfg.dither > 0 and early and not fit.identified.all() and R > 1 and even is None:
         out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
         dithered = True
+    step_new = np.atleast_1d(net.step_time(fit.arrival(out[None, :], split=cfg.confident_growth).max(1), p_new))
     b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep, B_new)
     b_max = max(int(math.floor(B_hi + 1e-9)), B_keep, B_new)
     return Proposal(out.tolist(), int(p_new * out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
-                    switched, dithered, float(noise), b_min, b_max, p_new)
+                    switched, dithered, float(noise), b_min, b_max, p_new, split_gain, even is not None)
+
+
+def neutral_sizes(micro: int, neutral: Sequence[float] | None, fixed: np.ndarray, per_sample: np.ndarray,
+                  lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """`micro` samples split by the neutral shares (default equal), within the bounds."""
+    R = len(fixed)
+    w = np.full(R, 1.0 / R) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
+    return np.array(round_split(micro * w, micro, fixed, per_sample, lo, hi), dtype=np.int64)
+
+
+def _neutral_split(cfg: ProposalConfig, fit: CostFit, proposed: np.ndarray, current: np.ndarray, micro: int,
+                   neutral: Sequence[float] | None, a_s: np.ndarray, c_s: np.ndarray, lo: np.ndarray,
+                   hi: np.ndarray) -> tuple[np.ndarray | None, float]:
+    """The neutral split when the equalising one does not pay (None: keep `proposed`), and the
+    predicted step-time gain of `proposed` over it. The margin is halved while the current sizes are
+    already off the neutral split, so a split once taken does not flap on timing noise."""
+    if len(proposed) < 2:
+        return None, 0.0
+    even = neutral_sizes(micro, neutral, a_s, c_s, lo, hi)
+    slow_even = float(fit.arrival(even, split=True).max())
+    gain = 1.0 - float(fit.arrival(proposed, split=True).max()) / slow_even if slow_even > 0 else 0.0
+    total = max(int(current.sum()), 1)
+    off_neutral = bool(np.abs(current - neutral_sizes(total, neutral, a_s, c_s, np.minimum(lo, 1), np.maximum(hi, total))
+                              ).max() > max(1, 0.02 * total / len(current)))
+    margin = cfg.split_margin * (0.5 if off_neutral else 1.0)
+    return (even if gain <= margin else None), gain
 
 
 def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,
@@ -256,6 +325,9 @@ class ModelPolicy:
         self.decisions = 0
         self._own: CostModel | None = None
         self.last: Proposal | None = None
+        self.neutral: list[float] | None = None
+        """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
+        self.check = GrowthCheck() if self.cfg.check_growth else None
 
     def _costs(self, inp: DecisionInput) -> CostModel:
         if inp.costs is not None:
@@ -271,6 +343,11 @@ class ModelPolicy:
         return value if math.isfinite(value) else inp.ctx.noise_scale
 
     def decide(self, inp: DecisionInput) -> DecisionOutput:
+        if self.neutral is None or len(self.neutral) != len(inp.sizes):
+            self.neutral = [float(b) for b in inp.sizes]
+        if self.check is not None:
+            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.base_batch)
+        may_grow = self.check is None or (self.check.ready and not self.check.banned)
         costs = self._costs(inp)
         fit = costs.fit()
         if fit is None:  # no timed step yet: keep the sizes
@@ -280,10 +357,13 @@ class ModelPolicy:
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
         self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.base_batch,
-                            self.noise(inp), self.decisions, inp.passes)
+                            self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow)
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
-                "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged"}
+                "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
+                "may_grow": may_grow}
+        if self.check is not None and self.check.last:
+            info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
 
     def after_decision(self) -> dict[str, float]:
@@ -291,12 +371,18 @@ class ModelPolicy:
 
     def reset_world(self, world_size: int) -> None:
         self._own = None
+        self.neutral = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"decisions": self.decisions}
+        return {"decisions": self.decisions, "neutral": self.neutral,
+                "growth": None if self.check is None else self.check.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decisions = int(state["decisions"])
+        neutral = state.get("neutral")  # absent in checkpoints from before the neutral split
+        self.neutral = None if neutral is None else [float(x) for x in neutral]
+        if self.check is not None and state.get("growth") is not None:
+            self.check.load_state_dict(state["growth"])
 
 
 def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:

@@ -133,7 +133,8 @@ class SpeedSplit(ModelPolicy):
     name = "speed-split"
 
     def __init__(self, dither: float = 0.04) -> None:
-        super().__init__(ProposalConfig(search_batch=False, trust=None, dither=dither))
+        super().__init__(ProposalConfig(search_batch=False, trust=None, dither=dither, dither_decisions=None,
+                                        split_margin=0.0, check_growth=False))
 
 
 class Goodput(ModelPolicy):
@@ -146,7 +147,8 @@ class Goodput(ModelPolicy):
 
     def __init__(self, hysteresis: float = 0.05, candidates: int = 32) -> None:
         super().__init__(ProposalConfig(hysteresis=hysteresis, candidates=candidates, trust=None, noise="point",
-                                        dither=0.0, hold_unidentified=0, joint_fit=True))
+                                        dither=0.0, hold_unidentified=0, joint_fit=True, split_margin=0.0,
+                                        grow_margin=0.0, confident_growth=False, check_growth=False))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}

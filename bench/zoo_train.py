@@ -1,0 +1,162 @@
+"""Train one job of the workload zoo (`bench.zoo`) the way a Horovod user would, plain or with dynamix_hvd.
+
+    mpirun -np 2 python -m bench.zoo_train --job mnist-cnn --plain-horovod       # the reference script
+    mpirun -np 2 python -m bench.zoo_train --job mnist-cnn                       # dynamix_hvd, default
+    mpirun -np 2 python -m bench.zoo_train --job mnist-cnn --batch-sizes 96,32 --no-controller   # a fixed split
+
+The loop is the same for every arm; the dynamix_hvd lines are marked ``# dx``. The plain script
+uses DistributedSampler + ``hvd.DistributedOptimizer(op=Average)`` and steps its LR scheduler per
+optimizer step; with dynamix_hvd, ``dx.ProgressScheduler`` steps it by training progress, so a
+schedule written for the plain script's step count stays right when the batch changes. Clipping
+follows Horovod's documented pattern (synchronize, clip, step under skip_synchronize) in the plain
+script and the weighted optimizer's ``max_grad_norm`` with dynamix_hvd. Records for the suite come
+from `dynamix_hvd.examples.records.SuiteRecorder`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.zoo import JOBS, ZooJob
+
+
+def build(job: ZooJob, steps_per_epoch: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """The job's model, optimizer and LR scheduler (None: constant LR) for `steps_per_epoch` steps per epoch."""
+    model = job.model()
+    total = max(1, steps_per_epoch * job.epochs)
+    if job.optimizer == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=job.lr, momentum=job.momentum,
+                                      weight_decay=job.weight_decay), None
+    if job.optimizer == "adam":
+        return model, torch.optim.Adam(model.parameters(), lr=job.lr, weight_decay=job.weight_decay), None
+    opt = torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay)
+    if job.optimizer == "adamw-onecycle":
+        return model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=job.lr, total_steps=total + 1,
+                                                               pct_start=0.25)
+    warm = max(1, total // 20)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+
+
+def shift(x: torch.Tensor) -> torch.Tensor:
+    """Random shifts of up to 2 pixels, one per batch (cheap augmentation)."""
+    dx, dy = torch.randint(-2, 3, (2,)).tolist()
+    return torch.roll(x, shifts=(dy, dx), dims=(2, 3))
+
+
+def loss_and_metric(job: ZooJob, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                    train: bool) -> tuple[torch.Tensor, float]:
+    """Mean loss over the batch and the metric's sum over it (correct predictions, or summed loss)."""
+    if train and job.augment:
+        x = shift(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=job.bf16):
+        out = model(x)
+    out = out.float()
+    if job.task == "regress":
+        loss = nn.functional.mse_loss(out, y)
+        return loss, float(nn.functional.mse_loss(out, y, reduction="sum"))
+    if job.task == "lm":
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        return loss, float(loss.detach()) * len(y)
+    loss = nn.functional.cross_entropy(out, y, label_smoothing=job.label_smoothing if train else 0.0)
+    return loss, float((out.argmax(1) == y).sum())
+
+
+def main(argv: list[str] | None = None) -> None:
+    import horovod.torch as hvd
+
+    import dynamix_hvd as dx
+    from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags,
+                                             controller_config, local_batches, make_slowdown, parser,
+                                             start, step_due)
+    from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
+
+    ap = parser(__doc__)
+    ap.add_argument("--job", required=True, choices=sorted(JOBS), help="the zoo job to train")
+    add_common_flags(ap, epochs=0, out="runs/zoo", default_batch=0, lr=0.0, run_log=False)
+    add_bench_flags(ap)
+    args = ap.parse_args(argv)
+    job = JOBS[args.job]
+    epochs = args.epochs or job.epochs
+    sizes = start(args, default_batch=job.batch)
+    slow = make_slowdown(args, hvd.rank())
+    metric = "accuracy" if job.higher_is_better else "loss"  # the recorder's direction
+    rec = SuiteRecorder(args.out, args.eval_samples or job.eval_every, args.target if math.isfinite(args.target)
+                        else job.target, metric, {"example": f"zoo:{job.name}", **vars(args)})
+
+    train, test = job.data()
+    steps_per_epoch = math.ceil(len(train) / (job.batch * hvd.size()))  # the plain script's schedule length
+    model, optimizer, scheduler = build(job, steps_per_epoch)
+    controller = None
+    if args.plain_horovod:  # the reference: what a Horovod user runs, equal batches
+        loader: Any = PlainHorovodLoader(train, sizes[0], hvd.rank(), hvd.size(), args.seed)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+    else:
+        loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                       # dx
+        optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
+                                                    max_grad_norm=job.clip or None)             # dx
+        if scheduler is not None:
+            scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
+        if not args.no_controller:
+            controller = dx.DynamixController(loader, optimizer, controller_config(args))           # dx
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    def evaluate() -> float:
+        return _evaluate(job, model, *test.tensors, sharded_sum)
+
+    rec.start()
+    slow.clock = rec.train_s
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)                                                                     # dx
+        model.train()
+        optimizer.zero_grad()
+        for x, y in loader:
+            rec.compute_start()
+            slow.before_compute(len(y))
+            loss, _ = loss_and_metric(job, model, x, y, train=True)
+            loss.backward()
+            slow.after_compute(len(y))
+            rec.compute_end()
+            if args.plain_horovod:
+                if job.clip:  # Horovod's documented way to clip: synchronize, clip, step
+                    optimizer.synchronize()
+                    nn.utils.clip_grad_norm_(model.parameters(), job.clip)
+                    with optimizer.skip_synchronize():
+                        optimizer.step()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
+            elif step_due(optimizer):  # dx: every micro-batch of the step is in (accumulation)
+                optimizer.step()
+                optimizer.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()                                                                # dx
+            if controller is not None:
+                controller.record_loss(loss)                                                        # dx
+            if rec.step_end(epoch, local_batches(loader, len(y))):
+                rec.evaluate(evaluate, epoch)
+    rec.finish(evaluate, extra={"stalls": slow.stalls})                                            # collective
+
+
+def _evaluate(job: ZooJob, model: nn.Module, x: torch.Tensor, y: torch.Tensor, sharded_sum: Any) -> float:
+    """The metric over the whole test set (every rank scores its share; one allreduce)."""
+    def score(out: torch.Tensor, target: torch.Tensor) -> float:
+        out = out.float()
+        if job.task == "regress":
+            return float(nn.functional.mse_loss(out, target, reduction="sum"))
+        if job.task == "lm":
+            return float(nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))) * len(target)
+        return float((out.argmax(1) == target).sum())
+
+    value = sharded_sum(model, x, y, score)
+    return math.sqrt(value) if job.metric == "rmse" else value
+
+
+if __name__ == "__main__":
+    main()
