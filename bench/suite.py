@@ -95,11 +95,27 @@ WORKLOADS = {
                                 "--progress", "off", "--decide-every", "4")),
 }
 
+def zoo_workloads() -> dict[str, Workload]:
+    """Every job of the workload zoo (`bench.zoo`) as a suite workload, named ``zoo:JOB``: its own
+    batch, epochs, evaluation interval and target (time to target on the median of the last three
+    evaluations, see `bench.zoo_report`)."""
+    from bench.zoo import JOBS
+
+    return {f"zoo:{n}": Workload(f"zoo:{n}", "bench.zoo_train", "accuracy" if j.higher_is_better else "loss",
+                                 j.target, j.epochs, j.eval_every, 600.0, 30.0, args=("--job", n),
+                                 default_batch=j.batch, static_batches=(j.batch,))
+            for n, j in JOBS.items()}
+
+
+WORKLOADS.update(zoo_workloads())
+
 CONDITIONS = {
     "none": Condition("none", 2),
     "slow2x": Condition("slow2x", 2, slow_rank=1, slow_factor=2.0),
     "slow3x": Condition("slow3x", 2, slow_rank=1, slow_factor=3.0),
     "slow-varying": Condition("slow-varying", 2, slow_rank=1, slow_factor=1.0, slow_schedule="20:3,60:1.5"),
+    # the zoo's changing straggler: jobs of ~15-60 s, so the phases come sooner
+    "slow-changing": Condition("slow-changing", 2, slow_rank=1, slow_factor=1.0, slow_schedule="5:3,20:1.5"),
     "stalls": Condition("stalls", 2, slow_rank=1, stall_rate=0.5, stall_ms=200.0),
     "net10": Condition("net10", 2, rate_mbit=10.0),
     "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
@@ -132,6 +148,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
             out += [Arm(f"static-{b}", ("--policy", "static"), b) for b in w.static_batches]
         elif name.startswith("static-"):
             out.append(Arm(name, ("--policy", "static"), int(name.split("-")[1])))
+        elif name == "split":  # a fixed speed-proportional split through the data plane alone, no controller
+            out.append(Arm("split-speed", ("--policy", "static", "--no-controller")))
         elif name == "dataplane":
             out.append(Arm(f"dataplane-{w.default_batch}", ("--policy", "static", "--no-controller")))
         elif name == "rules":
@@ -192,6 +210,23 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "scaling": [{"workloads": ["cnn"], "conditions": ["scale4-slow3x"],
                  "arms": ["plain", "static", "speed-split", "ppo"], "seeds": 3}],
 }
+ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
+ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:charlm-transformer", "zoo:bag-code"]
+# the workload zoo's headline: its evaluation half, with and without stragglers, the default against
+# plain Horovod and the best fixed split (3 seeds; `bench.zoo_report` reads it)
+CONFIGS.update({
+    "zoo-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["slow3x"], "arms": ["plain", "split", "ppo"],
+                   "seeds": 1}],
+    "zoo-headline": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x", "slow-changing"],
+                      "arms": ["plain", "split", "ppo"], "seeds": 3}],
+    "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
+                           "arms": ["plain", "split", "ppo"], "seeds": 1}],
+    # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
+    "zoo-overhead": [{"workloads": ZOO_EVAL + ZOO_TUNING, "conditions": ["none"],
+                      "arms": ["plain", "dataplane", "static", "ppo"], "seeds": 2}],
+    "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
+                    "seeds": 1}],
+})
 CONFIGS["full"] = [g for name in ("headline", "cnn", "charlm", "mlp", "overhead", "scaling") for g in CONFIGS[name]]
 
 
@@ -211,6 +246,21 @@ class Job:
     @property
     def key(self) -> str:
         return f"{self.workload.name}/{self.condition.name}/{self.arm.label}_s{self.seed}"
+
+    def sizes(self) -> list[int]:
+        """Per-rank starting sizes: equal, or for the split-speed arm in proportion to the ranks' speeds
+        under the condition (a changing slowdown: its time-weighted mean is not known up front, so the
+        mean of its phases' factors), the global batch kept."""
+        c, b = self.condition, self.batch
+        if self.arm.label != "split-speed" or c.slow_rank < 0:
+            return [b] * c.ranks
+        phases = [c.slow_factor] + [f for _, f in _pairs(c.slow_schedule)]
+        factor = sum(phases[1:]) / len(phases[1:]) if c.slow_schedule else c.slow_factor
+        speed = [1.0 / factor if r == c.slow_rank else 1.0 for r in range(c.ranks)]
+        total = b * c.ranks
+        sizes = [max(1, int(total * s / sum(speed))) for s in speed]
+        sizes[0] += total - sum(sizes)
+        return sizes
 
     def expected_s(self) -> float:
         """Upper estimate on an idle machine: the plain run slowed by the slowest rank, plus start-up
@@ -251,7 +301,7 @@ def expand(groups: list[dict[str, Any]]) -> list[Job]:
 def job_argv(job: Job, out: Path) -> list[str]:
     w, c = job.workload, job.condition
     return [sys.executable, "-m", w.module, *w.args, "--epochs", str(w.epochs), "--batch-sizes",
-            ",".join([str(job.batch)] * c.ranks), "--seed", str(job.seed), "--out", str(out),
+            ",".join(map(str, job.sizes())), "--seed", str(job.seed), "--out", str(out),
             "--eval-samples", str(w.eval_samples), "--target", str(w.target), *slow_args(c), *job.arm.flags]
 
 

@@ -59,6 +59,9 @@ class DynamixController:
             raise ValueError(f"control plane has {self.channel.size} ranks but the loader plans "
                              f"{loader.world_size} (batch_sizes={list(loader.batch_sizes)})")
         self.rank = self.channel.rank
+        # np.median imports numpy.ma on first use: 0.2 s here, which would land in the first decision
+        # (inside the first epoch, with every other rank waiting); pay it now, before training starts
+        import numpy.ma  # noqa: F401
         self.resources = ResourceSampler(device, background_period_s=self.cfg.resource_period_s)
         self.history: list[dict[str, Any]] = []   # every decision, kept on every rank
         self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.keep_inputs)

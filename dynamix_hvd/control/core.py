@@ -214,7 +214,7 @@ class DecisionCore:
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
                  layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None,
-                 max_passes: int = 1) -> None:
+                 max_passes: int = 1, fit_first_interval: bool = False) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"DecisionCore world_size={world_size!r}; it must be an integer >= 1")
         if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
@@ -232,6 +232,8 @@ class DecisionCore:
                                           or not math.isfinite(lr_base_batch) or lr_base_batch < 1):
             raise ValueError(f"DecisionCore lr_base_batch={lr_base_batch!r}; give a number >= 1 or None")
         self.base_batch = base_batch
+        self.fit_first_interval = fit_first_interval
+        """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
         self.lr_base_batch = float(lr_base_batch or base_batch)
         """Samples per optimizer step the user's learning rate was tuned for: the AdaScale gain's base."""
         self.ref_goodput = self.ref_tput = 0.0
@@ -331,9 +333,13 @@ class DecisionCore:
 
     def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:
         """Feed the per-step (batch, arrival, end of allreduce) points into the cost model; intervals
-        reported without per-step times (older peers) give one point of their means."""
+        reported without per-step times (older peers) give one point of their means. The job's first
+        interval is left out: its steps pay one-off costs (lazy initialisation, cold caches) unevenly
+        across ranks, and a split fitted on them would be noise."""
         if self.costs.world_size != len(inputs):
             self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
+        if self.decisions == 0 and self.prev_sizes is None and not self.fit_first_interval:
+            return
         reports = [i.report for i in inputs]
         overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
         if n and all(math.isfinite(i.steps.compute_s[0]) for i in inputs):

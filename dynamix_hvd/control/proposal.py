@@ -186,11 +186,13 @@ class Proposal:
 
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
             base_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
-            may_grow: bool = True) -> Proposal:
+            may_grow: bool = True, split_confirmed: bool = True) -> Proposal:
     """The proposal for the next interval (see the module docstring); `index` drives the dither;
     `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
     `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
-    at most `base_batch` now and stays there (the growth check failed).
+    at most `base_batch` now and stays there (the growth check failed); `split_confirmed` False: the
+    previous decision did not find the equalising split worth it, so a neutral split stays neutral
+    (a difference in speed must show in two intervals running before the split leaves neutral).
 
     Global batches count samples per optimizer step. With ``bounds.max_passes`` > 1 every count of
     micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
@@ -258,7 +260,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
     out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
-    even, split_gain = _neutral_split(cfg, fit, out, cur, micro, neutral, a_s, c_s, lo, hi)
+    even, split_gain = _neutral_split(cfg, fit, out, cur, micro, neutral, a_s, c_s, lo, hi, split_confirmed)
     if even is not None:
         out = even
     dithered = False
@@ -283,11 +285,11 @@ def neutral_sizes(micro: int, neutral: Sequence[float] | None, fixed: np.ndarray
 
 def _neutral_split(cfg: ProposalConfig, fit: CostFit, proposed: np.ndarray, current: np.ndarray, micro: int,
                    neutral: Sequence[float] | None, a_s: np.ndarray, c_s: np.ndarray, lo: np.ndarray,
-                   hi: np.ndarray) -> tuple[np.ndarray | None, float]:
+                   hi: np.ndarray, confirmed: bool = True) -> tuple[np.ndarray | None, float]:
     """The neutral split when the equalising one does not pay (None: keep `proposed`), and the
     predicted step-time gain of `proposed` over it. The margin is halved while the current sizes are
     already off the neutral split, so a split once taken does not flap on timing noise."""
-    if len(proposed) < 2:
+    if len(proposed) < 2 or cfg.split_margin == 0:
         return None, 0.0
     even = neutral_sizes(micro, neutral, a_s, c_s, lo, hi)
     slow_even = float(fit.arrival(even, split=True).max())
@@ -296,7 +298,8 @@ def _neutral_split(cfg: ProposalConfig, fit: CostFit, proposed: np.ndarray, curr
     off_neutral = bool(np.abs(current - neutral_sizes(total, neutral, a_s, c_s, np.minimum(lo, 1), np.maximum(hi, total))
                               ).max() > max(1, 0.02 * total / len(current)))
     margin = cfg.split_margin * (0.5 if off_neutral else 1.0)
-    return (even if gain <= margin else None), gain
+    keep_neutral = gain <= margin or (not off_neutral and not confirmed)
+    return (even if keep_neutral else None), gain
 
 
 def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per_sample: np.ndarray,
@@ -357,7 +360,8 @@ class ModelPolicy:
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
         self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.base_batch,
-                            self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow)
+                            self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow,
+                            split_confirmed=self.last is not None and self.last.split_gain > self.cfg.split_margin)
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
