@@ -157,6 +157,9 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name in RULES:
             kw = ("--policy-kwargs", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
             out.append(Arm(name, ("--policy", name, *kw)))
+        elif name == "ppo-bn1":  # the default without the BatchNorm floor: ranks may go down to one sample
+            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
+                                  "--batchnorm-floor", "1")))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
         elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
@@ -224,6 +227,9 @@ CONFIGS.update({
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
     "zoo-overhead": [{"workloads": ZOO_EVAL + ZOO_TUNING, "conditions": ["none"],
                       "arms": ["plain", "dataplane", "static", "ppo"], "seeds": 2}],
+    # what the BatchNorm floor costs or saves: the ResNet with a straggler, default with and without it
+    "zoo-batchnorm": [{"workloads": ["zoo:resnet-bn"], "conditions": ["slow3x"], "arms": ["plain", "ppo", "ppo-bn1"],
+                       "seeds": 2}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
                     "seeds": 1}],
 })

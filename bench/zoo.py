@@ -259,6 +259,8 @@ class ZooJob:
     """Forward under CPU bf16 autocast."""
     eval_every: int = 4000
     """Evaluate every this many training samples (all ranks together)."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same job (the example script it matches): calibration files name these."""
 
     def __post_init__(self) -> None:
         if self.half not in (TUNING, EVALUATION):
@@ -286,12 +288,14 @@ JOBS: dict[str, ZooJob] = {j.name: j for j in [
     ZooJob("mlp-synth", TUNING, "MLP 2x1024 on generated teacher data (4 MB allreduce)",
            lambda: synthetic(16384, 32), lambda: nn.Sequential(nn.Linear(32, 1024), nn.ReLU(), nn.Linear(1024, 1024),
                                                                nn.ReLU(), nn.Linear(1024, 10)),
-           "sgd", 0.05, 32, 8, "accuracy", 0.75, eval_every=8192),
+           "sgd", 0.05, 32, 8, "accuracy", 0.75, eval_every=8192, aliases=("mlp_train",)),
     ZooJob("cnn-wide", TUNING, "2-conv CNN, width 64 (compute dominated)",
-           lambda: digits(4000, 1), lambda: wide_cnn(64), "sgd", 0.05, 32, 8, "accuracy", 0.96, eval_every=2000),
+           lambda: digits(4000, 1), lambda: wide_cnn(64), "sgd", 0.05, 32, 8, "accuracy", 0.96, eval_every=2000,
+           aliases=("cnn_train",)),
     ZooJob("charlm-transformer", TUNING, "2-layer transformer char LM on stdlib source, AdamW warm-up + cosine",
            lambda: char_windows(CHARLM_FILES, 400_000, 64), lambda: CharTransformer(64, 64, 2),
-           "adamw-cosine", 2e-3, 16, 4, "loss", 2.1, task="lm", weight_decay=0.01, clip=1.0, eval_every=2048),
+           "adamw-cosine", 2e-3, 16, 4, "loss", 2.1, task="lm", weight_decay=0.01, clip=1.0, eval_every=2048,
+           aliases=("charlm_train",)),
     ZooJob("bag-code", TUNING, "hashed-trigram EmbeddingBag (2^15 x 64 table) classifying stdlib lines, Adam",
            lambda: code_lines(BAG_FILES, 48, 1 << 15), lambda: BagClassifier(1 << 15, 64, len(BAG_FILES)),
            "adam", 2e-3, 64, 10, "accuracy", 0.55, eval_every=8192),

@@ -14,6 +14,7 @@ from `dynamix_hvd.examples.records.SuiteRecorder`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--job", required=True, choices=sorted(JOBS), help="the zoo job to train")
     add_common_flags(ap, epochs=0, out="runs/zoo", default_batch=0, lr=0.0, run_log=False)
     add_bench_flags(ap)
+    ap.add_argument("--batchnorm-floor", type=int, default=0,
+                    help="ControllerConfig.batchnorm_min_batch (0: its default); 1 lets a BatchNorm model's "
+                         "ranks go down to one sample")
     args = ap.parse_args(argv)
     job = JOBS[args.job]
     epochs = args.epochs or job.epochs
@@ -101,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
         if not args.no_controller:
-            controller = dx.DynamixController(loader, optimizer, controller_config(args))           # dx
+            config = controller_config(args)
+            if args.batchnorm_floor:
+                config = dataclasses.replace(config, batchnorm_min_batch=args.batchnorm_floor)
+            controller = dx.DynamixController(loader, optimizer, config, model=model)              # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

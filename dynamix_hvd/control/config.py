@@ -53,6 +53,10 @@ class ControllerConfig:
     """Smallest local batch any rank may get."""
     max_batch: int = 1024
     """Largest local batch any rank may get (lowered per rank by what memory allows)."""
+    batchnorm_min_batch: int = 16
+    """Smallest local batch a rank may get when the model handed to the controller (``model=``) has
+    BatchNorm layers that normalise with each rank's own batch (SyncBatchNorm excepted): a small rank
+    would normalise with the statistics of a few samples. Never above the smallest initial size."""
     max_passes: int = 1
     """Micro-batches the controller may accumulate into one optimizer step, so that the global batch
     grows past what memory allows in one pass (the model-based policies use it when the predicted
@@ -98,6 +102,7 @@ class ControllerConfig:
         integer("min_decision_steps", 1)
         integer("keep_inputs", 0)
         integer("max_passes", 1)
+        integer("batchnorm_min_batch", 1)
         if integer("min_batch", 1) > integer("max_batch", 1):
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
         if self.total_epochs is not None:

@@ -18,6 +18,7 @@ same number of steps, which is what keeps the collectives matched.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -43,15 +44,36 @@ from ..stats.noise_scale import GradientStatistics
 __all__ = ["POLICY_NAMES", "ControllerConfig", "DynamixController"]
 
 
+def per_rank_batchnorm(model: torch.nn.Module | None) -> list[str]:
+    """Names of the layers of `model` that normalise with each rank's own batch statistics in training
+    (BatchNorm and InstanceNorm with running stats count; SyncBatchNorm pools all ranks and does not)."""
+    if model is None:
+        return []
+    sync = tuple(c for c in (getattr(torch.nn, "SyncBatchNorm", None),) if c is not None)
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, sync)]
+
+
+def batchnorm_floor(cfg: ControllerConfig, model: torch.nn.Module | None, sizes: Any) -> ControllerConfig:
+    """`cfg` with min_batch raised to `cfg.batchnorm_min_batch` (at most the smallest initial size)
+    when `model` has per-rank batch-statistics layers."""
+    if not per_rank_batchnorm(model):
+        return cfg
+    floor = min(cfg.batchnorm_min_batch, min(sizes))
+    return cfg if floor <= cfg.min_batch else dataclasses.replace(cfg, min_batch=floor)
+
+
 class DynamixController:
     """Attach to a loader and optimizer; decisions then happen by themselves as the loader iterates.
 
     The optimizer must provide :class:`~dynamix_hvd.control.seams.ControlledOptimizer` (wrap it with
-    ``dynamix_hvd.WeightedDistributedOptimizer``); anything else is refused with a TypeError."""
+    ``dynamix_hvd.WeightedDistributedOptimizer``); anything else is refused with a TypeError. Give
+    `model` so that BatchNorm layers, which normalise with each rank's own batch, keep every rank at
+    `ControllerConfig.batchnorm_min_batch` samples or more."""
 
     def __init__(self, loader: AdaptiveLoader, optimizer: Any, config: ControllerConfig | None = None,
-                 device: torch.device | None = None) -> None:
-        self.cfg = config or ControllerConfig()
+                 device: torch.device | None = None, model: torch.nn.Module | None = None) -> None:
+        self.cfg = batchnorm_floor(config or ControllerConfig(), model, loader.batch_sizes)
         self.optimizer = check_optimizer(optimizer)
         self.loader = loader
         self.channel = ControlChannel(self.cfg.timeout_s)

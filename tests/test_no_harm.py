@@ -1,0 +1,131 @@
+"""The default does no harm: equal ranks keep the user's split undithered, B grows only on a measured gain,
+and a growth that trains slower than the initial batch is undone and remembered (pure, one process)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds
+from dynamix_hvd.control.costmodel import CostModel, NetworkFit
+from dynamix_hvd.control.growth import GrowthCheck
+from dynamix_hvd.control.policy import DecisionInput
+from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
+from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, propose
+from dynamix_hvd.control.refine import PPOPolicy
+from dynamix_hvd.control.state import OBS_DIM, GlobalContext, RankReport
+
+
+def steps(rng, sizes, a, c, n=40, jitter=0.04, net=0.0):
+    b = np.tile(np.asarray(sizes, dtype=float), (n, 1))
+    t = (np.asarray(a) + np.asarray(c) * b) * np.exp(rng.normal(0, jitter, b.shape))
+    return b, t, t.max(1) + net
+
+
+def report(rank, size, n, step_s, loss):
+    return RankReport(rank=rank, local_batch=size, steps=n, compute_s=step_s, sync_wait_s=0.0, data_wait_s=0.0,
+                      step_s=step_s, samples_per_s=size / step_s, peak_memory_bytes=0, mem_used_bytes=0,
+                      mem_total_bytes=0, cpu_util=0.0, gpu_util=0.0, net_bytes_per_s=0.0, tcp_retrans_per_s=0.0,
+                      loss_mean=loss, local_grad_sq=math.nan, global_grad_sq=math.nan, max_batch=4096)
+
+
+def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda k, B: 2.0 / (1 + k) ** 0.3,
+        seed=0):
+    """Decisions of `policy` on ranks with costs a + c b (jittered); the loss follows `loss(k, B)`."""
+    rng, model = np.random.default_rng(seed), CostModel(len(a))
+    sizes, out_sizes = list(base), []
+    for k in range(decisions):
+        b, t, sync = steps(rng, sizes, a, c, net=net)
+        model.record(b, t, sync, overhead_s=1e-3)
+        step_s = float(sync.mean()) + 1e-3
+        ctx = GlobalContext(global_batch=sum(sizes), base_batch=sum(base), noise_scale=noise, efficiency=1.0,
+                            loss_trend=0.0, progress=k / decisions, world_size=len(a))
+        reports = [report(r, s, len(b), step_s, loss(k, sum(sizes))) for r, s in enumerate(sizes)]
+        obs = torch.zeros(len(a) + 1, OBS_DIM)
+        inp = DecisionInput(obs, reports, ctx, sizes, BatchBounds(len(a), 1, 4096), None, costs=model,
+                            noise_lower=noise, noise_point=noise)
+        sizes = list(policy.decide(inp).sizes)
+        out_sizes.append(sizes)
+    return out_sizes
+
+
+EQUAL = dict(a=[0.002, 0.002], c=[1e-4, 1e-4])
+
+
+def test_equal_ranks_keep_the_users_split_undithered():
+    """Equal speeds with 4% timing noise: every decision keeps 64/64 (no split, no dither, no growth),
+    for the proposal and for the shipped PPO policy deployed greedily."""
+    shipped = load_policy(DEFAULT_POLICY, ActionSpace())[0]
+    for name, make in (("model", ModelPolicy), ("ppo", lambda: PPOPolicy(shipped, learn=False))):
+        for seed in range(3):
+            hist = run(make(), **EQUAL, seed=seed)
+            assert all(s == [64, 64] for s in hist), (name, seed, hist)
+
+
+def test_a_real_straggler_is_split_from_the_second_decision():
+    hist = run(ModelPolicy(), a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=6)
+    assert hist[0] == [64, 64], "one interval is not evidence"
+    assert all(s[0] > 1.8 * s[1] for s in hist[2:]), hist
+
+
+def test_a_small_speed_difference_is_not_split():
+    """3% slower: inside the 5% margin, so the split stays neutral (timing noise alone is as large)."""
+    hist = run(ModelPolicy(), a=[0.002, 0.00206], c=[1e-4, 1.03e-4])
+    assert all(s == [64, 64] for s in hist), hist
+
+
+def test_growth_needs_a_measured_gain():
+    """No fixed cost measured (one size seen, no allreduce time): B is not grown on the pinned guess; a
+    measured allreduce that dominates the step makes a larger batch pay, and B grows."""
+    rng = np.random.default_rng(1)
+    model = CostModel(2)
+    model.record(*steps(rng, [64, 64], [0.0, 0.0], [1e-4, 1e-4]), overhead_s=1e-4)
+    fit, bounds = model.fit(), BatchBounds(2, 1, 4096)
+    quiet = propose(ProposalConfig(), fit, NetworkFit(0.0, 1.0, 1e-4), [64, 64], bounds, 128, 1e6, 5)
+    assert sum(quiet.sizes) == 128 and not quiet.switched
+    slow_net = propose(ProposalConfig(), fit, NetworkFit(0.05, 1.0, 1e-4), [64, 64], bounds, 128, 1e6, 5)
+    assert sum(slow_net.sizes) > 128 and slow_net.switched
+
+
+def test_growth_waits_for_the_reference_and_needs_losses():
+    check = GrowthCheck()
+    assert not check.ready
+    for k in range(3):
+        check.observe([report(0, 64, 10, 0.01, 2.0 - 0.1 * k)], 64, 64)
+    assert check.ready
+    no_loss = GrowthCheck()
+    for k in range(5):
+        no_loss.observe([report(0, 64, 10, 0.01, math.nan)], 64, 64)
+    assert not no_loss.ready, "without losses the check has no reference: B never grows"
+
+
+@pytest.mark.parametrize("worse", [True, False])
+def test_growth_that_trains_slower_is_undone_and_remembered(worse):
+    """Communication-bound ranks (B pays by the model); the loss after growing is either clearly above
+    the initial batch's extrapolated curve (undone, never again) or below it (accepted)."""
+    def loss(k, B):
+        static = 2.0 - 0.3 * math.log(1 + k)
+        return static + (0.3 if worse and B > 128 else -0.05 if B > 128 else 0.0)
+
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.0, 0.0], c=[1e-4, 1e-4], net=0.05, loss=loss, decisions=20)
+    totals = [sum(s) for s in hist]
+    assert max(totals) > 128, "the measured allreduce makes growth pay"
+    if worse:
+        assert policy.check.banned and totals[-1] == 128, totals
+        first_back = totals.index(128, totals.index(max(totals)))
+        assert all(t == 128 for t in totals[first_back:]), "remembered: no second growth"
+    else:
+        assert policy.check.accepted and not policy.check.banned and totals[-1] > 128, totals
+
+
+def test_growth_check_state_round_trips():
+    check = GrowthCheck()
+    for k in range(4):
+        check.observe([report(0, 64, 10, 0.01, 2.0 - 0.1 * k)], 64, 64)
+    check.observe([report(0, 96, 10, 0.01, 1.9)], 128, 64)
+    again = GrowthCheck()
+    again.load_state_dict(check.state_dict())
+    assert again.state_dict() == check.state_dict() and again.ready

@@ -1,0 +1,91 @@
+"""The workload zoo: its halves, that nothing calibrated names an evaluation job, the measures of its
+report, and one job trained end to end under mpirun, plain and with dynamix_hvd."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench import suite
+from bench.zoo import EVALUATION, JOBS, TUNING, halves
+from bench.zoo_report import smoothed_time
+from launching import command, job_env
+
+REPO = Path(__file__).resolve().parents[1]
+# Everything calibrated or trained for the defaults: the simulator's profiles, the shipped policy and
+# its card, the proposal's and the controller's constants, the pretraining scenarios.
+CALIBRATION = [*sorted((REPO / "dynamix_hvd" / "rl" / "profiles").glob("*.json")),
+               *sorted(p for p in (REPO / "policies").iterdir() if p.suffix in (".json", ".md", ".csv")),
+               REPO / "dynamix_hvd" / "rl" / "scenarios.py", REPO / "dynamix_hvd" / "rl" / "pretrain.py",
+               REPO / "dynamix_hvd" / "control" / "proposal.py", REPO / "dynamix_hvd" / "control" / "growth.py",
+               REPO / "dynamix_hvd" / "control" / "config.py"]
+
+
+def test_zoo_spans_what_users_run_in_two_fixed_halves():
+    h = halves()
+    assert len(JOBS) >= 10 and len(h[TUNING]) >= 5 and len(h[EVALUATION]) >= 5
+    for half in (TUNING, EVALUATION):
+        jobs = [JOBS[n] for n in h[half]]
+        assert {j.task for j in jobs} >= {"classify", "lm"}, half
+        assert len({j.optimizer for j in jobs}) >= 2, half
+    assert {j.optimizer for j in JOBS.values()} == {"sgd", "adam", "adamw-cosine", "adamw-onecycle"}
+    assert any(j.augment and j.bf16 and j.label_smoothing and j.clip for j in JOBS.values()), "a modern loop"
+    assert set(suite.ZOO_EVAL) == {f"zoo:{n}" for n in h[EVALUATION]}
+    assert set(suite.ZOO_TUNING) == {f"zoo:{n}" for n in h[TUNING]}
+
+
+def test_no_calibration_file_names_an_evaluation_job():
+    names = [n for n in halves()[EVALUATION]] + [a for n in halves()[EVALUATION] for a in JOBS[n].aliases]
+    for path in CALIBRATION:
+        text = path.read_text(errors="ignore").lower()
+        for name in names:
+            assert name.lower() not in text, f"{path.relative_to(REPO)} names the evaluation job {name!r}"
+
+
+def test_profiles_come_from_tuning_jobs_only():
+    tuning_aliases = {a for n in halves()[TUNING] for a in (n, *JOBS[n].aliases)}
+    profiles = sorted((REPO / "dynamix_hvd" / "rl" / "profiles").glob("*.json"))
+    assert profiles
+    for path in profiles:
+        source = json.loads(path.read_text())["source"]
+        example = source["example"] if isinstance(source, dict) else str(source)
+        assert example.removeprefix("zoo:") in tuning_aliases, f"{path.name}: calibrated on {example!r}"
+
+
+def test_time_to_target_needs_the_median_of_three_evaluations():
+    evals = pd.DataFrame({"samples": [1, 2, 3, 4, 5, 6], "train_s": [1., 2., 3., 4., 5., 6.],
+                          "value": [0.5, 0.95, 0.6, 0.93, 0.94, 0.96]})
+    assert smoothed_time(evals, 0.92, higher=True) == 5.0, "one lucky evaluation (0.95 at 2 s) does not count"
+    assert smoothed_time(evals, 0.99, higher=True) == float("inf")
+    losses = evals.assign(value=[3.0, 1.0, 2.5, 1.9, 1.8, 1.7])
+    assert smoothed_time(losses, 2.0, higher=False) == 5.0
+
+
+def test_speed_split_arm_gives_each_rank_work_by_its_speed():
+    w = suite.WORKLOADS["zoo:mnist-cnn"]
+    arm = suite.arms(w, ["split"])[0]
+    assert suite.Job(w, suite.CONDITIONS["slow3x"], arm, 0).sizes() == [96, 32]
+    assert suite.Job(w, suite.CONDITIONS["none"], arm, 0).sizes() == [64, 64]
+    assert suite.Job(w, suite.CONDITIONS["slow-changing"], arm, 0).sizes() == [89, 39]  # mean of 3 and 1.5
+
+
+@pytest.mark.parametrize("arm", [["--plain-horovod"], []])
+def test_a_zoo_job_trains_under_mpirun_every_sample_once(tmp_path, arm):
+    """lstm-rows for one epoch on 2 ranks: plain Horovod and the default controller both finish, see
+    every training sample exactly once and write the suite's records."""
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "bench.zoo_train", "--job", "lstm-rows", "--epochs", "1", "--out", str(out),
+            *arm]
+    proc = subprocess.run(command("mpirun", 2, argv), cwd=REPO, env=job_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "suite_result.json").read_text())
+    train, _ = JOBS["lstm-rows"].data()
+    assert result["samples"] == len(train)
+    steps = pd.read_csv(out / "suite_steps.csv")
+    assert steps.groupby("step").local_batch.sum().sum() == len(train)
+    assert result["final"] > 0.3, "one epoch learns something"
