@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import torch
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                       # dx
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
-                                                    max_grad_norm=job.clip or None)             # dx
+                                                    max_grad_norm=job.clip or None,             # dx
+                                                    base_batch_size=job.batch * hvd.size())    # dx: the LR's batch
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
         if not args.no_controller:
@@ -148,7 +150,36 @@ def main(argv: list[str] | None = None) -> None:
                 controller.record_loss(loss)                                                        # dx
             if rec.step_end(epoch, local_batches(loader, len(y))):
                 rec.evaluate(evaluate, epoch)
-    rec.finish(evaluate, extra={"stalls": slow.stalls})                                            # collective
+    rec.finish(evaluate, extra={"stalls": slow.stalls, "thread_cpu_s": thread_cpu_seconds()})     # collective
+    if controller is not None and hvd.rank() == 0:
+        write_decisions(controller.history, args.out)
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds each Python thread of this process used (Linux /proc), by thread name: what the
+    library's helper threads take from training."""
+    import threading
+
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for t in threading.enumerate():
+        try:
+            fields = open(f"/proc/self/task/{t.native_id}/stat").read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[t.name] = out.get(t.name, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def write_decisions(history: list[dict], out: str) -> None:
+    """Rank 0's decisions (sizes, B, noise scale and its bounds) as OUT/decisions.csv."""
+    import pandas as pd
+
+    keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
+            "efficiency", "throughput", "loss", "overhead_s")
+    rows = [{k: h.get(k) for k in keep} | {"global_batch": h.get("passes", 1) * sum(h.get("sizes", []))}
+            for h in history]
+    pd.DataFrame(rows).to_csv(os.path.join(out, "decisions.csv"), index=False)
 
 
 def _evaluate(job: ZooJob, model: nn.Module, x: torch.Tensor, y: torch.Tensor, sharded_sum: Any) -> float:

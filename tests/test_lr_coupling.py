@@ -181,3 +181,14 @@ def test_bad_schedulers_and_budgets_are_refused():
         opt.progress_done()
     with pytest.raises(ValueError, match="give total_base_steps or epochs"):
         opt.progress_done(3, epochs=1)
+
+
+def test_a_scheduler_built_before_wrapping_drives_the_shared_groups():
+    """Users often build the scheduler on their own optimizer, then wrap it: the wrapper shares its
+    parameter groups, so the scheduler is accepted and its LR is the one the wrapper steps with."""
+    opt = Counted()
+    inner = torch.optim.SGD(opt.param_groups, lr=0.1)  # the same group dicts, as the wrapper keeps them
+    assert all(a is b for a, b in zip(inner.param_groups, opt.param_groups))
+    sched = ProgressScheduler(torch.optim.lr_scheduler.StepLR(inner, 1, gamma=0.5), opt)
+    opt.advance(8)
+    assert sched.step() == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.05)

@@ -97,8 +97,13 @@ class ProgressScheduler:
             raise TypeError(f"scheduler={type(scheduler).__name__}: give a torch LR scheduler that is a function of "
                             "the step count (StepLR, OneCycleLR, LambdaLR, SequentialLR, ...); ReduceLROnPlateau "
                             "follows a metric, step it yourself")
-        if scheduler.optimizer is not optimizer:
-            raise ValueError("scheduler was built on a different optimizer than `optimizer`")
+        # built on the user's optimizer before wrapping is fine: the wrapper shares its parameter groups
+        shared = getattr(scheduler.optimizer, "param_groups", None)
+        if scheduler.optimizer is not optimizer and not (
+                shared is not None and len(shared) == len(optimizer.param_groups)
+                and all(a is b for a, b in zip(shared, optimizer.param_groups))):
+            raise ValueError("scheduler was built on a different optimizer than `optimizer` (one that does not "
+                             "share its parameter groups)")
         if not hasattr(optimizer, "scale_invariant_steps"):
             raise TypeError(f"optimizer {type(optimizer).__name__} counts no progress; wrap it with "
                             "dynamix_hvd.WeightedDistributedOptimizer")
