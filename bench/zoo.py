@@ -305,16 +305,16 @@ JOBS: dict[str, ZooJob] = {j.name: j for j in [
            eval_every=4000),
     ZooJob("resnet-bn", EVALUATION, "small ResNet with BatchNorm, AdamW + OneCycle, label smoothing, clipping, "
            "bf16 autocast, shift augmentation", lambda: digits(4000, 0), lambda: small_resnet(12), "adamw-onecycle",
-           4e-3, 32, 6, "accuracy", 0.95, weight_decay=0.05, label_smoothing=0.1, clip=1.0, augment=True,
+           4e-3, 32, 6, "accuracy", 0.96, weight_decay=0.05, label_smoothing=0.1, clip=1.0, augment=True,
            bf16=True, eval_every=2000),
     ZooJob("gru-charlm", EVALUATION, "GRU char LM (hidden 128) on stdlib source, Adam with clipping",
            lambda: char_windows(GRU_FILES, 300_000, 64), lambda: CharRNN("gru", 128), "adam", 3e-3, 16, 4,
-           "loss", 2.2, task="lm", clip=1.0, eval_every=2048),
+           "loss", 1.55, task="lm", clip=1.0, eval_every=2048),
     ZooJob("lstm-rows", EVALUATION, "LSTM reading digits row by row, Adam",
-           lambda: digits(4000, 1), RowLSTM, "adam", 2e-3, 32, 8, "accuracy", 0.90, eval_every=2000),
-    ZooJob("mf-ratings", EVALUATION, "matrix factorisation (2 x 20k x 32 embeddings) on generated ratings, Adam",
-           lambda: ratings(20000, 20000, 400_000), lambda: FactorModel(20000, 20000), "adam", 3e-3, 256, 6,
-           "rmse", 1.05, task="regress", eval_every=40000),
+           lambda: digits(4000, 1), RowLSTM, "adam", 2e-3, 32, 8, "accuracy", 0.935, eval_every=2000),
+    ZooJob("mf-ratings", EVALUATION, "matrix factorisation (2 x 4k x 16 embeddings + biases) on generated "
+           "ratings, Adam", lambda: ratings(4000, 4000, 320_000), lambda: FactorModel(4000, 4000, 16), "adam", 3e-3,
+           256, 8, "rmse", 0.9, task="regress", eval_every=32000),
 ]}
 
 

@@ -59,7 +59,7 @@ def loss_and_metric(job: ZooJob, model: nn.Module, x: torch.Tensor, y: torch.Ten
     out = out.float()
     if job.task == "regress":
         loss = nn.functional.mse_loss(out, y)
-        return loss, float(nn.functional.mse_loss(out, y, reduction="sum"))
+        return loss, float(nn.functional.mse_loss(out.detach(), y, reduction="sum"))
     if job.task == "lm":
         loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         return loss, float(loss.detach()) * len(y)
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                          "ranks go down to one sample")
     args = ap.parse_args(argv)
     job = JOBS[args.job]
-    epochs = args.epochs or job.epochs
+    epochs = args.epochs = args.epochs or job.epochs
     sizes = start(args, default_batch=job.batch)
     slow = make_slowdown(args, hvd.rank())
     metric = "accuracy" if job.higher_is_better else "loss"  # the recorder's direction
@@ -177,8 +177,9 @@ def write_decisions(history: list[dict], out: str) -> None:
 
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
             "efficiency", "throughput", "loss", "overhead_s")
-    rows = [{k: h.get(k) for k in keep} | {"global_batch": h.get("passes", 1) * sum(h.get("sizes", []))}
-            for h in history]
+    info = ("split_gain", "neutral", "dithered", "switched", "may_grow", "predicted_goodput", "goodput_now")
+    rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
+            | {"global_batch": h.get("passes", 1) * sum(h.get("sizes", []))} for h in history]
     pd.DataFrame(rows).to_csv(os.path.join(out, "decisions.csv"), index=False)
 
 

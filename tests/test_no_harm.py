@@ -31,18 +31,20 @@ def report(rank, size, n, step_s, loss):
                       loss_mean=loss, local_grad_sq=math.nan, global_grad_sq=math.nan, max_batch=4096)
 
 
-def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda k, B: 2.0 / (1 + k) ** 0.3,
+def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
         seed=0):
-    """Decisions of `policy` on ranks with costs a + c b (jittered); the loss follows `loss(k, B)`."""
+    """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
+    at the training seconds t its end."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
-    sizes, out_sizes = list(base), []
+    sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
         b, t, sync = steps(rng, sizes, a, c, net=net)
         model.record(b, t, sync, overhead_s=1e-3)
         step_s = float(sync.mean()) + 1e-3
+        clock += step_s * len(b)
         ctx = GlobalContext(global_batch=sum(sizes), base_batch=sum(base), noise_scale=noise, efficiency=1.0,
                             loss_trend=0.0, progress=k / decisions, world_size=len(a))
-        reports = [report(r, s, len(b), step_s, loss(k, sum(sizes))) for r, s in enumerate(sizes)]
+        reports = [report(r, s, len(b), step_s, loss(clock, sum(sizes))) for r, s in enumerate(sizes)]
         obs = torch.zeros(len(a) + 1, OBS_DIM)
         inp = DecisionInput(obs, reports, ctx, sizes, BatchBounds(len(a), 1, 4096), None, costs=model,
                             noise_lower=noise, noise_point=noise)
@@ -105,8 +107,8 @@ def test_growth_waits_for_the_reference_and_needs_losses():
 def test_growth_that_trains_slower_is_undone_and_remembered(worse):
     """Communication-bound ranks (B pays by the model); the loss after growing is either clearly above
     the initial batch's extrapolated curve (undone, never again) or below it (accepted)."""
-    def loss(k, B):
-        static = 2.0 - 0.3 * math.log(1 + k)
+    def loss(t, B):
+        static = 2.0 - 0.3 * math.log(1 + t)
         return static + (0.3 if worse and B > 128 else -0.05 if B > 128 else 0.0)
 
     policy = ModelPolicy()
