@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, Protocol
 
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -114,6 +115,7 @@ class ProgressScheduler:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f"limit={limit!r}; give an integer >= 0 or None")
         self.scheduler, self.optimizer, self.per, self.limit = scheduler, optimizer, per, limit
+        self._built_on_inner = scheduler.optimizer is not optimizer
         self.done = 0
         """Scheduler steps taken so far."""
 
@@ -130,8 +132,11 @@ class ProgressScheduler:
         if self.limit is not None:
             target = min(target, self.limit)
         n = max(0, target - self.done)
-        for _ in range(n):
-            self.scheduler.step()
+        with warnings.catch_warnings():
+            if self._built_on_inner:  # torch counts steps of the optimizer it was built on, never stepped itself
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            for _ in range(n):
+                self.scheduler.step()
         self.done += n
         return n
 
