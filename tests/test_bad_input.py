@@ -116,7 +116,7 @@ BAD_CONTROLLER = {
     "decide_every_steps": not_an_int(0).filter(lambda v: v is not None),  # None: the automatic cadence
     "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0), "min_batch": not_an_int(1),
     "max_batch": not_an_int(1),
-    "max_passes": not_an_int(1),
+    "max_passes": not_an_int(1), "batchnorm_min_batch": not_an_int(1),
     "total_epochs": not_an_int(1).filter(lambda v: v is not None),
     "timeout_s": NOT_POSITIVE, "resource_period_s": NEGATIVE,
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
