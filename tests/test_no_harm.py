@@ -131,3 +131,11 @@ def test_growth_check_state_round_trips():
     again = GrowthCheck()
     again.load_state_dict(check.state_dict())
     assert again.state_dict() == check.state_dict() and again.ready
+
+
+@pytest.mark.parametrize("kwargs", [dict(split_margin=1.5), dict(grow_margin=-0.1), dict(check_growth=1),
+                                    dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True)])
+def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):
+        ProposalConfig(**kwargs)

@@ -93,6 +93,12 @@ class ProposalConfig:
             raise ValueError(f"ProposalConfig.hold_unidentified={self.hold_unidentified!r}; give an integer >= 0")
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
+        for name in ("confident_growth", "check_growth", "search_batch", "joint_fit"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ProposalConfig.{name}={getattr(self, name)!r}; it must be True or False")
+        if self.dither_decisions is not None and (isinstance(self.dither_decisions, bool)
+                                                  or not isinstance(self.dither_decisions, int) or self.dither_decisions < 0):
+            raise ValueError(f"ProposalConfig.dither_decisions={self.dither_decisions!r}; give an integer >= 0 or None")
         for name in ("split_margin", "grow_margin"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
