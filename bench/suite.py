@@ -225,11 +225,16 @@ CONFIGS.update({
     "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
-    "zoo-overhead": [{"workloads": ZOO_EVAL + ZOO_TUNING, "conditions": ["none"],
-                      "arms": ["plain", "dataplane", "static", "ppo"], "seeds": 2}],
+    "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
+                      "seeds": 1}],
     # what the BatchNorm floor costs or saves: the ResNet with a straggler, default with and without it
     "zoo-batchnorm": [{"workloads": ["zoo:resnet-bn"], "conditions": ["slow3x"], "arms": ["plain", "ppo", "ppo-bn1"],
                        "seeds": 2}],
+    # measured critical batch against the noise-scale estimate: static sizes (the controller deciding
+    # "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times the batch
+    "zoo-critical": [{"workloads": [w], "conditions": ["none"],
+                      "arms": [f"static-{m * b // 2}" for m in (1, 2, 4, 8)], "seeds": 1}
+                     for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
                     "seeds": 1}],
 })

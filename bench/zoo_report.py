@@ -12,9 +12,10 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   the end of epoch 0 (the start-up tax is there);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
-* attainable limit of a condition: the plain no-straggler run's time of the same seed x R / sum of
-  the ranks' relative speeds (the balanced split's throughput on this machine), over the plain run's
-  time under the condition; 1.00 without a straggler;
+* attainable limit of a condition: the plain no-straggler run of the same seed with its forward +
+  backward seconds scaled by R / sum of the ranks' relative speeds (the balanced split's compute on
+  this machine; communication and the rest as measured), over the plain run's time under the
+  condition; 1.00 without a straggler;
 * every ratio is the median over seeds of per-seed paired ratios, with the interquartile range.
 """
 from __future__ import annotations
@@ -49,7 +50,8 @@ def job_numbers(run_dir: Path) -> dict[str, float]:
     per_sample = (steps.compute_s / steps.local_batch.clip(lower=1)).groupby(steps["rank"]).median()
     return {"ttt_s": ttt if math.isfinite(ttt) else float(res["train_s"]), "miss": not math.isfinite(ttt),
             "budget_s": float(res["train_s"]), "first_epoch_s": float(first),
-            "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist()}
+            "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
+            "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
 
 
 def collect(results: Path) -> pd.DataFrame:
@@ -61,6 +63,16 @@ def collect(results: Path) -> pd.DataFrame:
         except (OSError, KeyError, ValueError) as exc:
             print(f"skipping {r['run_dir']}: {exc!r}", file=sys.stderr)
     return pd.DataFrame(rows)
+
+
+def _limit(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
+    """The balanced split's time over plain Horovod's under a condition: the plain no-straggler run of
+    the same seed with its forward+backward time scaled by R / sum of the measured relative speeds
+    (communication and the rest unchanged)."""
+    if seed not in none.index:
+        return math.nan
+    T0, C0 = float(none.budget_s[seed]), float(none.compute_s[seed])
+    return ((T0 - C0) + C0 * len(plain.speeds) / sum(plain.speeds)) / float(plain.budget_s)
 
 
 def _med_iqr(values: pd.Series) -> str:
@@ -79,8 +91,7 @@ def headline(jobs: pd.DataFrame) -> str:
         none = jobs[(jobs.workload == w) & (jobs.condition == "none") & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
-        limit = pd.Series({s: (none.budget_s.get(s, math.nan) * len(p.speeds) / sum(p.speeds)) / p.budget_s
-                           if c != "none" else 1.0 for s, p in plain.iterrows()})
+        limit = pd.Series({s: _limit(none, s, p) if c != "none" else 1.0 for s, p in plain.iterrows()})
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")
             ratio = (g.ttt_s / plain.ttt_s).dropna()
@@ -92,12 +103,57 @@ def headline(jobs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def critical_batch(results: Path) -> str:
+    """Per job: samples to target E(B) of static runs at several global batches B (AdaScale LR), the
+    critical batch from E(B) = E_min (1 + B / B_crit) (McCandlish et al.: a line in B, B_crit =
+    intercept / slope), against the controller's noise-scale estimate over the same runs (median of
+    its decisions before the target, the point estimate and the lower bound)."""
+    import numpy as np
+
+    runs = pd.read_csv(results / "runs.csv")
+    lines = ["| job | B: samples to target | measured B_crit | noise scale (point) | lower bound | error |",
+             "|---|---|---|---|---|---|"]
+    for w, g in runs[runs.status == "ok"].groupby("workload", sort=False):
+        points, noise, lower = [], [], []
+        for r in g.to_dict("records"):
+            run_dir = Path(r["run_dir"])
+            res = json.loads((run_dir / "suite_result.json").read_text())
+            evals = pd.read_csv(run_dir / "suite_evals.csv").drop_duplicates("samples", keep="last")
+            t = smoothed_time(evals, float(res["target"]), res.get("metric", "accuracy") == "accuracy")
+            B = int(str(r["arm"]).split("-")[-1]) * 2
+            if math.isfinite(t):
+                points.append((B, float(evals[evals.train_s <= t].samples.max())))
+            decisions = run_dir / "decisions.csv"
+            if decisions.exists():
+                d = pd.read_csv(decisions)
+                n = max(1, len(d) // 2)  # the first half of the run: before the target
+                noise += d.noise_point.head(n).dropna().tolist()
+                lower += d.noise_lower.head(n).dropna().tolist()
+        pts = ", ".join(f"{B}: {E:.0f}" for B, E in sorted(points))
+        crit = math.nan
+        if len(points) >= 2:
+            slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+            crit = intercept / slope if slope > 0 else math.inf
+        est = float(np.median(noise)) if noise else math.nan
+        low = float(np.median(lower)) if lower else math.nan
+        err = est / crit if math.isfinite(crit) and crit > 0 else math.nan
+        lines.append(f"| {w.removeprefix('zoo:')} | {pts} | {crit:.0f} | {est:.0f} | {low:.0f} | x{err:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.zoo_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="a suite results directory (bench/results/NAME)")
+    ap.add_argument("--critical", action="store_true",
+                    help="the critical-batch table of a zoo-critical run instead of the headline")
     args = ap.parse_args(argv)
     results = Path(args.results)
+    if args.critical:
+        text = f"# {results.name}: measured critical batch against the noise-scale estimate\n\n" + critical_batch(results)
+        (results / "critical.md").write_text(text + "\n")
+        print(text)
+        return 0
     jobs = collect(results)
     if jobs.empty:
         print(f"no finished jobs in {results / 'runs.csv'}")
