@@ -139,3 +139,21 @@ def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):
         ProposalConfig(**kwargs)
+
+
+def test_batchnorm_models_keep_every_rank_at_the_floor():
+    """A model with per-rank BatchNorm raises min_batch to batchnorm_min_batch (never above the smallest
+    initial size); SyncBatchNorm, LayerNorm-only models and no model leave it alone."""
+    from dynamix_hvd.control.config import ControllerConfig
+    from dynamix_hvd.control.controller import batchnorm_floor, per_rank_batchnorm
+
+    bn = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    ln = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    sync = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+    cfg = ControllerConfig(policy="static")
+    assert per_rank_batchnorm(bn) == ["1"] and per_rank_batchnorm(ln) == per_rank_batchnorm(sync) == []
+    assert batchnorm_floor(cfg, bn, [32, 32]).min_batch == 16
+    assert batchnorm_floor(cfg, bn, [8, 32]).min_batch == 8, "never above the smallest initial size"
+    assert batchnorm_floor(ControllerConfig(policy="static", batchnorm_min_batch=4), bn, [32, 32]).min_batch == 4
+    for model in (ln, sync, None):
+        assert batchnorm_floor(cfg, model, [32, 32]).min_batch == 1
