@@ -233,7 +233,7 @@ CONFIGS.update({
     # measured critical batch against the noise-scale estimate: static sizes (the controller deciding
     # "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times the batch
     "zoo-critical": [{"workloads": [w], "conditions": ["none"],
-                      "arms": [f"static-{m * b // 2}" for m in (1, 2, 4, 8)], "seeds": 1}
+                      "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 1}
                      for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
                     "seeds": 1}],

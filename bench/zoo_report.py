@@ -113,7 +113,8 @@ def critical_batch(results: Path) -> str:
     runs = pd.read_csv(results / "runs.csv")
     lines = ["| job | B: samples to target | measured B_crit | noise scale (point) | lower bound | error |",
              "|---|---|---|---|---|---|"]
-    for w, g in runs[runs.status == "ok"].groupby("workload", sort=False):
+    statics = runs[(runs.status == "ok") & runs.arm.astype(str).str.startswith("static-")]
+    for w, g in statics.groupby("workload", sort=False):
         points, noise, lower = [], [], []
         for r in g.to_dict("records"):
             run_dir = Path(r["run_dir"])
