@@ -157,3 +157,21 @@ def test_batchnorm_models_keep_every_rank_at_the_floor():
     assert batchnorm_floor(ControllerConfig(policy="static", batchnorm_min_batch=4), bn, [32, 32]).min_batch == 4
     for model in (ln, sync, None):
         assert batchnorm_floor(cfg, model, [32, 32]).min_batch == 1
+
+
+def test_growth_check_bans_divergence_and_never_accepts_without_a_reference():
+    check = GrowthCheck()
+    for k in range(4):
+        check.observe([report(0, 64, 10, 0.01, 2.0 - 0.1 * k)], 64, 64)
+    for _ in range(2):
+        check.observe([report(0, 96, 10, 0.01, math.inf)], 128, 64)
+    assert check.banned, "a diverged interval after growing bans growth"
+    blind = GrowthCheck()
+    for _ in range(8):  # grown without any reference (e.g. restored from an older checkpoint)
+        blind.observe([report(0, 96, 10, 0.01, 1.5)], 128, 64)
+    assert not blind.accepted and not blind.banned and not blind.ready
+    flat = GrowthCheck()  # a reference that did not improve: judged against its mean and spread
+    for k, value in enumerate((1.98, 2.0, 2.0, 2.02)):
+        flat.observe([report(0, 64, 10, 0.01, value)], 64, 64)
+    predicted, tol = flat._predict(100.0, 2.0)
+    assert predicted == pytest.approx(2.0) and 0 < tol < 0.1

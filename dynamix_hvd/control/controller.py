@@ -46,12 +46,11 @@ __all__ = ["POLICY_NAMES", "ControllerConfig", "DynamixController"]
 
 def per_rank_batchnorm(model: torch.nn.Module | None) -> list[str]:
     """Names of the layers of `model` that normalise with each rank's own batch statistics in training
-    (BatchNorm and InstanceNorm with running stats count; SyncBatchNorm pools all ranks and does not)."""
+    (the BatchNorm family; torch's and Horovod's SyncBatchNorm pool all ranks and do not count)."""
     if model is None:
         return []
-    sync = tuple(c for c in (getattr(torch.nn, "SyncBatchNorm", None),) if c is not None)
     return [name for name, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, sync)]
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m).__name__ != "SyncBatchNorm"]
 
 
 def batchnorm_floor(cfg: ControllerConfig, model: torch.nn.Module | None, sizes: Any) -> ControllerConfig:
@@ -219,7 +218,8 @@ class DynamixController:
             peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
-            loss_mean=statistics.fmean(finite_losses) if finite_losses else math.nan,
+            # recorded losses none of which is finite: diverged (inf), which the growth check acts on
+            loss_mean=statistics.fmean(finite_losses) if finite_losses else (math.inf if losses else math.nan),
             local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
             max_batch=self.bounds.upper(self.rank))
         steps = StepSeries(local_batch=[r.local_batch for r in records], local_sq=[r.local_grad_sq for r in records],

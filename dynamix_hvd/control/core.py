@@ -234,6 +234,7 @@ class DecisionCore:
         self.base_batch = base_batch
         self.fit_first_interval = fit_first_interval
         """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
+        self._fresh_processes = True  # the next interval is the first of these processes (start or restore)
         self.lr_base_batch = float(lr_base_batch or base_batch)
         """Samples per optimizer step the user's learning rate was tuned for: the AdaScale gain's base."""
         self.ref_goodput = self.ref_tput = 0.0
@@ -338,7 +339,8 @@ class DecisionCore:
         across ranks, and a split fitted on them would be noise."""
         if self.costs.world_size != len(inputs):
             self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
-        if self.decisions == 0 and self.prev_sizes is None and not self.fit_first_interval:
+        if self._fresh_processes and not self.fit_first_interval:
+            self._fresh_processes = False
             return
         reports = [i.report for i in inputs]
         overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
@@ -381,6 +383,7 @@ class DecisionCore:
         different world size keeps what was learned (policy, statistics, references) but not what was
         per rank (bounds, the last sizes)."""
         world = self.world_size if world_size is None else world_size
+        self._fresh_processes = False  # a restored core continues its fit exactly
         if self.policy is not None and state["policy"] is not None:
             self.policy.load_state_dict(state["policy"])
         self.stats = GradientStatistics(self.stats_cfg)

@@ -44,6 +44,8 @@ class GrowthCheck:
     """(seconds, loss) of the recent intervals at the initial batch."""
     grown_for: int = 0
     """Intervals run above the initial batch in the current episode."""
+    verdicts: int = 0
+    """Intervals of the current episode judged (with a finite loss against a reference)."""
     banned: bool = False
     accepted: bool = False
     last: dict[str, float] = field(default_factory=dict)
@@ -60,30 +62,36 @@ class GrowthCheck:
             self.elapsed_s += seconds
         loss = _mean_loss(reports)
         if global_batch <= base_batch:
-            self.grown_for = 0
+            self.grown_for = self.verdicts = 0
             if math.isfinite(loss) and self.elapsed_s > 0:
                 self.reference = (self.reference + [(self.elapsed_s, loss)])[-self.window:]
             return
         self.grown_for += 1
-        if self.accepted or self.banned or self.grown_for <= self.settle or not math.isfinite(loss):
+        if self.accepted or self.banned or self.grown_for <= self.settle:
+            return
+        if loss == math.inf:  # diverged at the larger batch
+            self.banned = True
+            return
+        if not math.isfinite(loss) or len(self.reference) < 2:  # nothing to judge with: no verdict either way
             return
         predicted, tolerance = self._predict(self.elapsed_s, loss)
         self.last = {"loss": loss, "predicted_static": predicted, "tolerance": tolerance, "t": self.elapsed_s}
+        self.verdicts += 1
         if loss > predicted + tolerance:
             self.banned = True
-        elif self.grown_for >= self.settle + self.judged:
+        elif self.verdicts >= self.judged:
             self.accepted = True
 
     def _predict(self, t: float, loss: float) -> tuple[float, float]:
         """The reference line's loss at `t` and the tolerance around it."""
         ts, ls = np.log([p[0] for p in self.reference]), np.array([p[1] for p in self.reference])
-        if len(ts) < 2 or np.ptp(ts) == 0:
-            return float(ls.mean()), max(self.min_rel * abs(loss), 0.0)
-        slope, intercept = np.polyfit(ts, ls, 1)
-        slope = min(slope, 0.0)  # a reference that did not improve predicts no improvement
-        resid = ls - (intercept + slope * ts)
-        sd = float(np.sqrt((resid ** 2).sum() / max(len(ts) - 2, 1)))
-        return float(intercept + slope * math.log(t)), self.z * max(sd, self.min_rel * abs(loss))
+        slope, intercept = np.polyfit(ts, ls, 1) if np.ptp(ts) > 0 else (0.0, float(ls.mean()))
+        if slope >= 0:  # a reference that did not improve predicts no improvement: its mean and spread
+            resid, predicted, dof = ls - ls.mean(), float(ls.mean()), max(len(ts) - 1, 1)
+        else:
+            resid, predicted, dof = ls - (intercept + slope * ts), float(intercept + slope * math.log(t)), max(len(ts) - 2, 1)
+        sd = float(np.sqrt((resid ** 2).sum() / dof))
+        return predicted, self.z * max(sd, self.min_rel * abs(loss))
 
     def state_dict(self) -> dict[str, Any]:
         return {k: ([list(p) for p in v] if k == "reference" else v) for k, v in asdict(self).items()}
@@ -95,7 +103,10 @@ class GrowthCheck:
 
 
 def _mean_loss(reports: Sequence[RankReport]) -> float:
-    """Batch-weighted mean of the ranks' finite interval losses (NaN when none)."""
+    """Batch-weighted mean of the ranks' finite interval losses (NaN when none; inf when a rank reports
+    inf: every loss it recorded in the interval was non-finite, training diverged there)."""
+    if any(r.loss_mean == math.inf for r in reports):
+        return math.inf
     pairs = [(r.loss_mean, r.local_batch) for r in reports if math.isfinite(r.loss_mean)]
     total = sum(b for _, b in pairs)
     return sum(l * b for l, b in pairs) / total if total > 0 else math.nan

@@ -230,7 +230,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         B_lo = max(B_lo, B_cur / cfg.trust)
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
     if not may_grow:
-        B_hi = min(B_hi, max(float(base_batch), B_lo))
+        B_hi = min(B_hi, float(base_batch))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
 
     def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -247,7 +247,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         B_hi = min(B_hi, float(B_keep))
     keep_gp, _, _ = goodput(np.array([B_keep]), passes)
     B_new, p_new, switched = B_keep, passes, False
-    if cfg.search_batch and B_hi > B_lo:
+    if cfg.search_batch and (B_hi > B_lo or (not may_grow and passes > 1)):
         best = (-np.inf, B_keep, passes)
         for p in choices:
             lo_p, hi_p = max(B_lo, p * float(limits[p][0].sum())), min(B_hi, p * float(limits[p][1].sum()))
@@ -259,7 +259,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
             if gp[k] > best[0] * (1 + 1e-9):  # ties: fewer micro-batches
                 best = (float(gp[k]), int(grid[k]), p)
         growing = best[1] > max(B_keep, base_batch)
-        if best[0] > (1 + cfg.hysteresis + (cfg.grow_margin if growing else 0.0)) * keep_gp[0]:
+        margin = cfg.hysteresis + (cfg.grow_margin if growing else 0.0) if may_grow else 0.0  # banned: back at once
+        if best[0] > (1 + margin) * keep_gp[0]:
             _, B_new, p_new = best
             switched = True
     gp_new, step_new, shares = goodput(np.array([B_new]), p_new)
@@ -382,6 +383,9 @@ class ModelPolicy:
     def reset_world(self, world_size: int) -> None:
         self._own = None
         self.neutral = None
+        self.last = None
+        if self.check is not None:  # a reference from another world says nothing about this one
+            self.check = GrowthCheck()
 
     def state_dict(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "neutral": self.neutral,
