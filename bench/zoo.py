@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from dynamix_hvd.examples.charlm_train import STDLIB_FILES, CharTransformer
+
 TUNING, EVALUATION = "tuning", "evaluation"
 
 
@@ -179,23 +181,6 @@ class RowLSTM(nn.Module):
         return self.head(self.rnn(x.view(-1, 28, 28))[0][:, -1])
 
 
-class CharTransformer(nn.Module):
-    """Decoder-only transformer over 128 ASCII characters (pre-norm, causal mask, learned positions)."""
-
-    def __init__(self, context: int, d_model: int, layers: int, vocab: int = 128) -> None:
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(vocab, d_model), nn.Parameter(torch.zeros(context, d_model))
-        layer = nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=2 * d_model, dropout=0.0,
-                                           batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
-        return self.head(self.blocks(self.embed(x) + self.pos[:T], mask=self.mask[:T, :T], is_causal=True))
-
-
 class BagClassifier(nn.Module):
     """Mean of hashed-trigram embeddings (a large table: most of the allreduce), then an MLP."""
 
@@ -273,8 +258,6 @@ class ZooJob:
         return self.metric == "accuracy"
 
 
-CHARLM_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
-                "bisect.py", "calendar.py", "shlex.py", "glob.py", "fnmatch.py", "statistics.py")
 GRU_FILES = ("pprint.py", "dataclasses.py", "functools.py", "inspect.py", "tempfile.py", "copy.py")
 BAG_FILES = ("argparse.py", "inspect.py", "typing.py", "pathlib.py", "subprocess.py", "tarfile.py",
              "zipfile.py", "datetime.py")
@@ -293,7 +276,7 @@ JOBS: dict[str, ZooJob] = {j.name: j for j in [
            lambda: digits(4000, 1), lambda: wide_cnn(64), "sgd", 0.05, 32, 8, "accuracy", 0.96, eval_every=2000,
            aliases=("cnn_train",)),
     ZooJob("charlm-transformer", TUNING, "2-layer transformer char LM on stdlib source, AdamW warm-up + cosine",
-           lambda: char_windows(CHARLM_FILES, 400_000, 64), lambda: CharTransformer(64, 64, 2),
+           lambda: char_windows(STDLIB_FILES, 400_000, 64), lambda: CharTransformer(64, 64, 2),
            "adamw-cosine", 2e-3, 16, 4, "loss", 2.1, task="lm", weight_decay=0.01, clip=1.0, eval_every=2048,
            aliases=("charlm_train",)),
     ZooJob("bag-code", TUNING, "hashed-trigram EmbeddingBag (2^15 x 64 table) classifying stdlib lines, Adam",
