@@ -292,6 +292,19 @@ def test_report_fuzz_counts():
     assert TRIED["configs"] >= 3 * FUZZ_EXAMPLES // 2 and TRIED["policies"] >= FUZZ_EXAMPLES // 2
 
 
-def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path):
-    out = launch("mpirun", 2, "ckpt_fallback.py", "--ckpt", str(tmp_path / "ck")).stdout
-    assert "FALLBACK-OK" in out and "fails its checksum" in out, out
+def test_corrupt_newest_checkpoint_of_every_kind_falls_back_to_the_previous_good_one(tmp_path):
+    from workers.ckpt_fallback import KINDS
+
+    ck = tmp_path / "ck"
+    out = launch("mpirun", 2, "ckpt_fallback.py", "--ckpt", str(ck)).stdout
+    newest = ck / "step-00000-0000004"
+    for kind, (_, reason) in KINDS.items():
+        assert out.count(f"KIND-OK {kind} -> step-00000-0000002") == 2, f"{kind} on a rank:\n{out}"
+        assert reason in out, f"{kind}: no warning saying {reason!r}:\n{out}"
+    warnings = [line for line in out.splitlines() if f"skipping checkpoint {newest}:" in line]
+    assert len(warnings) >= 2 * len(KINDS), "a skipped checkpoint was not named in a warning on every rank"
+    for case in ("broken", "missing"):
+        assert out.count(f"AGREE-OK {case} -> step-00000-0000002") == 2, f"ranks disagreed ({case}):\n{out}"
+    # Only rank 1 saw the problem; every rank's warning says which rank and why.
+    assert "rank(s) [1]: checkpoint" in out and f"view-broken-rank1/{newest.name} fails its checksum" in out, out
+    assert out.count("NONE-USABLE-OK") == 2 and "tried 2, newest first" in out, out

@@ -14,13 +14,15 @@ controller) and ``state.sha256``; it is written under a temporary name and renam
 ``latest`` is replaced atomically; a failed write (a full disk, say) removes its temporary files and
 raises `CheckpointError` naming the path on every rank. The directory is checked writable at
 construction. ``restore()`` is all or nothing: it takes the newest checkpoint that reads, verifies
-and fits this job, and falls back to the previous one (with a warning naming the file and the reason)
-otherwise. The last `keep` are kept.
+and fits this job on every rank, and skips any other (not a zip archive, truncated, a zip without a
+state, a failed checksum, another format version, a state that does not fit) with a warning naming
+the file and the reason. The ranks agree on each candidate, so they all restore the same one. Only
+when none is usable is it an error, naming every file tried and why. The last `keep` are kept.
 
 Plain data only: the state holds tensors and plain Python values (checked on `save()`, naming the
 offending entry) and is read with ``torch.load(weights_only=True)``, so a crafted ``state.pt`` is
-refused instead of running code. Every checkpoint carries `FORMAT_VERSION`; another version is
-refused with an error naming the file and both versions.
+refused instead of running code. Every checkpoint carries `FORMAT_VERSION`; one of another version
+is skipped like any other unusable checkpoint, its warning naming both versions.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import os
 import shutil
 import signal
 import sys
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
@@ -55,7 +58,7 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointVersionError(CheckpointError):
-    """A checkpoint was written in another format version (never silently skipped)."""
+    """A checkpoint was written in another format version."""
 
 
 def redistribute(global_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
@@ -91,6 +94,21 @@ def _reason(exc: Exception) -> str:
     lines = [line.split("WeightsUnpickler error:")[-1].strip() for line in str(exc).splitlines()]
     text = " ".join(line for line in lines if line and not line.startswith(boilerplate))
     return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _check_archive(file: Path, data: bytes) -> None:
+    """Refuse `data` unless it is a complete zip archive holding a pickled state, the layout
+    ``torch.save`` writes; anything else never reaches the unpickler."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        what = ("a zip archive cut short (truncated)" if data[:4] == b"PK\x03\x04"
+                else "not a zip archive, the format torch.save writes")
+        raise CheckpointError(f"checkpoint {file} is refused: it is {what} ({exc})") from None
+    if not any(name == "data.pkl" or name.endswith("/data.pkl") for name in names):
+        raise CheckpointError(f"checkpoint {file} is refused: it is a zip archive without a state (no data.pkl "
+                              f"among {sorted(names)[:5]})")
 
 
 def _check_writable(directory: Path) -> None:
@@ -240,6 +258,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from None
         if hashlib.sha256(data).hexdigest() != digest:
             raise CheckpointError(f"checkpoint {path} fails its checksum (corrupt or partly written)")
+        _check_archive(file, data)
         try:
             state = torch.load(io.BytesIO(data), weights_only=True)  # never runs code from the file
         except Exception as exc:
@@ -252,8 +271,7 @@ class Checkpointer:
         if found != FORMAT_VERSION:
             raise CheckpointVersionError(
                 f"checkpoint {file} has format version {found if found is not None else '1 or unknown'}, "
-                f"this dynamix_hvd reads version {FORMAT_VERSION}; resume it with the dynamix_hvd that "
-                "wrote it, or start without it")
+                f"this dynamix_hvd reads version {FORMAT_VERSION} (the dynamix_hvd that wrote it can resume it)")
         return state
 
     def _check(self, path: Path, state: Any) -> None:
@@ -321,38 +339,59 @@ class Checkpointer:
         if snap["controller"] is not None:
             self.controller.load_state_dict(snap["controller"])
 
-    def restore(self) -> Path | None:
-        """Load the newest usable checkpoint (None when there is none). Works on a different world size:
-        the global batch is kept and split evenly over the new ranks.
+    def _everyone(self, problem: str | None, what: str) -> list[str]:
+        """Every rank's `problem` on every rank: one entry per distinct problem, prefixed with the
+        ranks that had it when not all of them did (empty when no rank had one)."""
+        gathered = self.channel.gather(problem, what=what)
+        gathered = self.channel.broadcast(gathered, what=what)
+        distinct = list(dict.fromkeys(p for p in gathered if p is not None))
+        if len(distinct) == 1 and all(p is not None for p in gathered):
+            return distinct
+        return [f"rank(s) {[r for r, p in enumerate(gathered) if p == text]}: {text}" for text in distinct]
 
-        All or nothing: a checkpoint is read, verified (checksum, format version) and checked against
-        this job (`_check`: world size, dataset size, model names and shapes, optimizer groups) before
-        anything is applied; should applying it still fail, model, optimizer, loader and controller are
-        put back as they were. A checkpoint that cannot be read or does not fit is skipped with a
-        warning naming the file and the reason, and the previous one is tried; with none usable,
-        `CheckpointError` lists them all. A checkpoint of another format version stops the restore
-        (`CheckpointVersionError`): falling back past it would silently resume from an older state."""
-        candidates = self._checkpoints()
+    def restore(self) -> Path | None:
+        """Load the newest checkpoint usable on every rank (None when there is none). Works on a
+        different world size: the global batch is kept and split evenly over the new ranks.
+
+        All or nothing: a checkpoint is read, verified (a complete zip archive holding a state,
+        checksum, format version) and checked against this job (`_check`: world size, dataset size,
+        model names and shapes, optimizer groups) before anything is applied; should applying it
+        still fail, model, optimizer, loader and controller are put back as they were. The ranks
+        try the same candidates (rank 0's listing) in the same order and take one only when it passed
+        on all of them, so they always restore the same checkpoint. A checkpoint that fails on any
+        rank is skipped with a warning naming the file and the reason, and the previous one is
+        tried; with none usable, `CheckpointError` names every file tried and why."""
+        local = [p.name for p in self._checkpoints()] if self.channel.rank == 0 else None
+        names = self.channel.broadcast(local, what="checkpoint list")
         errors = []
-        for path in reversed(candidates):
+        for name in reversed(names):
+            path = self.directory / name
+            state, problem = None, None
             try:
                 state = self._read(path)
                 self._check(path, state)
+            except (OSError, CheckpointError) as exc:
+                problem = str(exc)
+            problems = self._everyone(problem, "checkpoint check")
+            if not problems:
                 snap = self._snapshot()
                 try:
                     self._apply(state)
                 except Exception as exc:
                     self._put_back(snap)
-                    raise CheckpointError(f"checkpoint {path / 'state.pt'} could not be applied "
-                                          f"({type(exc).__name__}: {exc}); nothing was changed") from None
-            except CheckpointVersionError:
-                raise
-            except (OSError, CheckpointError) as exc:
-                errors.append(f"{path.name}: {exc}")
-                log.warning("skipping checkpoint %s: %s", path, exc)
-                continue
-            return path
-        if candidates:
+                    problem = (f"checkpoint {path / 'state.pt'} could not be applied ({type(exc).__name__}: "
+                               f"{exc}); nothing was changed")
+                problems = self._everyone(problem, "checkpoint applied")
+                if problems and problem is None:  # applied here but not on another rank: undo it
+                    self._put_back(snap)
+            del state
+            if not problems:
+                return path
+            reason = "; ".join(problems)
+            errors.append(f"{name}: {reason}")
+            log.warning("skipping checkpoint %s: %s", path, reason)
+        if names:
             raise CheckpointError(f"no checkpoint in {self.directory} is usable (model, optimizer, loader and "
-                                  "controller are unchanged): " + "; ".join(errors))
+                                  f"controller are unchanged); tried {len(names)}, newest first: "
+                                  + "; ".join(errors))
         return None
