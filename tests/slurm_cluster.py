@@ -5,6 +5,9 @@ pid files) and on free TCP ports, so it neither needs nor touches a system Slurm
 through ``SLURM_CONF`` in `SlurmCluster.env`. Daemons run in the foreground as our children and are
 stopped by pid at teardown, so none is left running.
 
+Partitions: ``debug`` (the default), ``low`` and ``high``; a job in ``high`` preempts (cancels) jobs of
+the other two that hold the CPUs it needs, after sending them SIGTERM and waiting ``GraceTime``.
+
 Requires root (apt, daemons as root) and the Debian packages ``slurm-wlm munge``, which
 `ensure_installed` installs with apt-get when they are missing.
 """
@@ -60,9 +63,10 @@ def _free_ports(n: int) -> list[int]:
 class SlurmCluster:
     """Start with `start()` (or use as a context manager); `stop()` kills every daemon it started."""
 
-    def __init__(self, cpus: int | None = None, root: Path | None = None) -> None:
+    def __init__(self, cpus: int | None = None, root: Path | None = None, grace_s: int = 60) -> None:
         self.node = socket.gethostname().split(".")[0]   # NodeName must equal `hostname -s`
         self.cpus = max(cpus or os.cpu_count() or 1, 2)  # 2-rank jobs must fit even on one core
+        self.grace_s = grace_s  # partition "low": a job preempted by one of "high" gets this long to end
         self._tmp = None if root else tempfile.TemporaryDirectory(prefix="dx-slurm-")
         self.root = Path(root or self._tmp.name)        # type: ignore[union-attr]
         self.conf = self.root / "slurm.conf"
@@ -115,8 +119,12 @@ SlurmdParameters=config_overrides
 InactiveLimit=0
 KillWait=5
 MinJobAge=600
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=low Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={self.grace_s}
+PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:

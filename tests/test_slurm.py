@@ -2,8 +2,10 @@
 
 Each script is submitted with ``sbatch`` and runs two ranks of the example training job; the test
 polls ``squeue``/``scontrol show job``, then checks the job's final state (COMPLETED, exit 0:0), its
-output file and the run directory the job wrote. Prints the wall time of each job and of the whole
-Slurm test (cluster start and stop included).
+output file and the run directory the job wrote. Then the signals that end jobs early: a plain
+``scancel --signal=TERM``, the time-limit warning of ``--signal=TERM@T`` and a preemption must each make
+both scripts write a checkpoint and end (a resubmission resumes exactly). Prints the wall time of each
+job and of the whole Slurm test (cluster start and stop included).
 """
 from __future__ import annotations
 
@@ -104,43 +106,101 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[list[float]]
     return json.loads((d / "rank0.json").read_text())["params"]
 
 
+def _submit_resume(cluster: SlurmCluster, script: str, tmp_path: Path, ckpt: Path, out: Path, extra: str,
+                   *sbatch_args: str) -> int:
+    env = {"DYNAMIX_ROOT": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "SCRIPT": str(WORKERS / "resume.py"), "SCRIPT_ARGS": f"--out {out} --ckpt {ckpt} {extra}"}
+    return cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO}", *sbatch_args,
+                          str(REPO / "launch" / script), env=env)
+
+
+def _wait_started(cluster: SlurmCluster, job: int, started: Path, script: str, timeout: float = 240) -> None:
+    end = time.monotonic() + timeout
+    while not started.exists():
+        assert time.monotonic() < end and cluster.job_info(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), \
+            f"{script}: training never started: {cluster.job_info(job)}\n{cluster.logs()}"
+        time.sleep(0.5)
+
+
+def _assert_checkpointed(info: dict[str, str], ckpt: Path, out: Path, script: str) -> str:
+    """The job wrote one checkpoint on its own and ended early (no final results), nothing half-written."""
+    text = Path(info["StdOut"]).read_text()
+    assert "stop requested: checkpoint written" in text, f"{script}: {info}\n{text}"
+    assert info["ExitCode"] != "0:0" and not (out / "rank0.json").exists(), f"{script}: {info}\n{text}"
+    latest = (ckpt / "latest").read_text()
+    assert (ckpt / latest / "state.pt").is_file() and not list(ckpt.glob(".*")), sorted(p.name for p in ckpt.iterdir())
+    if script == "slurm_mpirun.sbatch":  # through the relay step or the batch shell, passed on as USR1
+        assert "received, passing it to every rank as SIGUSR1" in text, text
+    return latest
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_scancel_term_writes_a_checkpoint_and_a_resubmission_resumes_exactly(cluster: SlurmCluster, script: str,
                                                                              tmp_path: Path, uninterrupted, capsys):
     ckpt, first, again, started = tmp_path / "ck", tmp_path / "first", tmp_path / "again", tmp_path / "started"
     first.mkdir(), again.mkdir()
-
-    def submit(out: Path, extra: str) -> int:
-        env = {"DYNAMIX_ROOT": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-               "SCRIPT": str(WORKERS / "resume.py"), "SCRIPT_ARGS": f"--out {out} --ckpt {ckpt} {extra}"}
-        return cluster.sbatch(f"--output={tmp_path}/slurm-%j.out", f"--chdir={REPO}", str(REPO / "launch" / script),
-                              env=env)
-
-    job = submit(first, f"--step-sleep 0.3 --started {started}")
-    end = time.monotonic() + 240
-    while not started.exists():
-        assert time.monotonic() < end and cluster.job_info(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING"), \
-            f"{script}: training never started: {cluster.job_info(job)}\n{cluster.logs()}"
-        time.sleep(0.5)
+    job = _submit_resume(cluster, script, tmp_path, ckpt, first, f"--step-sleep 0.3 --started {started}")
+    _wait_started(cluster, job, started, script)
     time.sleep(1.0)
-    # srun's ranks are a job step and get the signal as they are; mpirun's batch script traps and forwards it.
-    batch = ["--batch"] if script == "slurm_mpirun.sbatch" else []
-    cluster.run("scancel", "--signal=TERM", *batch, str(job))
+    # Plain: Slurm signals the job steps only (srun's ranks; the mpirun script's relay step).
+    cluster.run("scancel", "--signal=TERM", str(job))
     info = cluster.wait_job(job, timeout=180)
-    text = Path(info["StdOut"]).read_text()
-    _say(capsys, f"{script}: scancel --signal=TERM {' '.join(batch)}-> {info.get('JobState')} {info.get('ExitCode')}")
-    assert "stop requested: checkpoint written" in text, f"{info}\n{text}"
-    assert info["ExitCode"] != "0:0" and not (first / "rank0.json").exists(), f"{info}\n{text}"
-    latest = (ckpt / "latest").read_text()
-    assert (ckpt / latest / "state.pt").is_file() and not list(ckpt.glob(".*")), sorted(p.name for p in ckpt.iterdir())
+    _say(capsys, f"{script}: scancel --signal=TERM -> {info.get('JobState')} {info.get('ExitCode')}")
+    latest = _assert_checkpointed(info, ckpt, first, script)
 
-    again_job = submit(again, "")
+    again_job = _submit_resume(cluster, script, tmp_path, ckpt, again, "")
     info = cluster.wait_job(again_job, timeout=300)
     text = Path(info["StdOut"]).read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{text}"
     assert f"RESUMED-FROM {ckpt / latest}" in text, text
     resumed = json.loads((again / "rank0.json").read_text())["params"]
     assert resumed == uninterrupted, "the resumed job did not end where the uninterrupted one did"
+
+
+def _run_both(cluster: SlurmCluster, tmp_path: Path, step_sleep: float, *sbatch_args: str):
+    """Both scripts' resume.py jobs side by side; returns script -> (job, checkpoint dir, out dir, started)."""
+    jobs = {}
+    for script in SCRIPTS:
+        d = tmp_path / script.split(".")[0]
+        d.mkdir()
+        ckpt, out, started = d / "ck", d / "out", d / "started"
+        out.mkdir()
+        job = _submit_resume(cluster, script, d, ckpt, out, f"--step-sleep {step_sleep} --started {started}",
+                             *sbatch_args)
+        jobs[script] = (job, ckpt, out, started)
+    for script, (job, _, _, started) in jobs.items():
+        _wait_started(cluster, job, started, script)
+    return jobs
+
+
+def test_time_limit_warning_writes_a_checkpoint(cluster: SlurmCluster, tmp_path: Path, capsys):
+    """#SBATCH --signal=TERM@60 (no B:, so job steps only) on a 2-minute job: both scripts checkpoint and
+    end before the time limit. Slurm checks limits every 30 s, so the warning comes 30-60 s in."""
+    jobs = _run_both(cluster, tmp_path, 2.0, "--time=2", "--signal=TERM@60")
+    for script, (job, ckpt, out, _) in jobs.items():
+        info = cluster.wait_job(job, timeout=240)
+        _say(capsys, f"{script}: --signal=TERM@60 -> {info.get('JobState')} {info.get('ExitCode')} after "
+                     f"{info.get('RunTime')}")
+        assert info["JobState"] != "TIMEOUT", f"{script} ran into its time limit: {info}"
+        _assert_checkpointed(info, ckpt, out, script)
+
+
+def test_preemption_writes_a_checkpoint(cluster: SlurmCluster, tmp_path: Path, capsys):
+    """Jobs in partition "low" are preempted by one in "high" that needs every CPU: Slurm sends SIGTERM to
+    their job steps (not to the batch shell) and cancels them after GraceTime; both checkpoint first."""
+    jobs = _run_both(cluster, tmp_path, 1.0, "--partition=low")
+    t0 = time.monotonic()
+    high = cluster.sbatch("--partition=high", f"--ntasks={cluster.cpus}", f"--output={tmp_path}/high-%j.out",
+                          "--wrap", "true")
+    for script, (job, ckpt, out, _) in jobs.items():
+        info = cluster.wait_job(job, timeout=240)
+        took = time.monotonic() - t0
+        _say(capsys, f"{script}: preempted -> {info.get('JobState')} {info.get('ExitCode')} {took:.0f} s after "
+                     f"the preempting job was submitted (GraceTime {cluster.grace_s} s)")
+        assert info["JobState"] in ("PREEMPTED", "FAILED"), info
+        assert took < cluster.grace_s, f"{script} was killed at the end of GraceTime instead of ending itself"
+        _assert_checkpointed(info, ckpt, out, script)
+    assert cluster.wait_job(high, timeout=120)["JobState"] == "COMPLETED"
 
 
 def test_slurm_wall_time(cluster: SlurmCluster, capsys):
