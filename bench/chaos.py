@@ -116,11 +116,23 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _ancestors() -> set[int]:
+    """This process and the ones that started it (a wrapper's command line names the output too)."""
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            break
+    return pids
+
+
 def _ours(token: str) -> list[int]:
     """Live processes whose command line names `token` (the soak's output directory)."""
-    pids = []
+    pids, mine = [], _ancestors()
     for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
+        if not d.name.isdigit() or int(d.name) in mine:
             continue
         try:
             if token in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") and _alive(int(d.name)):
