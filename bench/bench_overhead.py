@@ -1,15 +1,20 @@
 """Per-step overhead against plain Horovod at the same fixed sizes (issue #13, item 5).
 
 Run: ``python -m bench.bench_overhead [--np 2] [--steps 100] [--chunk 10] [--repeats 100] [--batch 64]
-[--variants horovod,weighted,controller]`` (``--quick``: a smoke test, its numbers mean nothing). Starts
-one ``mpirun -np NP`` job in which every rank builds a set-up per variant of the CNN of Horovod's
-pytorch_mnist.py on generated 28x28 images, each with its own model:
+[--variants horovod,weighted,controller] [--job ZOO_JOB]`` (``--quick``: a smoke test, its numbers mean
+nothing). Starts one ``mpirun -np NP`` job in which every rank builds a set-up per variant, each with
+its own model: the CNN of Horovod's pytorch_mnist.py on generated 28x28 images with SGD, or with
+``--job`` a job of the workload zoo (`bench.zoo`: its model, the first samples of its training data,
+its optimizer, clipping and loss; ``--batch`` defaults to the job's):
 
 * ``horovod``: ``DistributedSampler`` + ``DataLoader`` + ``hvd.DistributedOptimizer(op=Average)``;
 * ``weighted``: ``AdaptiveLoader`` + ``WeightedDistributedOptimizer`` (equal sizes, no controller);
 * ``controller``: the same plus a ``DynamixController`` deciding at every epoch's end
   (``decide_every_steps=0``: reports, gathers, statistics, reward) with ``policy="static"``, so the sizes stay
   fixed and every variant runs the same steps;
+* ``default``: the controller as a user turns it on (the zoo's default arm: the shipped policy, decisions
+  inside epochs on the default cadence, ``model=`` given); it may move the sizes, which the summary
+  reports (a move on equal ranks is itself harm);
 * ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.
 
 Every variant trains epoch after epoch of ``--steps`` steps. After a throw-away plain set-up has taken
@@ -46,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("horovod", "weighted", "controller")
+VARIANTS = ("horovod", "weighted", "controller", "default")
 ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "horovod-again": "a second plain Horovod set-up (A/A: the noise floor of the paired ratio)",
     "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
@@ -66,15 +71,22 @@ def make_net() -> Any:
 class Setup:
     """One variant: its own model, loader and optimizer; `epoch(e)` trains one epoch."""
 
-    def __init__(self, variant: str, dataset: Any, batch: int) -> None:
+    def __init__(self, variant: str, dataset: Any, batch: int, job: Any = None) -> None:
         import horovod.torch as hvd
         import torch
 
         import dynamix_hvd as dx
 
         torch.manual_seed(0)
-        self.model = make_net()
-        opt = torch.optim.SGD(self.model.parameters(), lr=0.01 * hvd.size(), momentum=0.5)
+        self.job = job
+        if job is None:
+            self.model = make_net()
+            opt = torch.optim.SGD(self.model.parameters(), lr=0.01 * hvd.size(), momentum=0.5)
+        else:
+            from bench.zoo_train import build
+
+            self.model, opt, _ = build(job, max(1, len(dataset) // (batch * hvd.size())))
+        self.clip = job.clip if job is not None else 0.0
         self.controller = None
         if variant in ("horovod", "horovod-again"):
             self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
@@ -84,15 +96,43 @@ class Setup:
             self.sampler = None
             self.loader = dx.AdaptiveLoader(dataset, [batch] * hvd.size(), hvd.rank(), seed=0)
             self.opt = dx.WeightedDistributedOptimizer(opt, self.model.named_parameters(), self.loader,
+                                                       max_grad_norm=self.clip or None,
                                                        track_grad_norms=variant != "weighted-nostats")
             if variant.startswith("controller"):
                 period = 0.0 if variant == "controller-nothreads" else dx.ControllerConfig().resource_period_s
                 self.controller = dx.DynamixController(self.loader, self.opt,
                                                        dx.ControllerConfig(policy="static", resource_period_s=period,
                                                                            decide_every_steps=0))
+            elif variant == "default":  # as bench.zoo_train's default arm builds it
+                cfg = dx.ControllerConfig(policy="ppo", policy_file="default", learn=False,
+                                          total_epochs=job.epochs if job is not None else 10,
+                                          ppo=dx.PPOConfig(seed=0, rollout_length=8))
+                self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)
 
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs
         self.steps = 0
+        self.samples = 0  # this rank's samples over the timed steps
+
+    def loss(self, x: Any, y: Any) -> Any:
+        import torch.nn.functional as F
+
+        if self.job is None:
+            return F.nll_loss(self.model(x), y)
+        from bench.zoo_train import loss_and_metric
+
+        return loss_and_metric(self.job, self.model, x, y, train=True)[0]
+
+    def update(self) -> None:
+        """The optimizer step as the plain script or the weighted optimizer does it (clipping included)."""
+        if self.clip and self.sampler is not None:  # Horovod's documented way to clip
+            import torch
+
+            self.opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            with self.opt.skip_synchronize():
+                self.opt.step()
+        else:
+            self.opt.step()
 
     def run(self) -> Iterator[None]:
         """Train epoch after epoch; yields after every optimizer step."""
@@ -106,8 +146,6 @@ class Setup:
             pass
 
     def _epoch(self, e: int, timed: bool) -> Iterator[None]:
-        import torch.nn.functional as F
-
         (self.sampler or self.loader).set_epoch(e)
         clock, cpu, ph = time.perf_counter, time.thread_time, self.phases
         batches = iter(self.loader)
@@ -115,10 +153,10 @@ class Setup:
         for x, y in batches:  # the controller decides inside next() (a loader step-end callback)
             t1 = clock()
             self.opt.zero_grad()
-            loss = F.nll_loss(self.model(x), y)
+            loss = self.loss(x, y)
             loss.backward()
             t2 = clock()
-            self.opt.step()
+            self.update()
             t3 = clock()
             if self.controller is not None:
                 self.controller.record_loss(loss)
@@ -130,6 +168,7 @@ class Setup:
                 ph["controller"] += t4 - t3
                 ph["main-thread CPU"] += cpu() - c0
                 self.steps += 1
+                self.samples += len(y)
             yield
             t0, c0 = clock(), cpu()
         if timed:
@@ -141,11 +180,17 @@ class Setup:
             self.controller.close()
 
 
-def dataset(steps: int, batch: int, world: int) -> Any:
+def dataset(steps: int, batch: int, world: int, job: Any = None) -> Any:
+    """`steps` steps of `batch` samples per rank: generated images, or the zoo job's training samples
+    (its first ones, cycled when it has fewer)."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
     n = steps * batch * world
+    if job is not None:
+        train = job.data()[0]
+        idx = torch.arange(n) % len(train)
+        return torch.utils.data.TensorDataset(*(t[idx] for t in train.tensors))
+    g = torch.Generator().manual_seed(0)
     return torch.utils.data.TensorDataset(torch.randn(n, 1, 28, 28, generator=g), torch.randint(10, (n,), generator=g))
 
 
@@ -155,9 +200,10 @@ def worker(args: argparse.Namespace) -> None:
 
     hvd.init()
     torch.set_num_threads(1)
-    data = dataset(args.steps, args.batch, hvd.size())
+    job = zoo_job(args.job)
+    data = dataset(args.steps, args.batch, hvd.size(), job)
     variants = args.variants
-    setups = {v: Setup(v, data, args.batch) for v in variants}
+    setups = {v: Setup(v, data, args.batch, job) for v in variants}
     runs = {v: setups[v].run() for v in variants}
     barrier = torch.zeros(1)
 
@@ -171,12 +217,12 @@ def worker(args: argparse.Namespace) -> None:
 
     # Process warm-up (MPI connections, Horovod's first negotiations, allocator, thread pools) belongs to
     # no variant: a throw-away plain set-up absorbs it, or the first variant timed would carry it all.
-    warm = Setup("horovod", data, args.batch).run()
+    warm = Setup("horovod", data, args.batch, job).run()
     for _ in range(args.chunk):
         next(warm)
     first = {v: timed(v, args.steps) for v in variants}  # the first epoch: compilation, caches
     for s in setups.values():
-        s.phases, s.steps = dict.fromkeys(PHASES, 0.0), 0
+        s.phases, s.steps, s.samples = dict.fromkeys(PHASES, 0.0), 0, 0
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -190,7 +236,9 @@ def worker(args: argparse.Namespace) -> None:
     extra = {v: first[v] - args.steps * per_step[v] for v in variants}
     paired = {v: [a / b for a, b in zip(times[v], times["horovod"])] for v in variants}
     phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
-    result = {"np": hvd.size(), "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+    samples = {v: setups[v].samples / max(setups[v].steps, 1) for v in variants}
+    result = {"np": hvd.size(), "job": args.job, "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+              "rank0_samples_per_step": samples,
               "rounds": args.repeats, "first_epoch_s": first, "chunk_s": times,
               "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
               "paired_ratio": {v: statistics.median(r) for v, r in paired.items()},
@@ -198,19 +246,35 @@ def worker(args: argparse.Namespace) -> None:
               "ratio_of_totals": {v: sum(times[v]) / sum(times["horovod"]) for v in variants},
               "first_epoch_extra_s": {v: extra[v] - extra["horovod"] for v in variants},
               "rank0_ms_per_step": phases}
-    print(f"{hvd.size()} ranks, {args.batch} samples per rank and step, epochs of {args.steps} steps; "
+    print(f"{args.job or 'pytorch_mnist CNN'}: "
+          f"{hvd.size()} ranks, {args.batch} samples per rank and step, epochs of {args.steps} steps; "
           f"{args.repeats} rounds of {args.chunk} steps of every variant")
-    print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'ratio of totals':>17}{'1st-epoch extra_s':>19}")
+    print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'ratio of totals':>17}{'1st-epoch extra_s':>19}"
+          f"{'rank-0 samples/step':>21}")
     for v in variants:
         lo, hi = result["paired_ratio_90ci"][v]
         print(f"{v:<22}{1e3 * per_step[v]:>9.2f}{result['paired_ratio'][v]:>10.3f} [{lo:.3f}, {hi:.3f}]"
-              f"{result['ratio_of_totals'][v]:>17.3f}{result['first_epoch_extra_s'][v]:>19.3f}")
+              f"{result['ratio_of_totals'][v]:>17.3f}{result['first_epoch_extra_s'][v]:>19.3f}{samples[v]:>21.2f}")
     print("where the time goes, rank 0, mean ms per step:")
     print(f"{'':<22}" + "".join(f"{k:>18}" for k in PHASES))
     for v in variants:
         print(f"{v:<22}" + "".join(f"{phases[v][k]:>18.3f}" for k in PHASES))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def zoo_job_names() -> list[str]:
+    from bench.zoo import JOBS
+
+    return sorted(JOBS)
+
+
+def zoo_job(name: str | None) -> Any:
+    if name is None:
+        return None
+    from bench.zoo import JOBS
+
+    return JOBS[name]
 
 
 def bootstrap_median_ci(values: list[float], level: float = 0.90, draws: int = 4000) -> tuple[float, float]:
@@ -257,9 +321,10 @@ def profile(args: argparse.Namespace) -> None:
 
     hvd.init()
     torch.set_num_threads(1)
-    data = dataset(args.steps, args.batch, 1)
+    job = zoo_job(args.job)
+    data = dataset(args.steps, args.batch, 1, job)
     for v in args.variants:
-        s = Setup(v, data, args.batch)
+        s = Setup(v, data, args.batch, job)
         s.epoch(0, False)  # compile and warm up
         counts = count_host_reads(lambda: s.epoch(1, False))
         print(f"\n{v}: host reads per step (over {args.steps} steps, one epoch incl. its decision)")
@@ -281,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=10, help="steps per timed unit (default 10)")
     ap.add_argument("--repeats", type=int, default=100,
                     help="timed rounds, one chunk of every variant in rotating order (default 100)")
-    ap.add_argument("--batch", type=int, default=64, help="local batch size of every rank (default 64)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="local batch size of every rank (default: 64, or the --job's batch)")
+    ap.add_argument("--job", default=None, help="a job of the workload zoo (bench.zoo) instead of the CNN")
     ap.add_argument("--quick", action="store_true", help="smoke test: 4 steps, 2 rounds (numbers meaningless)")
     ap.add_argument("--profile", action="store_true", help="one process: host reads per step and cProfile")
     ap.add_argument("--variants", default=",".join(VARIANTS),
@@ -295,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or args.variants[:1] != ("horovod",):
         ap.error(f"--variants={','.join(args.variants)!r}: start with horovod; known: "
                  f"{', '.join(VARIANTS + tuple(ABLATIONS))}")
+    if args.job is not None and zoo_job_names().count(args.job) == 0:
+        ap.error(f"--job={args.job!r}; choose one of {', '.join(zoo_job_names())}")
+    args.batch = args.batch or (zoo_job(args.job).batch if args.job else 64)
     if args.quick:
         args.steps, args.chunk, args.repeats = 4, 2, 3
     if args.profile:
@@ -306,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
     argv_ = [sys.executable, "-m", "bench.bench_overhead", "--worker", "--steps", str(args.steps), "--chunk", str(args.chunk),
-             "--repeats", str(args.repeats), "--batch", str(args.batch), "--variants", ",".join(args.variants), *(["--json", args.json] if args.json else [])]
+             "--repeats", str(args.repeats), "--batch", str(args.batch), "--variants", ",".join(args.variants),
+             *(["--job", args.job] if args.job else []), *(["--json", args.json] if args.json else [])]
     cmd = command(local_plan("mpirun", args.np), argv_, forward=())
     return subprocess.run(cmd, cwd=REPO, env=local_env(pythonpath=REPO)).returncode
 

@@ -119,6 +119,8 @@ BAD_CONTROLLER = {
     "max_passes": not_an_int(1), "batchnorm_min_batch": not_an_int(1),
     "total_epochs": not_an_int(1).filter(lambda v: v is not None),
     "timeout_s": NOT_POSITIVE, "resource_period_s": NEGATIVE,
+    "decision_budget": st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
+                                 st.floats(max_value=-1e-9, allow_infinity=False)),
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
                              st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
                              st.lists(st.text(max_size=2), min_size=1, max_size=3),

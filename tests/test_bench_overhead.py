@@ -17,7 +17,7 @@ def test_quick_run_reports_every_variant(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["np"] == 2 and result["rounds"] == 3 and result["chunk"] == 2
-    assert set(result["paired_ratio"]) == {"horovod", "weighted", "controller"}
+    assert set(result["paired_ratio"]) == {"horovod", "weighted", "controller", "default"}
     assert result["paired_ratio"]["horovod"] == 1.0 and result["ratio_of_totals"]["horovod"] == 1.0
     assert all(len(t) == 3 and all(x > 0 for x in t) for t in result["chunk_s"].values())
     for v, (lo, hi) in result["paired_ratio_90ci"].items():
@@ -28,10 +28,28 @@ def test_quick_run_reports_every_variant(tmp_path):
     assert "paired ratio" in proc.stdout and "where the time goes" in proc.stdout
 
 
+def test_zoo_job_runs_its_own_model_optimizer_and_clipping(tmp_path):
+    """--job trains a zoo job (here the GRU language model with Adam and clipping) in every variant;
+    the default controller keeps equal ranks at their sizes (every step has the job's samples)."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--quick", "--job", "gru-charlm",
+                           "--variants", "horovod,weighted,default", "--json", str(out)],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["job"] == "gru-charlm" and result["batch"] == 16  # the job's own batch
+    assert set(result["paired_ratio"]) == {"horovod", "weighted", "default"}
+    assert result["rank0_samples_per_step"] == {"horovod": 16.0, "weighted": 16.0, "default": 16.0}
+    assert proc.stdout.startswith("gru-charlm:")
+
+
 def test_unknown_variant_is_refused_naming_it():
     proc = subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--variants", "horovod,turbo"],
                           cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "turbo" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--job", "gru-lm"],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "gru-lm" in proc.stderr and "gru-charlm" in proc.stderr
 
 
 def test_profile_counts_host_reads():

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from dynamix_hvd.control.cadence import DecisionCadence
+from dynamix_hvd.control.cadence import FREE_DECISIONS, DecisionCadence
 
 
-def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0):
+def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spacing=0):
     """Feed `epochs` epochs of `length` steps; returns the (epoch, step) of every decision."""
     decisions, when = start_decisions, []
     for epoch in range(start_epoch, start_epoch + epochs):
         for step in range(1, length + 1):
             since += 1
             if cadence.due(epoch_end=step == length, steps_since=since, decisions=decisions, epoch=epoch,
-                           step=step, sizes=[8, 12], epoch_length=lambda: length):
+                           step=step, sizes=[8, 12], epoch_length=lambda: length, spacing=spacing):
                 decisions, since = decisions + 1, 0
                 when.append((epoch, step))
     return when
@@ -28,6 +28,21 @@ def test_automatic_cadence_ramps_up_then_spreads_target_decisions():
     # no total_epochs: the ramp, then 4 a epoch (every 50 of 200 steps; none in the last half-interval)
     assert walk(DecisionCadence(None, 32, 8, None), 2, 200) == [(0, 8), (0, 24), (0, 56), (0, 106), (0, 156),
                                                                  (0, 200), (1, 50), (1, 100), (1, 150), (1, 200)]
+
+
+def test_budget_spacing_holds_back_later_decisions_epoch_ends_included():
+    """The first FREE_DECISIONS (the ramp that finds the split) ignore the spacing; after them no
+    decision comes sooner than `spacing` steps after the last, not even at an epoch end."""
+    assert FREE_DECISIONS == 4
+    # unlimited: the ramp (8, 16, 32), then the epoch end and every 8 steps... (see above)
+    free = walk(DecisionCadence(None, 32, 8, 4), 3, 60)
+    spaced = walk(DecisionCadence(None, 32, 8, 4), 3, 60, spacing=70)
+    assert spaced[:4] == free[:4] == [(0, 8), (0, 16), (0, 24), (0, 32)]
+    assert spaced[4:] == [(1, 42), (2, 52)]  # 70 steps apart; the epoch ends at (0, 60), (1, 60) waited
+    assert len(free) > 3 * len(spaced)
+    # a spacing shorter than the interval changes nothing; a fixed cadence the user chose ignores it
+    assert walk(DecisionCadence(None, 32, 8, 4), 3, 60, spacing=4) == free
+    assert walk(DecisionCadence(10, 32, 8, 2), 2, 25, spacing=100) == walk(DecisionCadence(10, 32, 8, 2), 2, 25)
 
 
 @pytest.mark.parametrize("every, expected", [(10, [(0, 10), (0, 20), (0, 25), (1, 10), (1, 20), (1, 25)]),

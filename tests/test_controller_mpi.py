@@ -33,7 +33,7 @@ def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, pol
     target_decisions (32) decisions, never closer than min_decision_steps (8) nor in an epoch's last
     half-interval; the same steps on every rank, also when decisions change the sizes (model)."""
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
-           "--policy", policy, "--max-batch", "40")
+           "--policy", policy, "--max-batch", "40", "--decision-budget", "0")
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     when = results[0]["when"]
     assert results[1]["when"] == when, when
@@ -49,11 +49,29 @@ def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, pol
         assert min(gaps[:-1], default=8) >= 8, (epoch, when)
 
 
+def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path):
+    """With the default budget (1% of training time) on steps of about a millisecond, a decision costs
+    many steps: after the first four, rank 0 sends a spacing with each decision and no rank decides
+    sooner, epoch ends included; every rank decides at the same steps and records the same spacing."""
+    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
+           "--policy", "static")
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    when, history = results[0]["when"], results[0]["history"]
+    assert results[1]["when"] == when
+    assert [d["spacing"] for d in results[1]["history"]] == [d["spacing"] for d in history]
+    assert all(d["spacing"] > 8 for d in history), [d["spacing"] for d in history]  # decisions cost > 0.08 steps
+    steps = [e * 60 + s for e, s, _ in when]  # 60 steps an epoch at the static sizes
+    assert steps[:4] == [8, 16, 24, 32]  # the ramp that finds the split is free
+    for i in range(4, len(steps)):
+        assert steps[i] - steps[i - 1] >= history[i - 1]["spacing"], (i, steps, [d["spacing"] for d in history])
+    assert len(when) < 32  # without the budget: 32 (see above)
+
+
 def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
     """The first decisions come after min_decision_steps (8), then twice that, until the interval that
     spreads target_decisions over the job (4 over 2 epochs of 60 steps: every 30) is reached."""
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "-1",
-           "--policy", "static", "--target-decisions", "4")
+           "--policy", "static", "--target-decisions", "4", "--decision-budget", "0")
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     assert results[1]["when"] == results[0]["when"]
     # epoch 0: 8, 8 + 16; the next at 24 + 30 = 54 would leave under half an interval: the end decides

@@ -14,13 +14,21 @@ from typing import Callable, Sequence
 UNKNOWN_LENGTH_PER_EPOCH = 4
 """In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
 
+FREE_DECISIONS = 4
+"""The job's first decisions, which find the split, are not held back by the decision budget."""
+
 
 class DecisionCadence:
     """``every`` None: at every epoch end and inside epochs every ceil(epoch steps / per epoch) steps,
     per epoch = ceil(target_decisions / total_epochs) (`UNKNOWN_LENGTH_PER_EPOCH` without
     total_epochs), at least `min_steps` apart and none in an epoch's last half-interval; the job's
     first intervals ramp up to that: min_steps, twice that, ... ``every`` k > 0: every k steps, and at
-    an epoch end at least k/2 steps after the last decision; 0: at epoch ends only."""
+    an epoch end at least k/2 steps after the last decision; 0: at epoch ends only.
+
+    ``spacing`` (default cadence only, after the first `FREE_DECISIONS`): no decision, epoch ends
+    included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
+    decision budget (a decision's cost against the step time) and sends it with every decision, so it
+    is shared like the rest; 0 after a restart or an elastic reset."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -29,7 +37,7 @@ class DecisionCadence:
         self._epoch_steps = 0
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
-            sizes: Sequence[int], epoch_length: Callable[[], int]) -> bool:
+            sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
         epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
         k = self.every
@@ -37,6 +45,8 @@ class DecisionCadence:
             # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
             # decision rests on one or two noisy steps.
             return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
+        if decisions >= FREE_DECISIONS and steps_since < spacing:
+            return False
         if epoch_end:
             return True
         key = (epoch, decisions, tuple(sizes))

@@ -49,6 +49,11 @@ class ControllerConfig:
     min_decision_steps: int = 8
     """With decide_every_steps=None: fewest steps between two decisions inside an epoch (the cost fits
     and the noise scale need a few steps per interval)."""
+    decision_budget: float = 0.01
+    """With decide_every_steps=None: the share of training time decisions may take once the first few
+    (which find the split) are made. Every rank waits while rank 0 decides, so on short steps a
+    decision costs several steps: rank 0 measures each decision and the step time and spaces the next
+    at least decision time / (budget x step time) steps later, epoch ends included. 0: no limit."""
     min_batch: int = 1
     """Smallest local batch any rank may get."""
     max_batch: int = 1024
@@ -100,6 +105,10 @@ class ControllerConfig:
             integer("decide_every_steps", 0)
         integer("target_decisions", 1)
         integer("min_decision_steps", 1)
+        if isinstance(self.decision_budget, bool) or not isinstance(self.decision_budget, (int, float)) \
+                or not 0 <= self.decision_budget < 1:
+            raise ValueError(f"ControllerConfig.decision_budget={self.decision_budget!r}; it must be a share "
+                             "of training time in [0, 1) (0: no limit)")
         integer("keep_inputs", 0)
         integer("max_passes", 1)
         integer("batchnorm_min_batch", 1)

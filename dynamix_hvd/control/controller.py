@@ -102,6 +102,7 @@ class DynamixController:
                               loader.global_batch_size * self.optimizer.backward_passes_per_step,
                               self.optimizer.param_names, lr_base_batch=self.optimizer.base_batch_size)
         self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
+        self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
         # Under MPI: a rank that waits in the gradient allreduce longer than timeout_s probes the others
@@ -129,6 +130,7 @@ class DynamixController:
             self.core.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch,
                                            max_passes=self.cfg.max_passes)
         self.core.decisions = len(self.history)  # a new rank 0 numbers on from the shared history
+        self._spacing = 0  # every rank of the new world starts without it (the cadence must agree)
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
@@ -148,7 +150,7 @@ class DynamixController:
         self._steps_since += 1
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
-                               epoch_length=lambda: len(loader))
+                               epoch_length=lambda: len(loader), spacing=self._spacing)
         # Ordering hazard: with accumulation a decision between micro-batches would report a step
         # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
         # (every rank is between the same micro-batches; an epoch's end always ends a step).
@@ -178,14 +180,16 @@ class DynamixController:
         rows = self.channel.gather_arrays(mine, what="metrics")
         record, sent = None, None
         if rows is not None:
+            t1 = time.perf_counter()
             inputs = wire.decode_reports(rows)
             if self.inputs.maxlen:
                 self.inputs.append(inputs)
             decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
                                         passes=self.optimizer.backward_passes_per_step)
             record = decision.record()
+            spacing = self._budget_spacing(time.perf_counter() - t1, [i.report.step_s for i in inputs])
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
-                                        decision.previous_sizes, decision.passes)
+                                        decision.previous_sizes, decision.passes, spacing)
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
@@ -194,7 +198,8 @@ class DynamixController:
         if compact["passes"] != self.optimizer.backward_passes_per_step:
             self.optimizer.set_backward_passes_per_step(compact["passes"])
         self.optimizer.lr_gain = compact["lr_gain"]
-        record = dict(record or compact, overhead_s=time.perf_counter() - t0)
+        self._spacing = compact["spacing"]
+        record = dict(record or compact, overhead_s=time.perf_counter() - t0, spacing=self._spacing)
         if self.rank == 0:
             t1 = time.perf_counter()
             update = self.policy.after_decision()  # learning runs after the others got the decision
@@ -202,6 +207,14 @@ class DynamixController:
                 record.update(ppo_update=update, learn_s=time.perf_counter() - t1)
         self.history.append(record)
         return record
+
+    def _budget_spacing(self, decide_s: float, step_s: list[float]) -> int:
+        """Rank 0: fewest steps before the next decision so that deciding (rank 0's share, which every
+        rank waits for) stays within `decision_budget` of the training time (0: no limit)."""
+        step = statistics.median(step_s) if step_s else 0.0
+        if not self.cfg.decision_budget or not step > 0 or not math.isfinite(decide_s):
+            return 0
+        return min(1 << 20, math.ceil(decide_s / (self.cfg.decision_budget * step)))
 
     def _report(self, records: list[StepRecord]) -> RankInput:
         res = self.resources.latest()
@@ -250,6 +263,7 @@ class DynamixController:
         self._total_steps = int(state["total_steps"])
         self._steps_since = int(state.get("steps_since", 0))
         self._due = False
+        self._spacing = 0  # not saved: every rank resumes without it, so the cadence agrees
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
         passes = int(self.history[-1].get("passes", 0)) if self.history else 0
@@ -260,6 +274,15 @@ class DynamixController:
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
             self.core.lr_base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the open decision interval, as plain values (a checkpoint holds one per
+        rank): its step records and losses since the last decision, which the next one reports."""
+        return {"records": self.loader.tracker.state_dict(), "losses": [float(loss) for loss in self._losses]}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.tracker.load_state_dict(state["records"])
+        self._losses = [torch.tensor(float(loss), dtype=torch.float64) for loss in state["losses"]]
 
     # --- lifetime ------------------------------------------------------------------------------------
     def close(self) -> None:

@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5, help="decide every k steps; -1: the automatic cadence")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--target-decisions", type=int, default=32, help="with --every -1")
+    ap.add_argument("--decision-budget", type=float, default=0.01, help="with --every -1 (0: no limit)")
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
@@ -55,7 +56,7 @@ def main() -> None:
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
                               ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs,
-                              target_decisions=args.target_decisions)
+                              target_decisions=args.target_decisions, decision_budget=args.decision_budget)
     controller = dx.DynamixController(loader, opt, cfg)
     if args.mode == "silent":
         if rank == args.silent:
@@ -91,7 +92,7 @@ def main() -> None:
                 time.sleep(slow * (args.sleep_fixed + args.sleep_per_sample * len(x)))
             opt.step()
             controller.record_loss(loss)
-    history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s")}
+    history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing")}
                for d in controller.history]
     for h, d in zip(history, controller.history):  # rank 0: what each rank measured before the decision
         if "reports" in d:
