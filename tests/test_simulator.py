@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from typing import Any, Iterator, Sequence
 
 import numpy as np
