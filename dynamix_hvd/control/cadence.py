@@ -28,7 +28,8 @@ class DecisionCadence:
     ``spacing`` (default cadence only, after the first `FREE_DECISIONS`): no decision, epoch ends
     included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
     decision budget (a decision's cost against the step time) and sends it with every decision, so it
-    is shared like the rest; 0 after a restart or an elastic reset."""
+    is shared like the rest (restored from the decision history with a checkpoint; 0 after an elastic
+    reset)."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs

@@ -263,7 +263,9 @@ class DynamixController:
         self._total_steps = int(state["total_steps"])
         self._steps_since = int(state.get("steps_since", 0))
         self._due = False
-        self._spacing = 0  # not saved: every rank resumes without it, so the cadence agrees
+        # the last decision's spacing, from the history every rank loads alike: the cadence agrees and
+        # continues where the checkpointed run was
+        self._spacing = int(self.history[-1].get("spacing") or 0) if self.history else 0
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
         passes = int(self.history[-1].get("passes", 0)) if self.history else 0
