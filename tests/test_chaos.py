@@ -1,7 +1,7 @@
 """The chaos soak's short version (python -m bench.chaos --quick): every fault kind once on mpirun with
 checkpoints and on elastic horovodrun; every fault survived, every epoch's samples exactly once, the
-parameters of the mpirun lane equal an uninterrupted run (unless an out-of-memory step precedes a
-restart: bench/chaos.py, OOM_RESTART_GAP), nothing left behind."""
+parameters of the mpirun lane equal an uninterrupted run that replays the same OOM and NaN steps,
+nothing left behind."""
 from __future__ import annotations
 
 import re

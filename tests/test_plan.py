@@ -124,6 +124,54 @@ def test_loader_resumes_mid_epoch_from_state_dict_on_a_new_world():
     assert sorted(seen + rest) == list(range(100))
 
 
+def _logged(calls: list, names: str = "ab", sizes=(2, 3)) -> AdaptiveLoader:
+    ld = AdaptiveLoader(TensorDataset(torch.arange(10.0)), list(sizes), 0, seed=1)
+    for name in names:
+        ld.step_end_callbacks.append(lambda loader, end, name=name: calls.append((name, loader.step, end)))
+    return ld
+
+
+def test_a_step_saved_before_it_ended_ends_after_the_restore():
+    """A state taken in the loop body (before the step-end callbacks ran) resumes with the rest of
+    them, epoch end included; one taken inside a callback resumes after that callback."""
+    calls, states = [], []
+    for _ in (ld := _logged(calls)):
+        states.append(ld.state_dict())
+    assert calls == [("a", 1, False), ("b", 1, False), ("a", 2, True), ("b", 2, True)]
+    assert [s["step_ends_started"] for s in states] == [0, 0] and ld.state_dict()["step_ends_started"] is None
+    older = {k: v for k, v in states[1].items() if k != "step_ends_started"}  # nothing to run: as before
+    for state, want in ((states[0], calls), (states[1], calls[2:]), ({**states[1], "step_ends_started": 1}, calls[3:]),
+                        (older, [])):
+        got = []
+        again = _logged(got)
+        again.load_state_dict(state)
+        again.set_epoch(0)
+        for _ in again:
+            pass
+        assert got == want, (state, got)
+    got = []
+    moved = _logged(got)
+    moved.load_state_dict(states[1])
+    moved.set_epoch(1)  # leaving the restored epoch ends its step first
+    assert got == calls[2:] and moved.epoch == 1 and moved.step == 0
+
+
+def test_step_tracker_state_holds_the_undrained_records():
+    from dynamix_hvd.data.metrics import StepTracker
+
+    tracker = StepTracker(rank=1)
+    for step in range(3):
+        tracker.batch_ready(0, step, 4, 10)
+        tracker.step_started()
+        tracker.synchronized()
+        tracker.step_finished(local_grad_sq=0.5 + step, status="oom" if step == 1 else "ok")
+        if step == 0:
+            tracker.drain()
+    again = StepTracker(rank=1)
+    again.load_state_dict(tracker.state_dict())
+    assert again.drain() == tracker.drain() and len(again.records) == 0
+
+
 def test_loader_refuses_its_own_sampler_arguments():
     with pytest.raises(ValueError, match="do not pass batch_size=32"):
         AdaptiveLoader(TensorDataset(torch.arange(10)), [2, 2], 0, batch_size=32)

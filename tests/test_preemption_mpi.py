@@ -1,4 +1,5 @@
-"""SIGTERM under mpirun: all ranks agree, one atomic checkpoint, exit; a relaunch resumes exactly."""
+"""SIGTERM under mpirun: all ranks agree, one atomic checkpoint, exit; a relaunch resumes exactly, also
+after an out-of-memory step (whose smaller batch makes the AdaScale gain depend on the statistics)."""
 from __future__ import annotations
 
 import json
@@ -68,3 +69,37 @@ def test_resumed_epoch_loses_and_repeats_nothing(tmp_path):
     order = epoch_permutation(SAMPLES, seed=4, epoch=1).tolist()
     assert sorted(rest) == sorted(order[done:]), "the resumed epoch must serve exactly the unserved samples"
     assert sorted(_served(wider, 3, epoch=2)) == list(range(SAMPLES))
+
+
+# Rank 1 runs out of memory at the fourth step of epoch 1 (chaos.py: 480 samples, ranks [12, 12]): the
+# step is redone with [12, 9], so from then on the AdaScale gain at B = 21 depends on the gradient
+# statistics of every step the controller was told about (at B = 24 it is 1 whatever they are).
+OOM = [{"kind": "oom", "epoch": 1, "start": 72}]
+
+
+def test_restart_after_an_oom_step_matches_the_uninterrupted_run(tmp_path):
+    replay = tmp_path / "replay.json"
+    replay.write_text(json.dumps(OOM))
+
+    def run(where: Path, *args: str) -> None:
+        launch("mpirun", 2, "chaos.py", "--out", str(where), "--ckpt", str(where / "ckpt"), "--replay", str(replay),
+               "--step-sleep", "0", *args)
+
+    def params(where: Path) -> list[list[float]]:
+        final = json.loads((where / "final.json").read_text())
+        assert final["epochs"] == 3
+        return final["params"]
+
+    run(tmp_path / "ref", "--save-every", "0", "--epochs", "3")
+    want = params(tmp_path / "ref")
+    for save_every, resume_at in ((10, (1, 408)),   # mid-epoch, four steps after the last decision
+                                  (11, (1, 480))):  # the epoch's last step, before its end (and decision) ran
+        out = tmp_path / f"every{save_every}"
+        run(out, "--save-every", str(save_every), "--epochs", "2")
+        run(out, "--save-every", str(save_every), "--epochs", "3", "--attempt", "1")
+        assert [json.loads(line)["kind"] for line in (out / "injected-a0.jsonl").read_text().splitlines()] == ["oom"]
+        restored = json.loads((out / "restore-a1.json").read_text())
+        assert restored["checkpoint"] and (restored["epoch"], restored["cursor"]) == resume_at, restored
+        diff = max(abs(a - b) for x, y in zip(want, params(out)) for a, b in zip(x, y))
+        print(f"max |param difference| uninterrupted vs restarted after an OOM (saved every {save_every}): {diff:.3e}")
+        assert diff == 0.0

@@ -8,6 +8,12 @@ Ordering hazard: a DataLoader with workers prefetches batches. When sizes change
 prefetched under the old sizes must not be used, so the loader drops its DataLoader iterator and
 starts a new one at the first sample not yet handed out. The cursor only advances over batches
 actually handed to the training loop, which is what makes a change lossless.
+
+A step ends when the training loop asks for the next batch (or the epoch runs out): only then do the
+step-end callbacks run. A checkpoint taken inside the loop body, after ``optimizer.step()``, is
+therefore taken before its step ended; the state records how many of the callbacks had started, and
+a loader resumed from it runs the rest before it hands out its first batch, as the uninterrupted
+run did at that point.
 """
 from __future__ import annotations
 
@@ -65,6 +71,10 @@ class AdaptiveLoader:
         self._generation = 0      # bumped by set_batch_sizes, so a running iterator replans
         self._current: PlannedStep | None = None
         self._resumed = False     # set by load_state_dict: the next set_epoch(same epoch) keeps the cursor
+        # Step-end callbacks started for the step handed out last (None: no step awaits its end), and
+        # the same for a step restored by load_state_dict, whose remaining callbacks are still to run.
+        self._ends_started: int | None = None
+        self._restored_ends: int | None = None
         # Called on every rank at the same points: after each step's batch was used (when the next
         # one is asked for) and at the end of the epoch. A callback may call set_batch_sizes().
         self.step_end_callbacks: list[Callable[["AdaptiveLoader", bool], None]] = []
@@ -105,6 +115,7 @@ class AdaptiveLoader:
         if self._resumed and int(epoch) == self.epoch:
             self._resumed = False
             return
+        self._finish_step()  # a restored step that had not ended ends in the epoch it belongs to
         self._resumed = False
         self.epoch = int(epoch)
         self._cursor = 0
@@ -142,7 +153,23 @@ class AdaptiveLoader:
         lo, hi = step.rank_range(self.rank)
         return order[lo:hi].tolist()
 
+    def _end_step(self, epoch_end: bool, start: int = 0) -> None:
+        """Run the step-end callbacks from index `start` on (each counts as started before it runs, so
+        a checkpoint written by one of them resumes after it)."""
+        i = start
+        while i < len(self.step_end_callbacks):
+            self._ends_started = i = i + 1
+            self.step_end_callbacks[i - 1](self, epoch_end)
+        self._ends_started = None
+
+    def _finish_step(self) -> None:
+        """The rest of the step-end callbacks of a step restored before it ended."""
+        start, self._restored_ends = self._restored_ends, None
+        if start is not None:
+            self._end_step(not self.remaining_steps(), start)
+
     def __iter__(self) -> Iterator[Any]:
+        self._finish_step()
         order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
         epoch_end = False
         while not epoch_end:
@@ -161,10 +188,10 @@ class AdaptiveLoader:
                 self._step += 1
                 self.tracker.batch_ready(self.epoch, self._step - 1, planned.counts[self.rank],
                                          planned.global_count)
+                self._ends_started = 0
                 yield batch
                 epoch_end = planned is steps[-1] and self._cursor == planned.end  # not rewound
-                for callback in self.step_end_callbacks:
-                    callback(self, epoch_end)
+                self._end_step(epoch_end)
                 if epoch_end or self._generation != generation:
                     break  # sizes changed at this step boundary: replan from the cursor
             del batches, loader  # shuts down workers holding batches planned with the old sizes
@@ -175,12 +202,14 @@ class AdaptiveLoader:
     # --- checkpointing ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self._cursor, "step": self._step,
-                "batch_sizes": list(self._sizes), "seed": self.seed, "num_samples": self.num_samples}
+                "batch_sizes": list(self._sizes), "seed": self.seed, "num_samples": self.num_samples,
+                "step_ends_started": self._ends_started}
 
     def load_state_dict(self, state: dict[str, Any], batch_sizes: Sequence[int] | None = None,
                         rank: int | None = None) -> None:
         """Resume mid-epoch; `batch_sizes` (and `rank`) may give a new world's sizes (after a restart
-        or an elastic reset)."""
+        or an elastic reset). A step saved before it ended gets the rest of its step-end callbacks
+        before the next batch."""
         if rank is not None:
             self.rank = self.tracker.rank = int(rank)
         if state["num_samples"] != self.num_samples:
@@ -196,6 +225,8 @@ class AdaptiveLoader:
                 raise ValueError(f"rank {self.rank} outside the new world of {len(self._sizes)} ranks")
         else:
             self._sizes = validate_batch_sizes(state["batch_sizes"], self.world_size)
+        started = state.get("step_ends_started")  # absent in states from before step-end tracking
+        self._ends_started = self._restored_ends = None if started is None else int(started)
         self._generation += 1
         self._resumed = True
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import resource
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -167,6 +167,16 @@ class StepTracker:
         """Records since the previous drain (the controller's decision interval); history is kept."""
         out, self._undrained = self._undrained, []
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The records not drained yet (the controller's open decision interval), as plain values:
+        this rank's own part of a checkpoint."""
+        return {"undrained": [asdict(r) for r in self._undrained]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back `state_dict()` output: the next drain returns those records first."""
+        known = {f.name for f in fields(StepRecord)}
+        self._undrained = [StepRecord(**{k: v for k, v in r.items() if k in known}) for r in state["undrained"]]
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [asdict(r) for r in self.records]

@@ -326,6 +326,19 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             if "backward_passes_per_step" in own:  # absent in checkpoints from before accumulation decisions
                 self.set_backward_passes_per_step(int(own["backward_passes_per_step"]))
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's own state, which differs between ranks and so is not in ``state_dict()`` (a
+        checkpoint holds one per rank): the per-parameter squared-norm sums since the controller last
+        read them (`pop_layer_means`), as plain values."""
+        return {"layer_sums": self._layer_sums.tolist(), "layer_steps": int(self._layer_steps)}
+
+    def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        sums = torch.tensor(state["layer_sums"], dtype=torch.float64, device=self._layer_sums.device)
+        if sums.shape != self._layer_sums.shape:
+            raise ValueError(f"per-parameter sums of shape {tuple(sums.shape)} for {len(self._params)} parameters")
+        self._layer_sums.copy_(sums)
+        self._layer_steps = int(state["layer_steps"])
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
         if self._engine._handles:

@@ -10,7 +10,7 @@ Nothing happens on construction: `install_signal_handlers()` turns signals into 
 (without it, `save()` and `restore()` still work), and `close()` puts the previous handlers back.
 
 A checkpoint is a directory ``step-<N>`` holding ``state.pt`` (model, optimizer, loader position,
-controller) and ``state.sha256``; it is written under a temporary name and renamed, then the file
+controller, and every rank's own part: see below) and ``state.sha256``; it is written under a temporary name and renamed, then the file
 ``latest`` is replaced atomically; a failed write (a full disk, say) removes its temporary files and
 raises `CheckpointError` naming the path on every rank. The directory is checked writable at
 construction. ``restore()`` is all or nothing: it takes the newest checkpoint that reads, verifies
@@ -18,6 +18,13 @@ and fits this job on every rank, and skips any other (not a zip archive, truncat
 state, a failed checksum, another format version, a state that does not fit) with a warning naming
 the file and the reason. The ranks agree on each candidate, so they all restore the same one. Only
 when none is usable is it an error, naming every file tried and why. The last `keep` are kept.
+
+Rank 0's state is the state of every rank except for what each rank holds of its own: the controller's
+open decision interval (this rank's step records and losses since the last decision) and the
+optimizer's per-parameter gradient sums for it. Components that have such state provide
+``rank_state_dict()`` and ``load_rank_state_dict()``; `save()` gathers every rank's part on rank 0
+(under ``"ranks"``) and `restore()` gives each rank its own, so the first decision after a restart
+reports the same steps as in the uninterrupted run. On another world size the parts are left out.
 
 Plain data only: the state holds tensors and plain Python values (checked on `save()`, naming the
 offending entry) and is read with ``torch.load(weights_only=True)``, so a crafted ``state.pt`` is
@@ -196,12 +203,26 @@ class Checkpointer:
             sys.exit(self.exit_code)
 
     # --- writing ---------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds: rank 0's state, and `ranks`: every rank's `rank_state()`."""
         return {"format": FORMAT, "version": FORMAT_VERSION,
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "loader": self.loader.state_dict(),
                 "controller": self.controller.state_dict() if self.controller is not None else None,
-                "world_size": self.loader.world_size}
+                "world_size": self.loader.world_size, "ranks": ranks}
+
+    def _with_rank_state(self) -> list[tuple[str, Any]]:
+        parts = (("optimizer", self.optimizer), ("loader", self.loader), ("controller", self.controller))
+        return [(name, obj) for name, obj in parts if hasattr(obj, "rank_state_dict")]
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's own state (``rank_state_dict()`` of the components that have one)."""
+        return {name: obj.rank_state_dict() for name, obj in self._with_rank_state()}
+
+    def _load_rank_state(self, part: dict[str, Any]) -> None:
+        for name, obj in self._with_rank_state():
+            if name in part:
+                obj.load_rank_state_dict(part[name])
 
     def save(self) -> Path:
         """Rank 0 writes the checkpoint; every rank returns its path once it exists, or raises
@@ -209,9 +230,10 @@ class Checkpointer:
         step = f"step-{self.loader.epoch:05d}-{self.loader.step:07d}"
         final = self.directory / step
         problem = None
+        ranks = self.channel.gather(self.rank_state(), what="per-rank checkpoint state")
         if self.channel.rank == 0:
             try:
-                self._write(step, final)
+                self._write(step, final, ranks)
             except Exception as exc:  # disk full, permissions, not plain data...: nothing half-written stays
                 problem = f"{type(exc).__name__}: {exc}"
         problem = self.channel.broadcast(problem, what="checkpoint written")  # others leave once it exists
@@ -219,8 +241,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {final} was not written: {problem} (its temporary files were removed)")
         return final
 
-    def _write(self, step: str, final: Path) -> None:
-        state = self.state()
+    def _write(self, step: str, final: Path, ranks: list[dict[str, Any]] | None = None) -> None:
+        state = self.state(ranks)
         bad = non_plain_entry(state)
         if bad is not None:  # restore() would refuse it: say so now, not after a preemption
             raise TypeError(f"{bad} is not plain data; a state_dict() must hold only tensors and plain "
@@ -312,6 +334,10 @@ class Checkpointer:
             raise bad("the optimizer's parameter groups differ from this optimizer's")
         if state["controller"] is not None and not isinstance(state["controller"], dict):
             raise bad("its controller state is not a dict")
+        ranks = state.get("ranks")  # absent in checkpoints from before per-rank state
+        if ranks is not None and (not isinstance(ranks, list) or len(ranks) != world
+                                  or not all(isinstance(part, dict) for part in ranks)):
+            raise bad(f"its per-rank state is not one dict for each of its {world} ranks")
 
     def _snapshot(self) -> dict[str, Any]:
         """What restore() may overwrite, to put back when applying a checkpoint fails half-way."""
@@ -320,6 +346,7 @@ class Checkpointer:
         if self.controller is not None:
             snap["controller"] = copy.deepcopy(self.controller.state_dict())
             snap["controller"]["root"] = copy.deepcopy(self.controller.core.state_dict())
+        snap["rank"] = copy.deepcopy(self.rank_state())
         return snap
 
     def _apply(self, state: dict[str, Any]) -> None:
@@ -331,6 +358,8 @@ class Checkpointer:
         self.loader.load_state_dict(state["loader"], batch_sizes=sizes)
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
+        if state.get("ranks") is not None and state["world_size"] == self.loader.world_size:
+            self._load_rank_state(state["ranks"][self.channel.rank])
 
     def _put_back(self, snap: dict[str, Any]) -> None:
         self.model.load_state_dict(snap["model"])
@@ -338,6 +367,7 @@ class Checkpointer:
         self.loader.load_state_dict(snap["loader"])
         if snap["controller"] is not None:
             self.controller.load_state_dict(snap["controller"])
+        self._load_rank_state(snap["rank"])
 
     def _everyone(self, problem: str | None, what: str) -> list[str]:
         """Every rank's `problem` on every rank: one entry per distinct problem, prefixed with the

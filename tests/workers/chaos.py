@@ -41,7 +41,7 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def build(world: int, rank: int, timeout: float):
+def build(world: int, rank: int, timeout: float, decide_every: int):
     train, _ = teacher_classification(SAMPLES, seed=0)
     data = WithIndex(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
     torch.manual_seed(0)
@@ -49,7 +49,10 @@ def build(world: int, rank: int, timeout: float):
     loader = dx.AdaptiveLoader(data, dx.checkpoint.redistribute(GLOBAL_BATCH, world), rank, seed=3)
     opt = dx.WeightedDistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model.named_parameters(),
                                           loader)
-    controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static", timeout_s=timeout))
+    # Decisions every `decide_every` steps: a cadence fixed in steps, so that a reference run replaying
+    # the same faults decides at the same steps (and with the same AdaScale gains) as the soak's jobs.
+    cfg = dx.ControllerConfig(policy="static", timeout_s=timeout, decide_every_steps=decide_every)
+    controller = dx.DynamixController(loader, opt, cfg)
     return model, loader, opt, controller
 
 
@@ -94,7 +97,7 @@ def train_step(model, opt, x, y, kind: str | None) -> None:
 
 def run_mpirun(args, out: Path) -> None:
     rank, world = hvd.rank(), hvd.size()
-    model, loader, opt, controller = build(world, rank, args.timeout)
+    model, loader, opt, controller = build(world, rank, args.timeout, args.decide_every)
     ckpt = Checkpointer(args.ckpt, model, opt, loader, controller, keep=2).install_signal_handlers()
     restored = ckpt.restore()
     if rank == 0:
@@ -139,7 +142,7 @@ def run_mpirun(args, out: Path) -> None:
 def run_elastic(args, out: Path) -> None:
     from dynamix_hvd.resilience.elastic import ElasticState
 
-    model, loader, opt, controller = build(hvd.size(), hvd.rank(), args.timeout)
+    model, loader, opt, controller = build(hvd.size(), hvd.rank(), args.timeout, args.decide_every)
     state = ElasticState(model, opt, loader, controller, served=[], epochs_done=0)
     host = os.environ.get("HOROVOD_HOSTNAME", "?")
 
@@ -178,6 +181,7 @@ def main() -> None:
     ap.add_argument("--attempt", type=int, default=0)
     ap.add_argument("--epochs", type=int, default=10**6)
     ap.add_argument("--timeout", type=float, default=8.0, help="ControllerConfig.timeout_s")
+    ap.add_argument("--decide-every", type=int, default=8, help="ControllerConfig.decide_every_steps")
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--replay", default="")
