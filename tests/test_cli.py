@@ -1,5 +1,6 @@
-"""``dynamix-hvd``: a real 2-rank run and what it leaves behind (records, traces, summary, PNG report),
-policies, benchmarks, help texts, and the progress display."""
+"""``dynamix-hvd``: a real 2-rank run with a slowed rank and what it leaves behind (records, traces,
+summary with the straggler diagnosis, PNG report), policies, benchmarks, help texts, and the progress
+display."""
 from __future__ import annotations
 
 import io
@@ -29,6 +30,7 @@ from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = 1024
+SLOW_MS = 10  # rank 1 waits this long before every forward pass: the straggler the diagnosis must name
 
 
 def dx(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -43,7 +45,7 @@ def dx(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def run_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run")
     proc = dx("run", "--np", "2", "--epochs", "2", "--samples", str(SAMPLES), "--batch-sizes", "16,48",
-              "--out", str(out), "--", "--decide-every", "5")
+              "--out", str(out), "--", "--decide-every", "5", "--slow-rank", "1", "--slow-ms", str(SLOW_MS))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "epoch 2/2" in proc.stdout, proc.stdout
     return out
@@ -92,11 +94,21 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "2 ranks on" in proc.stdout and "via mpirun" in proc.stdout
-    table = lines[lines.index("") + 1:]
+    blank = [i for i, line in enumerate(lines) if line == ""]
+    table, diagnosis = lines[blank[0] + 1:blank[1]], lines[blank[1] + 1:]
     assert table[0].split()[:3] == ["epoch", "wall_s", "sizes"] and len(table) == 3
     epochs = pd.read_csv(run_dir / "epochs.csv").sort_values(["epoch", "rank"])
     for row, (epoch, e) in zip(table[1:], epochs.groupby("epoch")):
         assert row.split()[0] == str(epoch) and row.split()[2] == "/".join(str(b) for b in e.batch_size), row
+    # the straggler diagnosis names the slowed rank, the phase its wait falls in, and what it cost
+    assert diagnosis[0].startswith("straggler diagnosis over") and diagnosis[1].split()[0] == "rank"
+    verdict = next(line for line in diagnosis if line.startswith("slowest rank"))
+    assert verdict.startswith("slowest rank: 1, in compute"), "\n".join(diagnosis)
+    from dynamix_hvd.runs.diagnosis import diagnose
+
+    diag = diagnose(read_run(run_dir).steps)
+    assert diag.phase_excess_s >= 0.8 * SLOW_MS / 1e3 and diag.cost_s >= 0.05 * diag.measured_s, diag
+    assert diagnosis[-1].startswith("against the equal split: ") and " s (" in diagnosis[-1]
 
     png = tmp_path / "r.png"
     proc = cli_here("plot", str(run_dir), "-o", str(png))
@@ -104,7 +116,7 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 30_000
     width, height = struct.unpack(">II", data[16:24])
-    assert (width, height) == (1320, 1045)
+    assert (width, height) == (1320, 1375)
 
     missing = cli_here("summarize", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr

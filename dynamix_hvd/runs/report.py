@@ -2,7 +2,9 @@
 
 Header with the run's metadata, then four panels against wall time: batch size per rank, loss (and
 test accuracy), allreduce wait per rank (the straggler signal: a slow rank makes the *others* wait),
-and throughput per rank. Uses matplotlib's Agg backend, so no display is needed.
+and throughput per rank; below them the straggler diagnosis (`dynamix_hvd.runs.diagnosis`): where each
+rank's step time went, which rank was slow, in which phase, and what the sizes recovered against the
+equal split. Uses matplotlib's Agg backend, so no display is needed.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from ..tools.progress import format_sizes
+from .diagnosis import Diagnosis, diagnose
 from .rundir import RunData, read_run
 
 
@@ -62,9 +65,10 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     ranks = sorted(steps["rank"].unique()) if len(steps) else []
     colors = plt.get_cmap("tab10")
     smooth_n = max(1, len(steps) // max(1, len(ranks)) // 60)
-    fig = plt.figure(figsize=(12, 9.5))
-    fig.text(0.07, 0.985, header_text(run), va="top", ha="left", family="monospace", fontsize=9.5)
-    grid = fig.add_gridspec(2, 2, hspace=0.3, wspace=0.22, left=0.07, right=0.93, top=0.86, bottom=0.06)
+    fig = plt.figure(figsize=(12, 12.5))
+    fig.text(0.07, 0.99, header_text(run), va="top", ha="left", family="monospace", fontsize=9.5)
+    grid = fig.add_gridspec(3, 2, hspace=0.38, wspace=0.22, left=0.07, right=0.93, top=0.895, bottom=0.05,
+                            height_ratios=[1, 1, 0.75])
 
     ax = fig.add_subplot(grid[0, 0])
     nominal = nominal_steps(steps)
@@ -111,10 +115,40 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     ax.set(title="throughput per rank", xlabel="wall time (s)", ylabel="samples/s")
     ax.legend(fontsize=8, loc="best")
 
+    draw_diagnosis(fig.add_subplot(grid[2, :]), diagnose(run.steps))
     out = Path(path) if path else run.path / "report.png"
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+def draw_diagnosis(ax: Any, diag: Diagnosis | None) -> None:
+    """Stacked bars per rank of the mean step (data wait, compute, own allreduce, wait for the last
+    arrival), titled with the verdict and the estimate against the equal split."""
+    if diag is None:
+        ax.set_axis_off()
+        ax.set_title("straggler diagnosis: needs per-step records of at least two ranks")
+        return
+    phases = [("data wait", "tab:orange", lambda rc: rc.data_wait_s),
+              ("compute", "tab:blue", lambda rc: rc.compute_s),
+              ("own allreduce", "tab:green", lambda rc: rc.allreduce_s),
+              ("waiting for the last arrival", "0.8", lambda rc: max(0.0, rc.sync_wait_s - rc.allreduce_s))]
+    labels = [f"{rc.rank}\n~{rc.batch:.0f}" for rc in diag.ranks]
+    left = np.zeros(len(diag.ranks))
+    for name, color, value in phases:
+        width = np.array([value(rc) * 1e3 for rc in diag.ranks])
+        ax.barh(labels, width, left=left, color=color, label=name)
+        left += width
+    ax.invert_yaxis()
+    share = diag.cost_s / diag.measured_s if diag.measured_s > 0 else math.nan
+    verdict = (f"slowest rank {diag.slow_rank}, in {diag.phase}: cost the job {diag.cost_s:.2f} s ({share:.0%})"
+               if diag.straggler else f"no straggler (the last arrival cost {share:.0%} of the step time)")
+    rec = diag.recovered_s
+    ax.set_title(f"straggler diagnosis: {verdict}; against the equal split "
+                 f"{'recovered' if rec >= 0 else 'lost'} {abs(rec):.2f} s "
+                 f"(estimated {diag.equal_split_s:.2f} s, measured {diag.measured_s:.2f} s)", fontsize=10)
+    ax.set(xlabel="ms per step (mean over the run)", ylabel="rank, mean batch", xlim=(0, 1.3 * max(left.max(), 1e-3)))
+    ax.legend(fontsize=8, loc="center right")
 
 
 def summary_table(run: RunData) -> pd.DataFrame:

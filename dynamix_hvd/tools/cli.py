@@ -129,6 +129,7 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 # --- runs --------------------------------------------------------------------------------------------
 def cmd_summarize(args: argparse.Namespace) -> int:
+    from ..runs.diagnosis import diagnose, format_diagnosis
     from ..runs.report import header_text, summary_table
     from ..runs.rundir import read_run
 
@@ -142,6 +143,8 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
     with pd.option_context("display.width", 200, "display.max_columns", 20, "display.float_format", "{:.4f}".format):
         print(summary_table(run).to_string(index=False))
+    print()
+    print(format_diagnosis(diagnose(run.steps)))
     return 0
 
 
@@ -231,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     p.set_defaults(func=cmd_policy)
 
-    p = sub.add_parser("summarize", help="table of a finished run, one row per epoch")
+    p = sub.add_parser("summarize", help="table of a finished run, one row per epoch, and its straggler diagnosis")
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
     p.set_defaults(func=cmd_summarize)
 
