@@ -5,7 +5,8 @@ Run: ``python -m bench.bench_sqnorm_gpu [--gib 1.0] [--tensors 160] [--dtypes fl
 GiB of bytes) as views of one flat buffer and times, with CUDA events (``--inner`` back-to-back
 calls between two events, so launch gaps hide behind the GPU queue; median of ``--reps`` after
 warm-up): the raw segment kernel, :func:`segment_sq_norms`, the prepared :class:`SegmentSqNorms`,
-the vectorised variant :class:`VecSegmentSqNorms`, :func:`multi_tensor_sq_norms` on the views,
+and from ``bench/sqnorm_candidates.py`` the vectorised variant :class:`VecSegmentSqNorms` and
+:func:`multi_tensor_sq_norms` on the views,
 ``torch._foreach_norm`` over the views and ``torch.linalg.vector_norm`` of the flat buffer (the read
 ceiling). Prints TB/s of bytes read and the relative error of the total and of the worst segment
 against float64. If no numba kernel reaches ``--goal`` TB/s (or ``--sweep always``), it sweeps
@@ -24,6 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from bench import sqnorm_candidates as cand
 
 Shape = Tuple[int, ...]
 
@@ -105,12 +107,12 @@ def candidates(flat: torch.Tensor, views: List[torch.Tensor], offsets: torch.Ten
                sqnorm) -> Dict[str, Callable[[], torch.Tensor]]:
     cands: Dict[str, Callable[[], torch.Tensor]] = {}
     if sqnorm.backend_for(flat) == "numba-cuda":
-        cands.update(kernel_variants(flat, offsets, sqnorm, [(8, 256)], vec=flat.dtype in sqnorm.VEC_KINDS))
+        cands.update(kernel_variants(flat, offsets, sqnorm, [(8, 256)], vec=flat.dtype in cand.VEC_KINDS))
     else:
         print("numba-cuda unusable here (see the debug log); timing torch only")
     cands["segment_sq_norms"] = lambda: sqnorm.segment_sq_norms(flat, offsets)
     cands["SegmentSqNorms (prepared)"] = sqnorm.SegmentSqNorms(flat, offsets)
-    cands["multi_tensor_sq_norms"] = lambda: sqnorm.multi_tensor_sq_norms(views)
+    cands["multi_tensor_sq_norms"] = lambda: cand.multi_tensor_sq_norms(views)
     cands["torch._foreach_norm"] = lambda: torch.stack(
         torch._foreach_norm(views, 2, dtype=torch.float32)).double().square()
     cands["vector_norm (flat)"] = lambda: torch.linalg.vector_norm(
@@ -142,7 +144,7 @@ def kernel_variants(flat: torch.Tensor, offsets: torch.Tensor, sqnorm, configs: 
 
         cands[f"numba kernel {per_sm}/SM x{threads}"] = raw
         if vec:
-            prepared = sqnorm.VecSegmentSqNorms(flat, offsets, blocks_per_sm=per_sm, threads=threads)
+            prepared = cand.VecSegmentSqNorms(flat, offsets, blocks_per_sm=per_sm, threads=threads)
             cands[f"numba vec kernel {per_sm}/SM x{threads}"] = prepared
     return cands
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _compat
 from .control.controller import ControllerConfig, DynamixController
 from .data.loader import AdaptiveLoader
 from .data.metrics import StepRecord, StepTracker
@@ -37,8 +36,6 @@ __version__ = "0.2.0"
 __all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig",
            "PlannedStep", "ProgressScheduler", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
-
-_compat.install()  # old flat import paths (dynamix_hvd.controller, ...) for one release
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ from launching import REPO, job_env
 CUDASIM_VEC = """
 import numpy as np, torch
 from numba import cuda
-from dynamix_hvd.stats import sqnorm as sq
+from bench import sqnorm_candidates as sq
 rng = np.random.default_rng(5)
 worst = 0.0
 for extra in range(4):  # totals of every residue mod 4, so words split at segment and buffer ends
@@ -45,7 +45,7 @@ print("worst", worst)
 PTX_VEC = """
 import re, numba
 from numba import cuda
-from dynamix_hvd.stats import sqnorm as sq
+from bench import sqnorm_candidates as sq
 for kind, xt, wt in (("f32x2", numba.float32, numba.complex64), ("bf16x4", numba.int16, numba.int64)):
     sig = (xt[::1], wt[::1], numba.int64[::1], numba.float64[::1], numba.int64)
     ptx, _ = cuda.compile_ptx(sq.cuda_segment_kernel_vec(kind).py_func, sig, cc=(9, 0))

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from bench import sqnorm_candidates
+from bench.sqnorm_candidates import multi_tensor_sq_norms
 from dynamix_hvd.stats import sqnorm
-from dynamix_hvd.stats.sqnorm import backend_for, multi_tensor_sq_norms, segment_sq_norms
+from dynamix_hvd.stats.sqnorm import backend_for, segment_sq_norms
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -154,7 +156,7 @@ def test_multi_tensor_mixed_inputs(monkeypatch):
     ts = [torch.randn(30, 40).t(), torch.randn(0), torch.randn(7, dtype=torch.float64),
           torch.randn(5, 3).to(torch.bfloat16), torch.randn(2, 2), torch.randn(9).to(torch.float16)]
     expect = np.array([float((t.double() ** 2).sum()) for t in ts])
-    monkeypatch.setattr(sqnorm, "MAX_STAGE_BYTES", 64)  # forces several staging buffers
+    monkeypatch.setattr(sqnorm_candidates, "MAX_STAGE_BYTES", 64)  # forces several staging buffers
     got = multi_tensor_sq_norms(ts)
     assert np.allclose(got.numpy(), expect, rtol=1e-12, atol=0)
     assert multi_tensor_sq_norms([]).numel() == 0
@@ -165,12 +167,12 @@ def test_multi_tensor_mixed_inputs(monkeypatch):
 def test_multi_tensor_views_of_one_buffer_are_zero_copy():
     buf = torch.randn(1000)
     views = [buf[0:10].view(2, 5), buf[10:300], buf[320:1000]]  # gap 300..320 is skipped
-    flat, bounds, which = sqnorm._flat_view(views)
+    flat, bounds, which = sqnorm_candidates._flat_view(views)
     assert flat.data_ptr() == buf.data_ptr() and bounds.tolist() == [0, 10, 300, 320, 1000]
     assert which.tolist() == [0, 1, 3]
     expect = [float((v.double() ** 2).sum()) for v in views]
     assert np.allclose(multi_tensor_sq_norms(views).numpy(), expect, rtol=1e-12)
-    assert sqnorm._flat_view([buf[5:10], buf[0:5]]) is None  # not ascending: staged instead
+    assert sqnorm_candidates._flat_view([buf[5:10], buf[0:5]]) is None  # not ascending: staged instead
     assert np.allclose(multi_tensor_sq_norms([buf[5:10], buf[0:5]]).numpy(),
                        [float((buf[5:10].double() ** 2).sum()), float((buf[0:5].double() ** 2).sum())])
 
@@ -187,7 +189,8 @@ def test_cpu_use_never_imports_numba_cuda_and_env_forces_torch():
         import importlib, os, sys, torch, dynamix_hvd, dynamix_hvd.stats.sqnorm as s
         s.segment_sq_norms(torch.ones(4), torch.tensor([0, 4]))
         s.SegmentSqNorms(torch.ones(4), torch.tensor([0, 4]))()
-        s.multi_tensor_sq_norms([torch.ones(3), torch.ones(2).t()])
+        from bench.sqnorm_candidates import multi_tensor_sq_norms
+        multi_tensor_sq_norms([torch.ones(3), torch.ones(2).t()])
         assert "numba.cuda" not in sys.modules, "numba.cuda imported"
         os.environ["DYNAMIX_SQNORM_BACKEND"] = "torch"
         importlib.reload(s)
@@ -199,7 +202,7 @@ def test_cpu_use_never_imports_numba_cuda_and_env_forces_torch():
 CUDASIM_CODE = """
     import numpy as np, torch
     from numba import cuda
-    from dynamix_hvd import sqnorm as sq
+    from dynamix_hvd.stats import sqnorm as sq
     rng = np.random.default_rng(3)
     sizes = rng.integers(0, 120, 20); sizes[[0, 6, 7, -1]] = 0; sizes[3] = 500
     off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -240,7 +243,7 @@ def test_cuda_kernel_compiles_to_ptx():
     res = run_python("""
         import numba
         from numba import cuda
-        from dynamix_hvd import sqnorm as sq
+        from dynamix_hvd.stats import sqnorm as sq
         for lut, xt in ((False, numba.float32), (False, numba.float64), (True, numba.int16)):
             sig = (xt[::1], numba.float32[::1], numba.int64[::1], numba.float64[::1], numba.int64)
             ptx, _ = cuda.compile_ptx(sq.cuda_segment_kernel(lut).py_func, sig, cc=(9, 0))

@@ -5,15 +5,3 @@ unbiased importance draws are in `importance`, the compiled greedy search in `fa
 Only `distributed` talks to other ranks (through `comm`); gradients are written through `dynamix_hvd.optim.grads` (the
 optimizer plane is the only writer of ``p.grad``).
 """
-import importlib
-from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    # `dynamix_hvd.dba` was one module before 0.2; its names resolve from `selection` for one release.
-    if name.startswith("__"):
-        raise AttributeError(name)
-    try:
-        return getattr(importlib.import_module(f"{__name__}.selection"), name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -42,7 +42,6 @@ from ..comm import RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, Collective, librar
 from ..data.metrics import StepRecord
 from ..logs import get_logger
 from ..tools.progress import Progress
-from .rundir import RunData, read_run  # noqa: F401  (read_run was defined here before 0.2)
 
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
