@@ -17,13 +17,17 @@ run did at that point.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from .metrics import StepTracker
-from .plan import LastStep, PlannedStep, epoch_permutation, plan_steps, validate_batch_sizes
+from .plan import (LastStep, PlannedStep, epoch_permutation, plan_steps, plan_token_steps, sortish_order,
+                   token_cumsum, validate_batch_sizes, validate_lengths, with_tokens)
+
+Budget = Literal["samples", "tokens"]
+DEFAULT_SORT_WINDOW = 1024
 
 
 class AdaptiveLoader:
@@ -36,13 +40,34 @@ class AdaptiveLoader:
         seed: shuffling seed, the same on every rank.
         shuffle: reshuffle every epoch (deterministically from seed and epoch).
         last_step: end-of-epoch policy, see `dynamix_hvd.data.plan` ("partial" keeps every sample).
+        lengths: per-sample token counts (the tokens the loss counts), for variable-length data. Then
+            every step knows every rank's token count (``current_step.tokens``) without a collective,
+            which the optimizer's token-weighted mean uses.
+        budget: what `batch_sizes` count: "samples" (default) or "tokens" (needs `lengths`): each rank's
+            step then takes the next samples while their tokens stay within its budget (at least one
+            sample), so a slow rank can be given fewer tokens; the controller and the step records
+            then count tokens too.
+        sort_window: bucket by length: sort each window of this many samples of the epoch's
+            permutation by length (0: no sorting; default 1024 with ``budget="tokens"``, else 0), so a
+            step's samples have similar lengths and little padding.
         loader_kwargs: passed to ``DataLoader`` (num_workers, collate_fn, pin_memory, ...).
     """
 
     def __init__(self, dataset: Dataset, batch_sizes: Sequence[int], rank: int, *, seed: int = 0,
                  shuffle: bool = True, last_step: LastStep = "partial",
-                 device: torch.device | None = None, **loader_kwargs: Any) -> None:
+                 device: torch.device | None = None, lengths: Sequence[int] | None = None,
+                 budget: Budget = "samples", sort_window: int | None = None, **loader_kwargs: Any) -> None:
         sizes = validate_batch_sizes(batch_sizes)
+        if budget not in ("samples", "tokens"):
+            raise ValueError(f"AdaptiveLoader budget={budget!r}; choose 'samples' or 'tokens'")
+        if budget == "tokens" and lengths is None:
+            raise ValueError("AdaptiveLoader budget='tokens' needs lengths= (each sample's token count)")
+        if sort_window is None:
+            sort_window = DEFAULT_SORT_WINDOW if budget == "tokens" else 0
+        if isinstance(sort_window, bool) or not isinstance(sort_window, int) or sort_window < 0:
+            raise ValueError(f"AdaptiveLoader sort_window={sort_window!r}; it must be an integer >= 0")
+        if sort_window > 1 and lengths is None:
+            raise ValueError(f"AdaptiveLoader sort_window={sort_window} sorts by length and needs lengths=")
         if not 0 <= rank < len(sizes):
             raise ValueError(f"rank {rank} outside a world of {len(sizes)} ranks (batch_sizes={list(sizes)})")
         for bad in ("batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"):
@@ -58,6 +83,10 @@ class AdaptiveLoader:
         if self.num_samples < len(sizes):
             raise ValueError(f"dataset has {self.num_samples} samples for {len(sizes)} ranks; "
                              "every rank needs at least one sample per epoch")
+        self.lengths = None if lengths is None else validate_lengths(lengths, self.num_samples)
+        self.budget: Budget = budget
+        self.sort_window = sort_window
+        self._order: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # (epoch, order, token cumsum)
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -78,7 +107,7 @@ class AdaptiveLoader:
         # Called on every rank at the same points: after each step's batch was used (when the next
         # one is asked for) and at the end of the epoch. A callback may call set_batch_sizes().
         self.step_end_callbacks: list[Callable[["AdaptiveLoader", bool], None]] = []
-        plan_steps(self.num_samples, 0, sizes, last_step)  # validate the policy and sizes up front
+        self.remaining_steps()  # validate the policy and sizes up front
 
     # --- configuration ----------------------------------------------------------------------------
     @property
@@ -136,12 +165,44 @@ class AdaptiveLoader:
 
     @property
     def global_batch_size(self) -> int:
-        """Nominal global batch B = sum of the per-rank sizes (what LR rules should see)."""
+        """Nominal global batch B = sum of the per-rank sizes (what LR rules should see), in the
+        loader's unit (samples, or tokens with ``budget="tokens"``)."""
         return sum(self._sizes)
 
+    @property
+    def epoch_size(self) -> int:
+        """One epoch in the loader's unit: samples, or tokens with ``budget="tokens"``."""
+        if self.budget == "tokens":
+            assert self.lengths is not None
+            return int(self.lengths.sum())
+        return self.num_samples
+
+    def units(self, step: PlannedStep) -> tuple[int, ...]:
+        """Every rank's share of `step` in the loader's unit (what `batch_sizes` count)."""
+        if self.budget == "tokens":
+            assert step.tokens is not None
+            return step.tokens
+        return step.counts
+
     # --- iteration -----------------------------------------------------------------------------------
+    def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The epoch's sample order and, with lengths, its cumulative token counts (cached per epoch)."""
+        if self._order is None or self._order[0] != self.epoch:
+            order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
+            cum = None
+            if self.lengths is not None:
+                order = sortish_order(order, self.lengths, self.sort_window, self.seed, self.epoch)
+                cum = token_cumsum(self.lengths[order])
+            self._order = (self.epoch, order, cum)
+        return self._order[1], self._order[2]
+
     def remaining_steps(self) -> list[PlannedStep]:
-        return plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
+        _, cum = self._epoch_order()
+        if self.budget == "tokens":
+            assert cum is not None
+            return plan_token_steps(cum, self._cursor, self._sizes, self.last_step)
+        steps = plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
+        return steps if cum is None else with_tokens(steps, cum)
 
     def __len__(self) -> int:
         """Steps of the current epoch under the current sizes: those handed out plus those left.
@@ -170,7 +231,7 @@ class AdaptiveLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._finish_step()
-        order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
+        order, _ = self._epoch_order()
         epoch_end = False
         while not epoch_end:
             steps = self.remaining_steps()
@@ -186,8 +247,9 @@ class AdaptiveLoader:
                 self._current = planned
                 self._cursor = planned.end
                 self._step += 1
-                self.tracker.batch_ready(self.epoch, self._step - 1, planned.counts[self.rank],
-                                         planned.global_count)
+                units = self.units(planned)
+                self.tracker.batch_ready(self.epoch, self._step - 1, units[self.rank], sum(units),
+                                         planned.tokens)
                 self._ends_started = 0
                 yield batch
                 epoch_end = planned is steps[-1] and self._cursor == planned.end  # not rewound
@@ -203,7 +265,7 @@ class AdaptiveLoader:
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "cursor": self._cursor, "step": self._step,
                 "batch_sizes": list(self._sizes), "seed": self.seed, "num_samples": self.num_samples,
-                "step_ends_started": self._ends_started}
+                "step_ends_started": self._ends_started, "budget": self.budget}
 
     def load_state_dict(self, state: dict[str, Any], batch_sizes: Sequence[int] | None = None,
                         rank: int | None = None) -> None:
@@ -215,8 +277,12 @@ class AdaptiveLoader:
         if state["num_samples"] != self.num_samples:
             raise ValueError(f"checkpoint was taken on {state['num_samples']} samples, this dataset has "
                              f"{self.num_samples}")
+        if state.get("budget", "samples") != self.budget:
+            raise ValueError(f"checkpoint's batch sizes count {state.get('budget', 'samples')}, this loader's "
+                             f"count {self.budget} (budget=)")
         self.seed = state["seed"]
         self.epoch = state["epoch"]
+        self._order = None
         self._cursor = state["cursor"]
         self._step = state["step"]
         if batch_sizes is not None:

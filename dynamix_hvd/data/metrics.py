@@ -26,9 +26,10 @@ class StepRecord:
     step: int
     rank: int
     local_batch: int
-    """Samples this rank processed in the step (b_i; with accumulation, over all its micro-batches)."""
+    """Samples this rank processed in the step (b_i; with accumulation, over all its micro-batches);
+    tokens when the loader plans by token budgets."""
     global_batch: int
-    """Samples all ranks processed in the step (B = sum of b_i); the update is their exact mean."""
+    """Samples (or tokens) all ranks processed in the step (B = sum of b_i)."""
     data_wait_s: float
     """Time the training loop waited for the batch (loading, collation, transfer)."""
     compute_s: float = float("nan")
@@ -57,6 +58,10 @@ class StepRecord:
     """Squared norm of this rank's local mean gradient (before allreduce)."""
     global_grad_sq: float = float("nan")
     """Squared norm of the global mean gradient (after allreduce)."""
+    local_tokens: int = 0
+    """Tokens this rank's samples hold (with per-sample lengths, or as given to the optimizer); 0: unknown."""
+    global_tokens: int = 0
+    """Tokens of all ranks' samples in the step; 0: unknown."""
     micro_batches: int = 1
     """Loader steps (micro-batches) accumulated into this optimizer step; the times above cover all of
     them (data wait and compute summed, the allreduce after the last)."""
@@ -95,7 +100,8 @@ class StepTracker:
     def batch_requested(self) -> None:
         self._t_request = time.perf_counter()
 
-    def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int) -> None:
+    def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int,
+                    tokens: tuple[int, ...] | None = None) -> None:
         self._t_batch = time.perf_counter()
         first = not self._group  # the first micro-batch of an optimizer step (every batch without accumulation)
         self._group.append((self._t_request, self._t_batch))  # a new list per step only at step_finished
@@ -110,6 +116,8 @@ class StepTracker:
                 self._events[0].record()
         self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
                                 global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
+        if tokens is not None:
+            self._open.local_tokens, self._open.global_tokens = tokens[self.rank], sum(tokens)
 
     # --- called by the optimizer ----------------------------------------------------------------
     def step_started(self) -> None:

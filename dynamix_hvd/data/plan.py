@@ -19,6 +19,8 @@ The end of an epoch (`last_step`):
 """
 from __future__ import annotations
 
+import bisect
+import math
 import operator
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -74,10 +76,12 @@ def split_proportional(total: int, weights: Sequence[int], min_each: int = 1) ->
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """One synchronous step: samples order[start:start+sum(counts)], rank i gets counts[i] of them."""
+    """One synchronous step: samples order[start:start+sum(counts)], rank i gets counts[i] of them
+    (and, where per-sample lengths are known, tokens[i] tokens)."""
 
     start: int
     counts: tuple[int, ...]
+    tokens: tuple[int, ...] | None = None
 
     @property
     def global_count(self) -> int:
@@ -127,3 +131,128 @@ def plan_steps(num_samples: int, cursor: int, batch_sizes: Sequence[int],
         raise ValueError(f"only {rest} samples left for {world} ranks; each rank needs at least one "
                          "(use a dataset with at least as many samples as ranks)")
     return steps
+
+
+# --- variable-length samples: token counts and token budgets ------------------------------------------
+#
+# With per-sample lengths (valid tokens), a step can also be planned by a token budget per rank: rank i
+# takes the next samples of the permutation while their tokens stay within its budget (at least one
+# sample, so a sample longer than the budget goes alone). Every rank computes the same plan from the
+# same lengths, so every rank knows every rank's token count of every step without a collective.
+# The epoch's last step splits what is left in proportion to the budgets, by tokens (at least one
+# sample per rank; fewer samples than ranks are folded into the previous step), or is dropped.
+
+
+def validate_lengths(lengths: Sequence[int], num_samples: int) -> torch.Tensor:
+    """Per-sample token counts as an int64 tensor, or ValueError naming the offending value."""
+    try:
+        out = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"lengths must be a sequence of integers, one per sample ({exc})") from None
+    if out.dim() != 1 or len(out) != num_samples:
+        raise ValueError(f"lengths has shape {tuple(out.shape)}; give one token count per sample "
+                         f"({num_samples} samples)")
+    if out.is_floating_point() or out.is_complex() or out.dtype == torch.bool:
+        raise ValueError(f"lengths has dtype {out.dtype}; token counts must be integers")
+    if num_samples and int(out.min()) < 1:
+        i = int(torch.argmin(out))
+        raise ValueError(f"sample {i} has length {int(out[i])}; every sample needs at least one token")
+    return out.to(torch.int64)
+
+
+def sortish_order(order: torch.Tensor, lengths: torch.Tensor, window: int, seed: int, epoch: int) -> torch.Tensor:
+    """Bucket by length: cut the epoch's permutation into windows of `window` samples and sort each by
+    length, ascending or descending at random per window, so consecutive samples (one step's batch)
+    have similar lengths while the epoch stays a shuffle at the scale of windows. Same on every rank."""
+    if window <= 1:
+        return order
+    gen = torch.Generator()
+    gen.manual_seed((int(seed) * 999_983 + int(epoch) * 104_729 + 0xB0C) % (2**63))
+    flips = torch.rand(math.ceil(len(order) / window), generator=gen) < 0.5
+    parts = []
+    for k, lo in enumerate(range(0, len(order), window)):
+        chunk = order[lo:lo + window]
+        key = lengths[chunk]
+        # stable sort on (length, position) so ties keep the permutation's order on every platform
+        idx = torch.sort(key, stable=True, descending=bool(flips[k])).indices
+        parts.append(chunk[idx])
+    return torch.cat(parts) if parts else order
+
+
+def token_cumsum(lengths_in_order: torch.Tensor) -> torch.Tensor:
+    """c[k] = tokens of the first k samples of the epoch's order (c[0] = 0)."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths_in_order, 0)])
+
+
+def with_tokens(steps: Sequence[PlannedStep], cum: torch.Tensor) -> list[PlannedStep]:
+    """`steps` (planned by sample counts) with each rank's token count, from the epoch order's
+    cumulative lengths `cum`."""
+    c = cum.tolist()
+    return [PlannedStep(s.start, s.counts, _tokens(c, s.start, s.counts)) for s in steps]
+
+
+def _split_by_tokens(c: list[int], lo: int, hi: int, budgets: Sequence[int]) -> tuple[int, ...]:
+    """Samples [lo, hi) as contiguous blocks whose tokens are in proportion to `budgets`, >= 1 each."""
+    world, share = len(budgets), sum(budgets)
+    total = c[hi] - c[lo]
+    cuts, acc = [lo], 0
+    for k in range(1, world):
+        acc += budgets[k - 1]
+        cut = bisect.bisect_left(c, c[lo] + total * acc / share, lo, hi)
+        cuts.append(min(max(cut, cuts[-1] + 1), hi - (world - k)))
+    cuts.append(hi)
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
+
+
+def plan_token_steps(cum: torch.Tensor, cursor: int, budgets: Sequence[int],
+                     last_step: LastStep = "partial") -> list[PlannedStep]:
+    """Plan the rest of an epoch from position `cursor` with per-rank token budgets; `cum` is
+    `token_cumsum` of the epoch's order. Steps carry each rank's token count in ``tokens``."""
+    budgets = validate_batch_sizes(budgets)
+    world = len(budgets)
+    num_samples = len(cum) - 1
+    if not 0 <= cursor <= num_samples:
+        raise ValueError(f"cursor {cursor} outside the epoch [0, {num_samples}]")
+    if last_step not in ("partial", "drop"):
+        raise ValueError(f"last_step={last_step!r}; choose 'partial' or 'drop'")
+    # Greedy fill with one searchsorted per rank and step, on the host.
+    c = cum.tolist()
+    steps: list[PlannedStep] = []
+    pos, need = cursor, sum(budgets)
+    while pos < num_samples:
+        counts, p = [], pos
+        if c[num_samples] - c[pos] >= need:
+            for b in budgets:
+                if p >= num_samples:
+                    break
+                end = bisect.bisect_right(c, c[p] + b, lo=p + 1) - 1  # largest end with c[end] <= c[p] + b
+                end = min(max(end, p + 1), num_samples)
+                counts.append(end - p)
+                p = end
+        if len(counts) == world:  # a full step
+            steps.append(PlannedStep(pos, tuple(counts), _tokens(c, pos, counts)))
+            pos = p
+            continue
+        rest = num_samples - pos  # the epoch's last, partial step
+        if last_step == "drop":
+            break
+        if rest >= world:
+            counts_t = _split_by_tokens(c, pos, num_samples, budgets)
+            steps.append(PlannedStep(pos, counts_t, _tokens(c, pos, counts_t)))
+        elif steps:
+            last = steps.pop()
+            counts_t = _split_by_tokens(c, last.start, num_samples, budgets)
+            steps.append(PlannedStep(last.start, counts_t, _tokens(c, last.start, counts_t)))
+        else:
+            raise ValueError(f"only {rest} samples left for {world} ranks; each rank needs at least one "
+                             "(use a dataset with at least as many samples as ranks)")
+        break
+    return steps
+
+
+def _tokens(c: list[int], start: int, counts: Sequence[int]) -> tuple[int, ...]:
+    out, lo = [], start
+    for b in counts:
+        out.append(c[lo + b] - c[lo])
+        lo += b
+    return tuple(out)

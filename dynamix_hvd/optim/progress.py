@@ -53,7 +53,7 @@ def _budget(name: str, value: Any) -> float:
 
 class ProgressAccounting:
     """The weighted optimizer's progress surface (a mixin: it reads ``lr_coupling``, the LR coupling
-    that sums the applied factors, ``base_batch_size`` and ``loader.num_samples``)."""
+    that sums the applied factors, ``base_batch_size`` and ``loader.epoch_size``)."""
 
     lr_coupling: LRCoupling
     base_batch_size: int
@@ -66,8 +66,9 @@ class ProgressAccounting:
 
     @property
     def scale_invariant_epochs(self) -> float:
-        """Progress in epochs at the base batch: tau x base_batch_size / samples per epoch."""
-        return self.lr_coupling.scale_invariant_steps * self.base_batch_size / self.loader.num_samples
+        """Progress in epochs at the base batch: tau x base_batch_size / epoch size (samples, or tokens
+        when the loader plans by token budgets)."""
+        return self.lr_coupling.scale_invariant_steps * self.base_batch_size / self.loader.epoch_size
 
     def progress_done(self, total_base_steps: float | None = None, *, epochs: float | None = None) -> bool:
         """True once the budget is reached: `total_base_steps` base iterations (AdaScale's T), or

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 import horovod.torch as hvd
@@ -113,6 +114,12 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         loader: the `AdaptiveLoader` feeding this rank; it tells each step's per-rank sample counts.
         loss_reduction: "mean" if the loss is the mean over the local batch (PyTorch's default),
             "sum" if it is the sum.
+        loss_unit: what the loss averages (or sums) over: "samples", or "tokens" for a per-token loss
+            on variable-length data (padding masked out): the update is then the exact mean over all
+            valid tokens of all ranks' batches. The token counts come from the loader's ``lengths=``
+            (no collective), or, without lengths, from ``set_local_tokens(n)`` called before each
+            ``backward()`` (one small allreduce per step). Default: "tokens" when the loader plans by
+            token budgets, else "samples".
         max_grad_norm: clip the synchronised gradient to this norm (identical on every rank).
         lr_rule: couple the learning rate to the global batch (`dynamix_hvd.optim.lr_scaling`):
             "adascale" (default; the controller's gain, 1 without a controller), "linear" (SGD while B
@@ -149,13 +156,21 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
-                 loss_reduction: Literal["mean", "sum"] = "mean", max_grad_norm: float | None = None,
+                 loss_reduction: Literal["mean", "sum"] = "mean", loss_unit: str | None = None,
+                 max_grad_norm: float | None = None,
                  lr_rule: str = "adascale", lr_warmup_steps: int | None = None,
                  base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
                  backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
+        if loss_unit is None:
+            loss_unit = "tokens" if loader.budget == "tokens" else "samples"
+        if loss_unit not in ("samples", "tokens"):
+            raise ValueError(f"loss_unit={loss_unit!r}; choose 'samples' or 'tokens'")
+        if loss_unit == "samples" and loader.budget == "tokens":
+            raise ValueError("loss_unit='samples' with a loader that plans by token budgets: the loss must "
+                             "be the mean over valid tokens (loss_unit='tokens')")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r}; it must be a positive number or None")
         if lr_rule not in LR_RULES:
@@ -176,6 +191,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 setattr(self, key, value)
         self.loader = loader
         self.loss_reduction = loss_reduction
+        self.loss_unit = loss_unit
+        # loss_unit="tokens" without lengths: the counts given by set_local_tokens() and their global sums
+        self._tokens_given: tuple[int, Any] | None = None  # (local count, allreduce handle) for the next micro-batch
+        self._token_seq = 0
         self.max_grad_norm = max_grad_norm
         self.lr_rule = lr_rule
         self.backward_passes_per_step = backward_passes_per_step
@@ -197,6 +216,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._layer_steps = 0
         self.sqnorm_backend = self.flat.backend
         self._micro: list[Any] = []   # the loader steps (micro-batches) accumulated since the last step
+        self._micro_n: list[tuple[int, Any]] = []  # per micro-batch: (local count, global count or its handle)
         self._group_t0 = 0.0
         # Where Horovod's compress() finds a gradient: the data pointer of its flat view (a view of
         # no elements shares its pointer with a neighbour, so those are left out: nothing to weigh).
@@ -265,14 +285,73 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if not self._micro:
             self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
         self._micro.append(step)
-        local = step.counts[self.loader.rank]
+        local, global_ = self._counts(step)
+        self._micro_n.append((local, global_))
         mean = self.loss_reduction == "mean"
-        if self.backward_passes_per_step == 1:
-            scale, unit = (local if mean else 1.0) / step.global_count, (1.0 if mean else 1.0 / local**2)
-        else:
-            scale, unit = (float(local) if mean else 1.0), 1.0
+        unit = 1.0 if mean else 1.0 / max(local, 1) ** 2
+        if self.backward_passes_per_step == 1 and not isinstance(global_, _PendingCount):
+            scale = (local if mean else 1.0) / global_
+        else:  # sums now, divided by the global count in synchronize()
+            scale = float(local) if mean else 1.0
+            if self.backward_passes_per_step > 1:
+                unit = 1.0  # the hooks measure the accumulated sum: synchronize() divides by local_n**2
         self._step_scale = (step, scale, unit)
         return self._step_scale
+
+    def _counts(self, step: Any) -> tuple[int, Any]:
+        """What this rank's loss of `step` averages over, and the same for all ranks (an int, or the
+        handle of the allreduce that sums the counts given to set_local_tokens())."""
+        rank = self.loader.rank
+        if self.loss_unit == "samples":
+            return step.counts[rank], step.global_count
+        if step.tokens is not None:
+            return step.tokens[rank], sum(step.tokens)
+        given, self._tokens_given = self._tokens_given, None
+        if given is None:
+            raise RuntimeError("loss_unit='tokens' without the loader's lengths=: call "
+                               "optimizer.set_local_tokens(n) with this rank's valid-token count before "
+                               "each backward()")
+        return given
+
+    def set_local_tokens(self, tokens: int) -> None:
+        """This rank's valid-token count in the batch about to go through ``backward()`` (the tokens
+        its loss averages over), for ``loss_unit="tokens"`` when the loader has no ``lengths=``.
+        Starts one small allreduce of the global count; the update divides by it. Call it on every
+        rank for every micro-batch (the same number of times everywhere)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.item()
+        if isinstance(tokens, bool) or not float(tokens).is_integer() or tokens < 0:
+            raise ValueError(f"set_local_tokens({tokens!r}); give a whole number of tokens >= 0")
+        if self.loss_unit != "tokens":
+            raise RuntimeError(f"set_local_tokens() needs loss_unit='tokens' (it is {self.loss_unit!r})")
+        if self.loader.lengths is not None:
+            raise RuntimeError("the loader knows every sample's length (lengths=): the token counts come "
+                               "from its plan, do not call set_local_tokens()")
+        if self._tokens_given is not None:
+            raise RuntimeError("set_local_tokens() called twice before backward()")
+        count = torch.tensor([float(tokens)], dtype=torch.float64)
+        handle = hvd.allreduce_async(count, name=f"dx.tokens.{self._token_seq}", op=hvd.Sum)
+        self._token_seq += 1
+        self._tokens_given = (int(tokens), _PendingCount(handle))
+
+    def _planned_group(self) -> tuple[int, int]:
+        """(local, global) size of the micro-batches since the last step, in the loader's unit."""
+        units = [self.loader.units(s) for s in self._micro]
+        return sum(u[self.loader.rank] for u in units), sum(sum(u) for u in units)
+
+    def _global_known(self) -> bool:
+        return not any(isinstance(g, _PendingCount) for _, g in self._micro_n)
+
+    def _group_counts(self) -> tuple[int, int]:
+        """(local, global) counts of the micro-batches since the last step, in the loss's unit."""
+        local = sum(n for n, _ in self._micro_n)
+        global_ = 0
+        for i, (n, g) in enumerate(self._micro_n):
+            if isinstance(g, _PendingCount):
+                g = int(hvd.synchronize(g.handle).item())
+                self._micro_n[i] = (n, g)
+            global_ += g
+        return local, global_
 
     def _unsent(self) -> list[int]:
         """Parameters whose gradient Horovod has not started to allreduce in this step."""
@@ -314,7 +393,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         engine._handles = {}
         engine._synchronized = False
         engine.set_backward_passes_per_step(self.backward_passes_per_step)
-        self._synced, self._micro = None, []
+        self._synced, self._micro, self._micro_n = None, [], []
+        self._tokens_given = None
         self._clear_local()
         self._oom_samples = 0
         _inner(self, "load_state_dict")(self, state_dict)
@@ -347,7 +427,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                                "call step() (or synchronize()) first")
         self.flat.zero()
         self._clear_local()
-        self._micro = []
+        self._micro, self._micro_n = [], []
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Micro-batches per optimizer step from the next step on (same value on every rank)."""
@@ -418,12 +498,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         tracker.synchronized()
         local_n = global_n = 0
         local_sq = self._local_sq()
-        if self.backward_passes_per_step > 1 and self._micro:
-            local_n = sum(s.counts[self.loader.rank] for s in self._micro)
-            global_n = sum(s.global_count for s in self._micro)
+        if self._micro and (self.backward_passes_per_step > 1 or not self._global_known()):
+            local_n, global_n = self._group_counts()
+            if global_n <= 0:
+                raise RuntimeError(f"the step's global count is {global_n} {self.loss_unit}: some rank "
+                                   "must give a batch with at least one valid token")
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / global_n)
-            local_sq = local_sq / local_n**2
+            if self.backward_passes_per_step > 1:
+                local_sq = local_sq / max(local_n, 1) ** 2
         self._synced = {"global_sq": self.flat.sq_norms(), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
 
@@ -499,12 +582,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if self.track_grad_norms:
             extra["local_grad_sq"] = local_total
             extra["global_grad_sq"] = grad_norm**2
-        if synced["global_n"]:
+        if self.backward_passes_per_step > 1 and self._micro:
             step_s = time.perf_counter() - self._group_t0
-            extra.update(local_batch=synced["local_n"], global_batch=synced["global_n"], step_s=step_s,
-                         samples_per_s=synced["local_n"] / step_s if step_s > 0 else float("nan"),
+            local_b, global_b = self._planned_group()
+            extra.update(local_batch=local_b, global_batch=global_b, step_s=step_s,
+                         samples_per_s=local_b / step_s if step_s > 0 else float("nan"),
                          micro_batches=len(self._micro))
-        self._micro = []
+        if self.loss_unit == "tokens" and synced["global_n"]:  # counts given to set_local_tokens()
+            extra.update(local_tokens=synced["local_n"], global_tokens=synced["global_n"])
+        self._micro, self._micro_n = [], []
         self._clear_local()
         tracker.step_finished(**extra)
 
@@ -512,7 +598,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     def _scaled_lr(self) -> Iterator[float]:
         batch = self.loader.global_batch_size * self.backward_passes_per_step
         factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
-                                       math.ceil(self.loader.num_samples / batch))
+                                       math.ceil(self.loader.epoch_size / batch))
         saved = [g["lr"] for g in self.param_groups]
         for g in self.param_groups:
             g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
@@ -536,11 +622,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
         group = {}
         if len(self._micro) > 1:  # the record covers every micro-batch of the skipped step
-            group = {"micro_batches": len(self._micro), "global_batch": sum(s.global_count for s in self._micro),
-                     "local_batch": sum(s.counts[self.loader.rank] for s in self._micro)}
+            local_b, global_b = self._planned_group()
+            group = {"micro_batches": len(self._micro), "global_batch": global_b, "local_batch": local_b}
         self.flat.zero()
         self._clear_local()
-        self._micro = []
+        self._micro, self._micro_n = [], []
         self.last_status = reason
         self.skipped_steps[reason] += 1
         tracker.step_finished(status=reason, grad_norm=grad_norm, **group)
@@ -575,6 +661,13 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+
+@dataclass(frozen=True)
+class _PendingCount:
+    """The handle of the allreduce that sums the ranks' counts given to set_local_tokens()."""
+
+    handle: int
 
 
 class _WeighThenCompress:
