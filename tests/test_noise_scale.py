@@ -164,6 +164,36 @@ def test_bad_input_raises_value_error_naming_it(call, match):
         call()
 
 
+def test_statistical_efficiency_edge_cases_of_every_caller():
+    """E(B) = (phi + B0)/(phi + B), the one implementation: scalars and arrays, B below the base,
+    phi = 0 and inf, and an unknown phi as the estimator ("raise"), the proposal ("no_gain") and the
+    reward ("one") treat it."""
+    b = np.array([8.0, 16.0, 64.0])
+    for unknown in ("raise", "no_gain", "one"):
+        eff = statistical_efficiency(16.0, b, 16, unknown=unknown)
+        assert isinstance(eff, np.ndarray) and eff.shape == (3,)
+        np.testing.assert_allclose(eff, [32 / 24, 1.0, 32 / 80], rtol=1e-15)   # B < B0: above 1, not clipped
+        assert isinstance(statistical_efficiency(16.0, 64, 16, unknown=unknown), float)
+        np.testing.assert_array_equal(statistical_efficiency(math.inf, b, 16, unknown=unknown), 1.0)
+        np.testing.assert_allclose(statistical_efficiency(0.0, b, 16, unknown=unknown), 16 / b)
+        with pytest.raises(ValueError, match="base_batch=0"):
+            statistical_efficiency(16.0, b, 0, unknown=unknown)
+    for phi in (math.nan, -1.0, -math.inf):
+        with pytest.raises(ValueError, match="phi="):
+            statistical_efficiency(phi, b, 16)
+        np.testing.assert_allclose(statistical_efficiency(phi, b, 16, unknown="no_gain"), 16 / b)
+        np.testing.assert_array_equal(statistical_efficiency(phi, b, 16, unknown="one"), 1.0)
+        assert statistical_efficiency(phi, 32, 16, unknown="one") == 1.0
+    bad = np.array([32.0, 0.0, math.nan])
+    with pytest.raises(ValueError, match="batch=0.0"):
+        statistical_efficiency(16.0, bad, 16)
+    np.testing.assert_array_equal(statistical_efficiency(16.0, bad, 16, unknown="one"), [32 / 48, 1.0, 1.0])
+    got = statistical_efficiency(16.0, bad, 16, unknown="no_gain")
+    assert got[0] == 32 / 48 and np.isnan(got[1:]).all()
+    with pytest.raises(ValueError, match="unknown='zero'"):
+        statistical_efficiency(16.0, 32, 16, unknown="zero")
+
+
 def test_adascale_gain_and_efficiency_hand_values():
     assert adascale_gain(100.0, 1.0, 100, 10) == pytest.approx((10 + 1) / (1 + 1))
     assert adascale_gain(100.0, 1.0, 10, 10) == 1.0

@@ -10,7 +10,8 @@ import numpy as np
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds, compose
 from dynamix_hvd.control.costmodel import CostFit, NetworkFit
-from dynamix_hvd.control.reward import RewardConfig, compute_reward, continuous_efficiency, predicted_goodput
+from dynamix_hvd.control.reward import RewardConfig, compute_reward, predicted_goodput
+from dynamix_hvd.stats.noise_scale import statistical_efficiency
 from dynamix_hvd.control.state import (GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, GlobalContext, RankReport,
                                        build_observation)
 
@@ -72,11 +73,12 @@ def test_reward_is_progress_over_the_predicted_static_and_does_not_pay_for_a_big
     # twice the batch on a compute-bound, balanced job: samples/s up by the saved allreduce only, and
     # E(B) < 1 since the noise scale is not infinite; growing B by itself earns nothing
     step2 = 64 * 3e-4 + 0.002
-    eff = continuous_efficiency(64.0, 128, 64)
+    eff = statistical_efficiency(64.0, 128, 64, unknown="one")
     big = [report(r, 64, 64 * 3e-4, 0.0, step_s=step2) for r in range(2)]
     r_big = compute_reward(cfg, big, eff, static, 0.0, [64, 64], [64, 64])
     assert (r_big < 0).all() and torch.equal(r_big, r_big[:1].expand(2)), "one shared value"
-    assert continuous_efficiency(math.nan, 128, 64) == 1.0 and continuous_efficiency(0.0, 128, 64) == 0.5
+    assert statistical_efficiency(math.nan, 128, 64, unknown="one") == 1.0
+    assert statistical_efficiency(0.0, 128, 64, unknown="one") == 0.5
     r_switch = compute_reward(cfg, as_static, 1.0, static, 0.0, [32, 32], [64, 16])
     r_spike = compute_reward(cfg, as_static, 1.0, static, 0.2, [32, 32], [32, 32])
     assert (r_switch < r0).all() and (r_spike < r0).all()

@@ -26,10 +26,9 @@ from .actions import BatchBounds
 from .costmodel import CostModel, record_reports
 from .policy import BatchSizePolicy, DecisionInput
 from .costmodel import CostFit, NetworkFit
-from .reward import (RewardConfig, compute_reward, continuous_efficiency, global_throughput,
-                     predicted_goodput)
+from .reward import RewardConfig, compute_reward, global_throughput, predicted_goodput
 from .state import GlobalContext, RankReport, build_observation
-from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate
+from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate, statistical_efficiency
 
 NOISE_Z = 1.0
 """Width, in standard errors, of the lower confidence bound on the noise scale handed to policies."""
@@ -273,7 +272,9 @@ class DecisionCore:
         ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
                                    progress_fraction(epoch, self.total_epochs), point, lower, fit, passes)
         tput = global_throughput(reports, passes)
-        eff = continuous_efficiency(lower if self.reward_cfg.noise == "lower" else point, B, self.base_batch)
+        # E(B) of the reward, from the continuous estimate: 1 while phi is unknown
+        eff = float(statistical_efficiency(lower if self.reward_cfg.noise == "lower" else point, B, self.base_batch,
+                                           unknown="one"))
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
         if self.initial_sizes is None or len(self.initial_sizes) != len(sizes):

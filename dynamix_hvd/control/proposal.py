@@ -37,6 +37,7 @@ from .growth import GrowthCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
+from ..stats.noise_scale import statistical_efficiency
 
 
 @dataclass
@@ -155,12 +156,6 @@ def _fill(sizes: np.ndarray, target: int, fixed: np.ndarray, per_sample: np.ndar
         sizes[int(np.argmax(now))] -= 1
 
 
-def efficiency(noise: float, batch: np.ndarray, base_batch: float) -> np.ndarray:
-    """Pollux E(B) = (phi + B0) / (phi + B); phi = 0 (nothing known) makes a larger batch worth nothing."""
-    phi = noise if math.isfinite(noise) and noise > 0 else (1e300 if noise == math.inf else 0.0)
-    return (phi + base_batch) / (phi + np.asarray(batch, dtype=np.float64))
-
-
 @dataclass
 class Proposal:
     sizes: list[int]
@@ -239,7 +234,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         # confident: an unidentified rank's time is all per-sample (no guessed fixed cost to amortise)
         step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth).max(1), p))
         total = p * shares.sum(1)
-        return total * efficiency(noise, total, base_batch) / step, step, shares
+        # phi unknown (nothing measured): no gain from a larger batch
+        return total * statistical_efficiency(noise, total, base_batch, unknown="no_gain") / step, step, shares
 
     keep_hi = passes * float(limits[passes][1].sum())
     B_keep = int(round(min(max(B_cur, B_lo), keep_hi, B_hi)))

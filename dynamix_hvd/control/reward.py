@@ -70,13 +70,6 @@ def global_throughput(reports: Sequence[RankReport], passes: int = 1) -> float:
     return passes * sum(r.local_batch for r in reports) / step_s if step_s > 0 else 0.0
 
 
-def continuous_efficiency(noise_point: float, global_batch: float, base_batch: float) -> float:
-    """E(B) = (phi + B0) / (phi + B) with the continuous estimate; 1 while phi is unknown."""
-    if not (math.isfinite(noise_point) and noise_point >= 0) or global_batch <= 0:
-        return 1.0
-    return (noise_point + base_batch) / (noise_point + global_batch)
-
-
 def predicted_goodput(fit: CostFit | None, net: NetworkFit | None, sizes: Sequence[int], passes: int = 1) -> float:
     """B / T_model(sizes) from the fits, `passes` micro-batches of `sizes` per step (0 when there is
     no fit for these ranks)."""

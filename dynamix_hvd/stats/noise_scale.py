@@ -168,17 +168,45 @@ def adascale_gain(trace_sigma: float, grad_sq: float, batch: ArrayLike, base_bat
     return _scalar((tr / b0 + g2) / (tr / bs + g2))
 
 
-def statistical_efficiency(noise: float, batch: ArrayLike, base_batch: float) -> Union[float, np.ndarray]:
-    """Pollux efficiency E(B) = (phi + B0)/(phi + B) with phi = B_noise, vectorised over ``batch``:
-    progress per sample at batch B relative to B0 (1 at B0; ``phi = inf`` gives 1 everywhere)."""
+def statistical_efficiency(noise: float, batch: ArrayLike, base_batch: float, *,
+                           unknown: str = "raise") -> Union[float, np.ndarray]:
+    """Pollux's statistical efficiency E(B) = (phi + B0) / (phi + B), phi the gradient noise scale:
+    progress per sample at global batch B relative to the base batch B0. The one implementation:
+    the estimator (`GradientStatistics.efficiency_at`), the proposal's goodput and the reward use it.
+
+    * ``batch``: a scalar (a float comes back) or an array (an array of its shape comes back).
+    * B = B0 gives 1; B < B0 gives more than 1 (at most (phi + B0) / phi), not clipped: a smaller batch
+      makes more progress per sample; B > B0 falls towards B0 / B as B outgrows phi.
+    * phi = +inf gives 1 everywhere (noise dominates: every sample counts fully); phi = 0 gives B0 / B.
+    * phi unknown (NaN, negative, -inf), by `unknown`: ``"raise"`` (ValueError naming it), ``"no_gain"``
+      (taken as phi = 0: B0 / B, a larger batch makes no more progress per step than B0) or ``"one"``
+      (1 everywhere: no statistic yet, every sample counts fully).
+    * ``base_batch`` must be finite and > 0 (ValueError). Batch entries that are not finite and > 0:
+      ValueError with ``"raise"``, 1 with ``"one"``, NaN with ``"no_gain"``.
+    """
+    if unknown not in ("raise", "no_gain", "one"):
+        raise ValueError(f"unknown={unknown!r}: choose raise, no_gain or one")
     phi = float(np.asarray(noise, dtype=np.float64))
-    if math.isnan(phi) or phi < 0:
-        raise ValueError(f"noise scale phi must be >= 0 (inf allowed), got phi={noise!r}")
-    bs = _positive("batch", batch)
     b0 = float(_positive("base_batch", base_batch))
+    if unknown == "raise":
+        if math.isnan(phi) or phi < 0:
+            raise ValueError(f"noise scale phi must be >= 0 (inf allowed), got phi={noise!r}")
+        bs = _positive("batch", batch)
+    else:
+        bs = np.asarray(batch, dtype=np.float64)
+    valid = np.isfinite(bs) & (bs > 0)
+    if math.isnan(phi) or phi < 0:
+        if unknown == "one":
+            return _scalar(np.ones_like(bs))
+        phi = 0.0
     if math.isinf(phi):
-        return _scalar(np.ones_like(bs))
-    return _scalar((phi + b0) / (phi + bs))
+        out = np.ones_like(bs)
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out = (phi + b0) / (phi + bs)
+    if not valid.all():
+        out = np.where(valid, out, 1.0 if unknown == "one" else math.nan)
+    return _scalar(out)
 
 
 class LossStatistics:
