@@ -55,9 +55,12 @@ class ControllerConfig:
     decision costs several steps: rank 0 measures each decision and the step time and spaces the next
     at least decision time / (budget x step time) steps later, epoch ends included. 0: no limit."""
     min_batch: int = 1
-    """Smallest local batch any rank may get."""
+    """Smallest local batch any rank may get (in the loader's unit: tokens when it plans by token
+    budgets)."""
     max_batch: int = 1024
-    """Largest local batch any rank may get (lowered per rank by what memory allows)."""
+    """Largest local batch any rank may get (lowered per rank by what memory allows). With a loader that
+    plans by token budgets it counts tokens, and left at this default it becomes 1024 x the mean
+    sample length."""
     batchnorm_min_batch: int = 16
     """Smallest local batch a rank may get when the model handed to the controller (``model=``) has
     BatchNorm layers that normalise with each rank's own batch (SyncBatchNorm excepted): a small rank

@@ -62,6 +62,18 @@ def batchnorm_floor(cfg: ControllerConfig, model: torch.nn.Module | None, sizes:
     return cfg if floor <= cfg.min_batch else dataclasses.replace(cfg, min_batch=floor)
 
 
+def token_bounds(cfg: ControllerConfig, loader: AdaptiveLoader) -> ControllerConfig:
+    """`cfg` for a loader that plans by token budgets: the batch bounds count tokens there, and a
+    bound left at its default (given in samples) becomes the default times the mean sample length."""
+    if loader.budget != "tokens":
+        return cfg
+    defaults = ControllerConfig()
+    per_sample = math.ceil(loader.epoch_size / loader.num_samples)
+    changes = {name: getattr(defaults, name) * per_sample for name in ("max_batch", "batchnorm_min_batch")
+               if getattr(cfg, name) == getattr(defaults, name)}
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
 class DynamixController:
     """Attach to a loader and optimizer; decisions then happen by themselves as the loader iterates.
 
@@ -72,7 +84,7 @@ class DynamixController:
 
     def __init__(self, loader: AdaptiveLoader, optimizer: Any, config: ControllerConfig | None = None,
                  device: torch.device | None = None, model: torch.nn.Module | None = None) -> None:
-        self.cfg = batchnorm_floor(config or ControllerConfig(), model, loader.batch_sizes)
+        self.cfg = batchnorm_floor(token_bounds(config or ControllerConfig(), loader), model, loader.batch_sizes)
         self.optimizer = check_optimizer(optimizer)
         self.loader = loader
         self.channel = ControlChannel(self.cfg.timeout_s)
@@ -95,7 +107,8 @@ class DynamixController:
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
-                                 f"{self.cfg.max_batch}]")
+                                 f"{self.cfg.max_batch}] (ControllerConfig min_batch, max_batch; in "
+                                 f"{loader.budget}, as the loader's batch sizes)")
         # Every rank holds a core and a policy, so that any rank can take over as rank 0 after an
         # elastic reset; only rank 0's is consulted.
         self.core = make_core(self.cfg, loader.world_size,
