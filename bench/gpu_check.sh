@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue #16 in ONE device call (docs/gpu.md has the exact call). Results under $OUT:
+# The GPU check in ONE device call (docs/gpu.md has the exact call). Results under $OUT:
 #   gpu_check.log  everything, with a line per step;  results.json  every step's outcome and numbers;
 #   summary.md     the tables;  build_<tag>.log  the end of each Horovod build log.
 # Steps, each under its own time budget, logged and continued after a failure:
@@ -109,38 +109,20 @@ EOF
 }
 export -f env_info
 
-# build_horovod TAG VAR=VALUE...: Horovod 0.28.1 from the carried sdist into $HVD_DIR/hvd_TAG/site.
+# build_horovod TAG VAR=VALUE...: Horovod 0.28.1 from the carried sdist into $HVD_DIR/hvd_TAG/site. The
+# source fixes and the build command are launch/horovod_build.sh's, shared with launch/setup_env.sh.
 build_horovod() {
-  local tag=$1 d=$HVD_DIR/hvd_$1 mpi=HOROVOD_WITHOUT_MPI=1 no_cuda=0 a
+  local tag=$1 d=$HVD_DIR/hvd_$1 no_cuda="" a settings=()
   shift
   if [ -f "$d/ok" ] && [ "${GPU_CHECK_REBUILD:-0}" != 1 ]; then echo "reused the build in $d"; return 0; fi
   rm -rf "$d"
-  for a in "$@"; do [ "$a" = HVD_NO_CUDA=1 ] && no_cuda=1; done
-  mkdir -p "$d" && tar xzf "$ROOT/.whl/horovod-0.28.1.tar.gz" -C "$d" || return 1
-  local src=$d/horovod-0.28.1
-  # nvcc must parse C++17 as well: launch/cxx17 makes its host passes C++17 (as for g++ itself).
-  sed -i 's/set(CMAKE_CUDA_STANDARD 11)/set(CMAKE_CUDA_STANDARD 17)/' "$src/horovod/common/ops/cuda/CMakeLists.txt"
-  grep -q 'CMAKE_CUDA_STANDARD 17' "$src/horovod/common/ops/cuda/CMakeLists.txt" || { echo "CUDA standard patch failed"; return 1; }
-  # Python 3.12 has no distutils (only setuptools' shim, if its .pth is there): ask sysconfig instead.
-  sed -i "s|from distutils.sysconfig import get_python_inc; print(get_python_inc())|import sysconfig; print(sysconfig.get_paths()['include'])|" \
-    "$src/horovod/torch/CMakeLists.txt"
-  grep -q "sysconfig.get_paths()\['include'\]" "$src/horovod/torch/CMakeLists.txt" || { echo "distutils patch failed"; return 1; }
-  # horovodrun imports js_run, which imports distutils.spawn: same thing from shutil.
-  sed -i 's|^from distutils.spawn import find_executable$|from shutil import which as find_executable|' \
-    "$src/horovod/runner/js_run.py"
-  ! grep -rq "^from distutils" "$src/horovod/runner" || { echo "js_run patch failed"; return 1; }
-  if [ "$no_cuda" = 1 ]; then  # fallback: the torch extension without CUDA code
-    sed -i '/elseif (Pytorch_CUDA AND NOT HAVE_CUDA)/{n;s/add_cuda()/# add_cuda() (gpu_check fallback)/}' "$src/horovod/torch/CMakeLists.txt"
-  fi
-  cp "$ROOT/launch/cxx17" "$d/cxx17" && chmod +x "$d/cxx17"
-  command -v mpicc >/dev/null && command -v mpirun >/dev/null && mpi=HOROVOD_MPI_AUTO=1
+  for a in "$@"; do if [ "$a" = HVD_NO_CUDA=1 ]; then no_cuda=--no-cuda; else settings+=("$a"); fi; done
+  local src
+  src=$(bash "$ROOT/launch/horovod_build.sh" prepare "$ROOT/.whl/horovod-0.28.1.tar.gz" "$d" $no_cuda) || return 1
   [ "${GPU_CHECK_DRY:-0}" = 1 ] && { echo "dry run: sources prepared in $src, build skipped"; return 0; }
-  echo "building Horovod ($tag) with -j$J, $mpi $*"
-  env CXX="$d/cxx17" HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-    HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo HOROVOD_BUILD_CUDA_CC_LIST=90 \
-    MAKEFLAGS="-j$J" CMAKE_BUILD_PARALLEL_LEVEL="$J" CMAKE_POLICY_VERSION_MINIMUM=3.5 "$mpi" "$@" \
-    nice -n "${NICE:-0}" "$PY" -m pip --disable-pip-version-check wheel --no-deps --no-build-isolation \
-    --no-cache-dir -w "$d/out" "$src" >"$d/build.log" 2>&1 || { tail -n 40 "$d/build.log"; return 1; }
+  echo "building Horovod ($tag) with -j$J, $*"
+  JOBS=$J PYTHON="$PY" nice -n "${NICE:-0}" bash "$ROOT/launch/horovod_build.sh" wheel "$src" "$d/out" \
+    HOROVOD_BUILD_CUDA_CC_LIST=90 "${settings[@]}" >"$d/build.log" 2>&1 || { tail -n 40 "$d/build.log"; return 1; }
   "$PY" -m pip --disable-pip-version-check install -q --no-index --no-deps --no-compile --target "$d/site" \
     "$d"/out/horovod-*.whl >>"$d/build.log" 2>&1 || { tail -n 20 "$d/build.log"; return 1; }
   PYTHONPATH=$d/site:${PYTHONPATH:-} "$PY" -c "import horovod, horovod.torch as h; print('horovod', horovod.__version__,
@@ -208,20 +190,16 @@ fi
 # NCCL from the pip package: needs nccl.h and libnccl.so (the wheel ships libnccl.so.2 only).
 NCCL_ENV=()
 if [ "$NCCL" = 1 ] && [ "$DRY" != 1 ] && [ "$CUDA_OK" = 1 ]; then
-  nccl_h=$(find $("$PY" -c 'import site; print(" ".join(site.getsitepackages()))') -path '*nvidia*' \
-             -name nccl.h 2>/dev/null | head -n 1)
-  nccl_dir=$([ -n "$nccl_h" ] && dirname "$(dirname "$nccl_h")")
-  if [ -n "$nccl_dir" ] && [ -f "$nccl_dir/include/nccl.h" ] && ls "$nccl_dir"/lib/libnccl.so* >/dev/null 2>&1; then
-    log "NCCL from the pip package: $nccl_dir"
-    # Only NCCL's own files: the cu13 wheels share one include/ and lib/ with the other CUDA wheels.
-    mkdir -p "$WORK/nccl/lib" "$WORK/nccl/include"
-    ln -sf "$(ls "$nccl_dir"/lib/libnccl.so* | head -n 1)" "$WORK/nccl/lib/libnccl.so"
-    ln -sf "$nccl_dir"/include/nccl*.h "$WORK/nccl/include/"
-    NCCL_ENV=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_INCLUDE=$WORK/nccl/include" "HOROVOD_NCCL_LIB=$WORK/nccl/lib"
+  # nccl.h and a libnccl.so link to the pip package's libnccl.so.2 (launch/horovod_build.sh nccl).
+  if nccl_out=$(bash launch/horovod_build.sh nccl "$PY" "$WORK" 2>&1); then
+    read -r nccl_inc nccl_lib nccl_v <<<"$(tail -n 1 <<<"$nccl_out")"
+    nccl_dir=$(dirname "$(dirname "$(readlink -f "$nccl_lib/libnccl.so")")")  # the package folder (lib/ below it)
+    log "NCCL $nccl_v: $nccl_inc, $nccl_lib"
+    NCCL_ENV=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_NCCL_INCLUDE=$nccl_inc" "HOROVOD_NCCL_LIB=$nccl_lib"
               HOROVOD_NCCL_LINK=SHARED)
     start_build nccl 19 $(($(left) - 45)) "${NCCL_ENV[@]}"
   else
-    record horovod_nccl skipped 0 "nccl.h/libnccl.so not found in the pip package (${nccl_dir:-no nvidia.nccl})"
+    record horovod_nccl skipped 0 "no NCCL: ${nccl_out##*ERROR: }"
   fi
 elif [ "$NCCL" = 1 ]; then
   record horovod_nccl skipped 0 "$([ "$DRY" = 1 ] && echo 'dry run' || echo 'skipped: no CUDA')"

@@ -61,7 +61,8 @@ def python(code_or_args, timeout: float = 300, **env: str) -> subprocess.Complet
 
 
 def test_gpu_check_script_parses():
-    for script in ("bench/gpu_check.sh", "bench/gpu_fetch_wheels.sh", "launch/cxx17", "launch/setup_env.sh"):
+    for script in ("bench/gpu_check.sh", "bench/gpu_fetch_wheels.sh", "launch/cxx17", "launch/setup_env.sh",
+                   "launch/horovod_build.sh", "launch/rehearse_cuda_build.sh"):
         res = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
         assert res.returncode == 0, f"{script}: {res.stderr}"
 
