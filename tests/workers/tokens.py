@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -26,7 +27,11 @@ MODES = {
                         {"loss_unit": "tokens", "backward_passes_per_step": 2}, [3, 1, 4], [1, 5, 2]),
     "budget-accum-adamw": (lambda ps: torch.optim.AdamW(ps, lr=0.02), {"lengths": True, "budget": "tokens"},
                            {"backward_passes_per_step": 2}, [30, 60, 20], [50, 15, 35]),
+    # the controller picks the token budgets (rank 1 is slow); lr_rule="none" keeps the replay exact
+    "budget-controller": (lambda ps: torch.optim.SGD(ps, lr=0.2), {"lengths": True, "budget": "tokens"},
+                          {"lr_rule": "none"}, [40, 40, 40], None),
 }
+SLOW_S_PER_TOKEN = 2e-4  # rank 1 in "budget-controller"
 
 
 class Sequences(Dataset):
@@ -93,11 +98,18 @@ def main() -> None:
         opt = dx.WeightedDistributedOptimizer(make_opt(model.parameters()), model.named_parameters(),
                                               loader, **opt_kw)
         given = "lengths" not in loader_kw
+        controller = None
+        if later is None:
+            controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
+                policy="model", decide_every_steps=2, decision_budget=0, min_batch=5, max_batch=400))
         steps, group = [], []
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
-            loader.set_batch_sizes(first[:world])
+            if controller is None:
+                loader.set_batch_sizes(first[:world])
             for step, (idx, x, y, mask) in enumerate(loader):
+                if controller is not None and rank == 1:
+                    time.sleep(SLOW_S_PER_TOKEN * float(mask.sum()))
                 loss = token_loss(model, x, y, mask) / mask.sum()
                 if given:
                     opt.set_local_tokens(int(mask.sum()))
@@ -111,8 +123,10 @@ def main() -> None:
                     opt.zero_grad()
                     steps.append({"epoch": epoch, "micro": group})
                     group = []
-                if step == args.change_at:
+                if step == args.change_at and controller is None:
                     loader.set_batch_sizes(later[:world])
+        if controller is not None:
+            controller.close()
         result["modes"][name] = {
             "steps": steps,
             "params": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()},
