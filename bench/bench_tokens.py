@@ -8,7 +8,8 @@ dynamix_hvd planning by token budgets. Arms interleaved; medians and ranges over
 The target is measured in the same run: the validation loss plain Horovod reaches at two thirds of
 its samples without a straggler (per seed); time to target is the training time (evaluation excluded)
 at the first evaluation at or below it. Every job holds /tmp/machine.lock while it runs, so nothing
-else launched under that lock shares the cores.
+else launched under that lock shares the cores (or run the whole benchmark under it with --no-lock).
+Records already in --out are reused, so an interrupted run continues where it stopped.
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ ARMS = ("plain", "samples", "tokens")
 CONDITIONS = {"no straggler": 1.0, "3x straggler": 3.0}
 
 
-def run(arm: str, seed: int, factor: float, epochs: float, out: Path) -> dict:
-    cmd = ["flock", "/tmp/machine.lock", "mpirun", "--allow-run-as-root", "-np", "2", "-x", "OMP_NUM_THREADS",
+def run(arm: str, seed: int, factor: float, epochs: float, out: Path, lock: bool = True) -> dict:
+    cmd = ["flock", "/tmp/machine.lock"] * lock + ["mpirun", "--allow-run-as-root", "-np", "2", "-x", "OMP_NUM_THREADS",
            "-x", "PYTHONPATH", "--mca", "mpi_yield_when_idle", "1", sys.executable, "-m", "bench.token_lm",
            "--arm", arm, "--seed", str(seed), "--epochs", str(epochs), "--out", str(out)]
     if factor != 1.0:
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=float, default=1.5)
     ap.add_argument("--out", default="bench/results/tokens")
+    ap.add_argument("--no-lock", action="store_true",
+                    help="do not take /tmp/machine.lock per job (when the whole run already holds it)")
+    ap.add_argument("--rerun", action="store_true", help="run jobs whose record is already in --out again")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -95,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, factor in CONDITIONS.items():
             for arm in ARMS:  # interleaved: every seed and condition runs all arms back to back
                 path = out / f"{arm}-seed{seed}-slow{factor:g}.json"
-                record = run(arm, seed, factor, args.epochs, path)
-                path.write_text(json.dumps(record))
+                if path.exists() and not args.rerun and "wall_s" in json.loads(path.read_text()):
+                    record = json.loads(path.read_text())  # kept from an earlier, interrupted run
+                else:
+                    record = run(arm, seed, factor, args.epochs, path, lock=not args.no_lock)
+                    path.write_text(json.dumps(record))
                 results.append(record)
                 print(f"seed {seed} {name} {arm}: {record['train_s']:.1f} s training, "
                       f"{record['useful_tokens_per_s']:,.0f} useful tokens/s, padding {record['padding']:.1%}",

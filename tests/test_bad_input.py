@@ -241,7 +241,7 @@ def _counted():
         def __init__(self) -> None:
             super().__init__([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
             self.lr_coupling, self.base_batch_size = LRCoupling(), 8
-            self.loader = type("L", (), {"num_samples": 80})()
+            self.loader = type("L", (), {"num_samples": 80, "epoch_size": 80})()
 
     return Counted()
 

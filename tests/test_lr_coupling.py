@@ -108,7 +108,7 @@ class Counted(torch.optim.SGD, ProgressAccounting):
     def __init__(self, num_samples: int = 80, base: int = 8) -> None:
         super().__init__([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
         self.lr_coupling, self.base_batch_size = LRCoupling(0), base
-        self.loader = SimpleNamespace(num_samples=num_samples)
+        self.loader = SimpleNamespace(num_samples=num_samples, epoch_size=num_samples)
 
     def advance(self, batch: int) -> None:
         self.step()
