@@ -9,8 +9,9 @@
 #   horovod_build.sh cuda-home PYTHON WORKDIR
 #       Print "DIR VERSION" of a CUDA toolkit whose major version matches PYTHON's torch: DYNAMIX_CUDA_HOME
 #       (a folder, or "pip" for the pip packages only), else $CUDA_HOME, nvcc on PATH, /usr/local/cuda,
-#       else the pip packages (nvidia-cuda-nvcc and friends) in PYTHON's site-packages, merged into
-#       WORKDIR/cuda when they are split over several folders. Exit 1 with the reason when none fits.
+#       else the pip packages (nvidia-cuda-nvcc, -runtime, -cccl, nvidia-nvvm) in PYTHON's site-packages,
+#       merged into WORKDIR/cuda (nvcc wants one folder with lib64). Exit 1 with the reason when none fits
+#       or a part is missing.
 #   horovod_build.sh nccl PYTHON WORKDIR
 #       Print "INCLUDE_DIR LIB_DIR VERSION" of NCCL: DYNAMIX_NCCL_HOME or HOROVOD_NCCL_HOME, the system's
 #       (nccl.h and libnccl.so), else the pip package (nvidia-nccl-cu*), whose libnccl.so.2 gets a
@@ -124,9 +125,9 @@ cmd_cuda_home() {
   v=$(nvcc_version "${parts[0]}/bin/nvcc")
   [ "${v%%.*}" = "$major" ] || die "pip nvcc ${parts[0]}/bin/nvcc is CUDA $v, torch is built for CUDA $want"
   local home=${parts[0]}
-  if [ ${#parts[@]} -gt 1 ] || [ ! -f "$home/include/cuda_runtime.h" ] || ! ls "$home"/lib*/libcudart.so >/dev/null 2>&1; then
-    # One folder as CMake and torch expect (bin, include, lib, nvvm): nvcc copied (it finds its
-    # siblings from its own location), everything else linked.
+  if [ ${#parts[@]} -gt 1 ] || [ ! -f "$home/include/cuda_runtime.h" ] || [ ! -e "$home/lib64/libcudart_static.a" ]; then
+    # One folder as nvcc, CMake and torch expect (bin, include, lib64, nvvm): nvcc copied (it finds
+    # its siblings from its own location), everything else linked.
     home=$work/cuda
     rm -rf "$home"
     mkdir -p "$home/bin"
@@ -140,11 +141,14 @@ cmd_cuda_home() {
     local rt
     rt=$(ls "$home"/lib/libcudart.so.* 2>/dev/null | head -n 1 || true)
     [ -n "$rt" ] && [ ! -e "$home/lib/libcudart.so" ] && ln -s "$(basename "$rt")" "$home/lib/libcudart.so"
+    ln -s lib "$home/lib64"  # nvcc links from lib64
   fi
   [ -x "$home/nvvm/bin/cicc" ] || [ -x "$(dirname "$(readlink -f "$home/bin/nvcc")")/../nvvm/bin/cicc" ] \
     || die "CUDA toolkit $home lacks nvvm/bin/cicc: $py -m pip install 'nvidia-nvvm$( [ "$major" -ge 13 ] || echo -cu$major)==$want.*'"
   [ -f "$home/include/cuda_runtime.h" ] \
     || die "CUDA toolkit $home lacks include/cuda_runtime.h: $py -m pip install 'nvidia-cuda-runtime$( [ "$major" -ge 13 ] || echo -cu$major)==$want.*'"
+  [ -f "$home/include/nv/target" ] || [ -f "$home/include/cccl/nv/target" ] \
+    || die "CUDA toolkit $home lacks the CCCL headers (include/nv/target): $py -m pip install 'nvidia-cuda-cccl$( [ "$major" -ge 13 ] || echo -cu$major)==$want.*'"
   echo "$home $v"
 }
 

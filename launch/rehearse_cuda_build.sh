@@ -17,6 +17,8 @@
 #           CUDA + NCCL build loads and works on the host); horovodrun's MPI mode driving pip's
 #           Open MPI 5 mpirun (the source fix for Open MPI 5's option parsing); a second set-up run takes
 #           the stamp's fast path
+# The compile takes about 12 minutes on 2 cores; with ccache on PATH (kept in DIR/ccache) an
+# interrupted `--step setup` resumes where it stopped, so it can run in pieces under a time limit.
 # What it cannot show: anything on a device (NCCL allreduce of CUDA tensors, CUDA events, memory).
 # Needs PyPI. Prints one line per check and "rehearsal: N passed, M failed" last; exit 1 if any failed.
 set -uo pipefail
@@ -52,8 +54,9 @@ fi
 
 if [[ $step == setup || $step == all ]]; then
   start=$(date +%s)
-  DYNAMIX_VENV=$venv DYNAMIX_CACHE=$dir/cache DYNAMIX_PLATFORM=cuda DYNAMIX_CUDA_HOME=pip DYNAMIX_CUDA_ARCHS=90 \
-    DYNAMIX_FORCE=1 bash "$root/launch/setup_env.sh" 2>&1 | tee "$dir/setup.log" | grep -E '^\[setup_env\]|^horovod|ERROR'
+  CCACHE_DIR=$dir/ccache DYNAMIX_VENV=$venv DYNAMIX_CACHE=$dir/cache DYNAMIX_PLATFORM=cuda DYNAMIX_CUDA_HOME=pip \
+    DYNAMIX_CUDA_ARCHS=90 DYNAMIX_FORCE=1 bash "$root/launch/setup_env.sh" 2>&1 | tee "$dir/setup.log" \
+    | grep -E '^\[setup_env\]|^horovod|ERROR'
   rc=${PIPESTATUS[0]}
   secs=$(($(date +%s) - start))
   if [ "$rc" = 0 ]; then result ok "setup: launch/setup_env.sh built and installed the NCCL Horovod in ${secs} s (log $dir/setup.log)"

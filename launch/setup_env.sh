@@ -226,12 +226,14 @@ _dx_choose_horovod_build() {
       _dx_step horovod "no CUDA $major toolkit found: would install nvidia-cuda-nvcc$sfx==$tcuda.* from pip"
       _dx_gpu=nccl _dx_cuda_v=$tcuda _dx_nccl_v=unknown; return
     fi
-    _dx_log "no CUDA $major toolkit for torch's CUDA $tcuda: installing pip's nvcc ($tcuda.*)"
-    # CUDA 13's nvcc package depends on nvvm, crt and the runtime without pinning them: pin all four.
+    _dx_log "no complete CUDA $major toolkit for torch's CUDA $tcuda (${out##*ERROR: }): installing pip's ($tcuda.*)"
+    # CUDA 13's nvcc package depends on nvvm, crt and the runtime without pinning them: pin them all;
+    # the CCCL headers (nv/target, cuda/std) are a package of their own.
     if [ "$major" -ge 13 ]; then
-      _dx_pip install -q "nvidia-cuda-nvcc==$tcuda.*" "nvidia-cuda-runtime==$tcuda.*" "nvidia-nvvm==$tcuda.*" "nvidia-cuda-crt==$tcuda.*"
+      _dx_pip install -q "nvidia-cuda-nvcc==$tcuda.*" "nvidia-cuda-runtime==$tcuda.*" "nvidia-nvvm==$tcuda.*" \
+        "nvidia-cuda-crt==$tcuda.*" "nvidia-cuda-cccl==$tcuda.*"
     else
-      _dx_pip install -q "nvidia-cuda-nvcc$sfx==$tcuda.*" "nvidia-cuda-runtime$sfx==$tcuda.*"
+      _dx_pip install -q "nvidia-cuda-nvcc$sfx==$tcuda.*" "nvidia-cuda-runtime$sfx==$tcuda.*" "nvidia-cuda-cccl$sfx==$tcuda.*"
     fi
     out=$(bash "$_dx_root/launch/horovod_build.sh" cuda-home "$_dx_venv/bin/python" "$work" 2>&1) \
       || { _dx_problem "${out#*ERROR: }"; return; }
@@ -281,7 +283,11 @@ _dx_build_horovod_wheel() {
     [ -n "$archs" ] && settings+=("HOROVOD_BUILD_CUDA_CC_LIST=$archs")
     _dx_log "CUDA build for compute capabilities: ${archs:-every one nvcc $_dx_cuda_v knows (set DYNAMIX_CUDA_ARCHS to shorten)}"
   fi
+  # With ccache on PATH (Horovod's CMake uses it by itself) a build repeated after a failure or a time
+  # limit reuses what was compiled: paths below the build folder count as relative, the copied wrapper
+  # by its content.
   PATH="$_dx_venv/bin:$PATH" PYTHON="$_dx_venv/bin/python" \
+    CCACHE_BASEDIR="$build_dir" CCACHE_NOHASHDIR=true CCACHE_COMPILERCHECK=content \
     bash "$_dx_root/launch/horovod_build.sh" wheel "$src" "$build_dir/out" "${settings[@]}" >"$build_dir/build.log" 2>&1 \
     || { tail -n 60 "$build_dir/build.log" >&2; _dx_die "Horovod build failed; full log: $build_dir/build.log (README: Troubleshooting the build)"; }
   mkdir -p "$wheel_dir"
