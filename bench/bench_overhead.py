@@ -1,4 +1,4 @@
-"""Per-step overhead against plain Horovod at the same fixed sizes (issue #13, item 5).
+"""Per-step overhead against plain Horovod at the same fixed sizes.
 
 Run: ``python -m bench.bench_overhead [--np 2] [--steps 100] [--chunk 10] [--repeats 100] [--batch 64]
 [--variants horovod,weighted,controller] [--job ZOO_JOB]`` (``--quick``: a smoke test, its numbers mean

@@ -1,4 +1,4 @@
-"""Balance and decision cost of a suite run, from its job directories (issue #15's goals).
+"""Balance and decision cost of a suite run, from its job directories (the balance and decision-cost goals).
 
 Run: ``python -m bench.suite_balance NAME`` (NAME: a configuration already run with ``bench.suite``,
 whose job directories are under ``runs/suite/NAME``). Per adaptive job (one with decisions.csv):

@@ -315,7 +315,7 @@ class ControlChannel:
 
 
     # ==============================================================================================
-    # Named library collectives (issue #12): every collective the library issues outside the
+    # Named library collectives: every collective the library issues outside the
     # gradient allreduce and the controller's messages above. Each call takes a `Collective` (a name
     # and a deadline; the library's own are listed at the end of this module). Under MPI they are
     # nonblocking point-to-point messages on this channel's Dup()'d communicator, rooted at one rank,

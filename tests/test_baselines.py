@@ -47,7 +47,7 @@ def test_speed_split_equalises_arrival_times_with_fixed_costs():
     assert sizes == [round((T - a) / c[0]), round((T - a) / c[1])] == [48, 16]
     arrival = [a + ci * b for ci, b in zip(c, sizes)]
     assert max(arrival) / min(arrival) < 1.01
-    # The old rule split by measured samples/s (b / t): 41/23 here, the slow rank 31% late. A rank
+    # Splitting by measured samples/s (b / t): 41/23 here, the slow rank 31% late. A rank
     # whose fixed cost alone exceeds T still keeps the minimum, never more is taken from it.
     assert run_rule(make_baseline("speed-split"), [32, 32], (1e-4, 1e-4), 0.0, 3) == [32, 32]
 
@@ -91,7 +91,7 @@ def test_goodput_rule_finds_the_optimum_of_its_model_and_holds_near_it():
 
 
 def test_goodput_rule_never_goes_below_the_initial_batch_and_respects_memory():
-    # phi = 2: statistically nothing gained above a tiny batch; the old rule went to B = 2.
+    # phi = 2: statistically nothing gained above a tiny batch; without the floor, goodput would pick B = 2.
     rule = make_baseline("goodput")
     assert min(sum(run_rule(rule, [32, 32], (1e-4, 2e-4), 0.001, k, noise=2.0)) for k in (1, 2, 3)) >= 64
     # phi huge (throughput is all) with memory for 40 per rank: the fast rank at its bound, the slow

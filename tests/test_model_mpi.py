@@ -26,6 +26,6 @@ def test_model_policy_balances_a_three_times_slower_rank(tmp_path):
     print(f"sizes per decision: {[d['sizes'] for d in history]}")
     print(f"compute fast/slow after the second decision: {[round(r, 3) for r in ratios]}")
     # loose: on a shared 2-core machine one interval can be disturbed (0.78 seen once at fixed sizes);
-    # a starved rank (the old speed-split's 1 sample) would be near 0.1
+    # a starved rank (a speed split that gives it 1 sample) would be near 0.1
     assert min(ratios) > 0.6, "a rank is starved or overloaded"
     assert sorted(ratios)[len(ratios) // 2] > 0.85, "the median interval is not balanced"

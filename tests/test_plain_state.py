@@ -57,7 +57,7 @@ def _crafted(tmp_path: Path, marker: Path) -> tuple[Path, Path]:
     with zipfile.ZipFile(evil_torch) as archive:  # the pickle inside torch.save's layout
         inner = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
     for path, raw in ((evil_torch, inner), (evil_raw, evil_raw.read_bytes())):
-        pickle.loads(raw)  # the files are live: any full unpickling (the old loader's) runs the command
+        pickle.loads(raw)  # the files are live: any full unpickling runs the command
         assert marker.exists(), f"{path.name} did not run its command: the test would prove nothing"
         marker.unlink()
     return evil_torch, evil_raw

@@ -21,8 +21,8 @@ policy's critic is centralised):
   *now*, in the same conditions (a rank that slowed down slows the reference too). Before any fit the
   first interval's measured goodput is the reference;
 - E(B) <= 1 for B >= B0 and E(B0) = 1, so a larger batch earns only through a real gain in measured
-  progress per second; no term pays for growing B by itself (the old idle term, which counted the
-  allreduce transfer as waiting, is gone);
+  progress per second; no term pays for growing B by itself (nor counts the allreduce transfer as
+  waiting);
 - the stability penalty punishes loss spikes (too large an effective LR after a batch change); the
   switching penalty keeps sizes from hopping between nearly equal configurations.
 
