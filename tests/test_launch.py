@@ -164,13 +164,15 @@ def _horovod_without(tmp_path: Path, missing: str) -> str:
     """A Horovod that reports a build without `missing` ("mpi" or "gloo"), shadowing the real one.
 
     Building a second real Horovod takes 12 minutes, so this package stands in for one: it answers
-    the same two questions (`mpi_built`, `gloo_built`) that `dynamix_hvd.tools.buildcheck` asks.
+    the questions `dynamix_hvd.tools.buildcheck` asks (`mpi_built`, `gloo_built`, and a CPU-only
+    build's `cuda_built`, `nccl_built`).
     """
     pkg = tmp_path / "fake_horovod" / "horovod"
     (pkg / "torch").mkdir(parents=True)
     (pkg / "__init__.py").write_text('__version__ = "0.28.1"\n')
     (pkg / "torch" / "__init__.py").write_text(
-        f"def mpi_built():\n    return {missing != 'mpi'}\n\ndef gloo_built():\n    return {missing != 'gloo'}\n")
+        f"def mpi_built():\n    return {missing != 'mpi'}\n\ndef gloo_built():\n    return {missing != 'gloo'}\n"
+        "\ndef cuda_built():\n    return False\n\ndef nccl_built():\n    return 0\n")
     return f"{pkg.parent}{os.pathsep}{REPO}"
 
 
