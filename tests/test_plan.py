@@ -197,7 +197,7 @@ def test_token_plan_covers_the_rest_of_the_epoch_once_within_budgets(budgets, cu
     pos = cursor
     for k, s in enumerate(steps):
         assert s.start == pos and min(s.counts) >= 1
-        assert list(s.tokens) == [int(cum[a + b] - cum[a]) for a, b in
+        assert list(s.tokens) == [cum[a + b] - cum[a] for a, b in
                                   zip([s.start + sum(s.counts[:r]) for r in range(len(budgets))], s.counts)]
         if k < len(steps) - 1:  # greedy: within budget unless one sample alone exceeds it
             assert all(t <= b or c == 1 for t, b, c in zip(s.tokens, budgets, s.counts))

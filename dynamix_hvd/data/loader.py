@@ -86,7 +86,7 @@ class AdaptiveLoader:
         self.lengths = None if lengths is None else validate_lengths(lengths, self.num_samples)
         self.budget: Budget = budget
         self.sort_window = sort_window
-        self._order: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # (epoch, order, token cumsum)
+        self._order: tuple[int, torch.Tensor, list[int] | None] | None = None  # (epoch, order, token cumsum)
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -185,7 +185,7 @@ class AdaptiveLoader:
         return step.counts
 
     # --- iteration -----------------------------------------------------------------------------------
-    def _epoch_order(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _epoch_order(self) -> tuple[torch.Tensor, list[int] | None]:
         """The epoch's sample order and, with lengths, its cumulative token counts (cached per epoch)."""
         if self._order is None or self._order[0] != self.epoch:
             order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)

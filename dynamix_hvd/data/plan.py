@@ -179,15 +179,16 @@ def sortish_order(order: torch.Tensor, lengths: torch.Tensor, window: int, seed:
     return torch.cat(parts) if parts else order
 
 
-def token_cumsum(lengths_in_order: torch.Tensor) -> torch.Tensor:
-    """c[k] = tokens of the first k samples of the epoch's order (c[0] = 0)."""
-    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths_in_order, 0)])
+def token_cumsum(lengths_in_order: torch.Tensor) -> list[int]:
+    """c[k] = tokens of the first k samples of the epoch's order (c[0] = 0), as a list: planning
+    reads it with bisect, once per rank and step, and the loader keeps it for the whole epoch."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths_in_order, 0)]).tolist()
 
 
-def with_tokens(steps: Sequence[PlannedStep], cum: torch.Tensor) -> list[PlannedStep]:
+def with_tokens(steps: Sequence[PlannedStep], cum: Sequence[int]) -> list[PlannedStep]:
     """`steps` (planned by sample counts) with each rank's token count, from the epoch order's
     cumulative lengths `cum`."""
-    c = cum.tolist()
+    c = cum
     return [PlannedStep(s.start, s.counts, _tokens(c, s.start, s.counts)) for s in steps]
 
 
@@ -204,7 +205,7 @@ def _split_by_tokens(c: list[int], lo: int, hi: int, budgets: Sequence[int]) -> 
     return tuple(b - a for a, b in zip(cuts, cuts[1:]))
 
 
-def plan_token_steps(cum: torch.Tensor, cursor: int, budgets: Sequence[int],
+def plan_token_steps(cum: Sequence[int], cursor: int, budgets: Sequence[int],
                      last_step: LastStep = "partial") -> list[PlannedStep]:
     """Plan the rest of an epoch from position `cursor` with per-rank token budgets; `cum` is
     `token_cumsum` of the epoch's order. Steps carry each rank's token count in ``tokens``."""
@@ -216,7 +217,7 @@ def plan_token_steps(cum: torch.Tensor, cursor: int, budgets: Sequence[int],
     if last_step not in ("partial", "drop"):
         raise ValueError(f"last_step={last_step!r}; choose 'partial' or 'drop'")
     # Greedy fill with one searchsorted per rank and step, on the host.
-    c = cum.tolist()
+    c = cum
     steps: list[PlannedStep] = []
     pos, need = cursor, sum(budgets)
     while pos < num_samples:
