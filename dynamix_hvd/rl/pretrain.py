@@ -96,8 +96,8 @@ class PretrainConfig:
     gamma: float = 0.9
     """Discount per decision (the live controller's default 0.9)."""
     ent_coef: float = 0.001
-    """Entropy bonus during pretraining (0.01 drove the neutral-biased actor towards uniform corrections:
-    entropy 0.72 -> 1.41 and the sampled reward +0.64 -> +0.15 in 80 updates, session 7)."""
+    """Entropy bonus during pretraining (0.01 drives the neutral-biased actor towards uniform corrections:
+    entropy 0.72 -> 1.41 and the sampled reward +0.64 -> +0.15 in 80 updates)."""
     update_epochs: int = 4
     """Passes over each rollout."""
     num_minibatches: int = 8
