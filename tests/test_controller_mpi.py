@@ -31,9 +31,11 @@ def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ra
 def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, policy):
     """decide_every_steps=None: every epoch end, and inside epochs so that the job gets about
     target_decisions (32) decisions, never closer than min_decision_steps (8) nor in an epoch's last
-    half-interval; the same steps on every rank, also when decisions change the sizes (model)."""
+    half-interval; the same steps on every rank, also when decisions change the sizes (model: rank 1
+    sleeps 3x longer per sample, so the model moves samples to rank 0 whatever the machine's noise)."""
+    straggler = ["--sleep-per-sample", "0.0005", "--slow-rank", "1", "--slow-factor", "3"] if policy == "model" else []
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
-           "--policy", policy, "--max-batch", "40", "--decision-budget", "0")
+           "--policy", policy, "--max-batch", "40", "--decision-budget", "0", *straggler)
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     when = results[0]["when"]
     assert results[1]["when"] == when, when
