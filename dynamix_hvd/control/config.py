@@ -14,7 +14,7 @@ from .proposal import ModelPolicy, ProposalConfig
 from .refine import PPOPolicy
 from .reward import RewardConfig
 from .rules import BASELINES, make_baseline
-from ..rl.ppo import PPOConfig
+from .ppo import PPOConfig
 from ..stats.noise_scale import StatsConfig
 
 POLICY_NAMES = ("ppo", "static", "model", *sorted(BASELINES))

@@ -4,8 +4,8 @@ One object owns everything a decision depends on besides the reports themselves:
 statistics (fed step by step with every rank's squared norms), the per-rank batch bounds (memory),
 the reward references (the first interval's goodput and throughput), the previous sizes and loss,
 and the policy. The live controller (:mod:`dynamix_hvd.control.controller`), the cluster simulator
-(:mod:`dynamix_hvd.rl.simulator`) and the transition rebuild for fine-tuning
-(:func:`dynamix_hvd.rl.pretrain.transitions_from_history`) all go through it, so a policy sees the
+(:mod:`bench.lab.simulator`) and the transition rebuild for fine-tuning
+(:func:`bench.lab.pretrain.transitions_from_history`) all go through it, so a policy sees the
 same numbers in the simulator as in a real job.
 
 One decision, in this order: :meth:`DecisionCore.observe` (statistics, memory bounds, efficiency,
