@@ -29,10 +29,10 @@ def is_number(value: Any, minimum: Optional[float] = None, *, above: Optional[fl
               maximum: Optional[float] = None, below: Optional[float] = None, finite: bool = True) -> bool:
     """An ``int`` or ``float`` (not a bool), finite unless ``finite=False``, with ``minimum <= value``,
     ``above < value``, ``value <= maximum`` and ``value < below`` for the bounds given. NaN never passes."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
-    if finite and not math.isfinite(value):
-        return False
+    if isinstance(value, float) and (math.isnan(value) or (finite and math.isinf(value))):
+        return False  # (an int is always finite, and may be too large for a float)
     return ((minimum is None or value >= minimum) and (above is None or value > above)
             and (maximum is None or value <= maximum) and (below is None or value < below))
 

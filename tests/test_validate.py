@@ -37,6 +37,9 @@ def test_number_refusals(value, kwargs, text):
 def test_number_accepts_ints_floats_and_infinity_when_asked():
     assert validate.number("x", 3, 0) == 3 and validate.number("x", 0.5, 0, below=1) == 0.5
     assert validate.number("x", math.inf, 0, finite=False) == math.inf
+    assert validate.number("x", 10**400, 0) == 10**400  # an int too large for a float is still a number
+    with pytest.raises(ValueError, match="x=-1000"):
+        validate.number("x", -10**400, 0)
 
 
 @pytest.mark.parametrize("value", [0, 1, "True", None])
