@@ -2,14 +2,13 @@
 
 Only the package list is here: the top-level policies/ folder stays where it is in the repository and
 is installed as the package-data package ``dynamix_hvd.policies`` (setup.cfg cannot add a package
-from outside the package tree to ``find:``).
+from outside the package tree to ``find:``). The lab (bench/: simulator, pretraining, calibration,
+benchmark jobs and suites) is not installed; it runs from the source tree.
 """
 from setuptools import find_packages, setup
 
 setup(
     packages=[*find_packages(include=["dynamix_hvd", "dynamix_hvd.*"]), "dynamix_hvd.policies"],
     package_dir={"dynamix_hvd.policies": "policies"},
-    package_data={"dynamix_hvd.policies": ["*.pt", "*.json", "*.md", "*.csv", "*.png"],
-                  # the simulator's calibrated workload profiles (python -m dynamix_hvd.rl.calibrate)
-                  "dynamix_hvd.rl": ["profiles/*.json"]},
+    package_data={"dynamix_hvd.policies": ["*.pt", "*.json", "*.md", "*.csv", "*.png"]},
 )

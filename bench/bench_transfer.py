@@ -1,13 +1,13 @@
 """Transfer benchmark: do simulator-trained policies speed up a real multi-rank job they never saw?
 
-Target: the character-level transformer LM (``dynamix_hvd/examples/charlm_train.py``) under
+Target: the character-level transformer LM (``bench/jobs/charlm_train.py``) under
 ``mpirun -np 2`` with a straggler (rank 1 burns ``--slow-ms`` extra per step), trained until the
 validation loss is below ``--target-loss``. Compared, by wall-clock time-to-target:
 
 (c) static   the configured sizes, never changed;
 (a) default  the shipped policy (``policies/default``, trained only on simulated MLP/CNN-like jobs), greedy;
 (b) tuned    the default policy fine-tuned for this target: the simulator is calibrated on run (a)'s
-             per-step log (``dynamix_hvd.rl.calibrate``), the policy is trained further in simulated jobs
+             per-step log (``bench.lab.calibrate``), the policy is trained further in simulated jobs
              around that calibrated cluster (transformer-like workloads), then on run (a)'s logged
              transitions (HDF5), and run greedily.
 
@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from dynamix_hvd.rl.calibrate import calibrate, load_run
-from dynamix_hvd.rl.pretrain import DEFAULT_POLICY, dataclass_parser
-from dynamix_hvd.rl.pretrain import main as pretrain_main
+from bench.lab.calibrate import calibrate, load_run
+from bench.lab.pretrain import DEFAULT_POLICY, dataclass_parser
+from bench.lab.pretrain import main as pretrain_main
 from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +71,7 @@ class BenchConfig:
 def run_job(cfg: BenchConfig, out: Path, seed: int, extra: Sequence[str]) -> dict[str, Any]:
     """One charlm training run under mpirun; returns its summary.json plus the launcher's wall time."""
     out.mkdir(parents=True, exist_ok=True)
-    job = [sys.executable, "-m", "dynamix_hvd.examples.charlm_train", "--batch-sizes", cfg.batch_sizes,
+    job = [sys.executable, "-m", "bench.jobs.charlm_train", "--batch-sizes", cfg.batch_sizes,
            "--epochs", str(cfg.max_epochs), "--target-loss", str(cfg.target_loss), "--decide-every",
            str(cfg.decide_every), "--slow-rank", str(cfg.slow_rank), "--slow-ms", str(cfg.slow_ms),
            "--seed", str(seed), "--out", str(out), *extra]

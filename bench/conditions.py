@@ -97,7 +97,7 @@ def parse_pairs(text: str) -> list[tuple[float, float]]:
 
 def slow_args(cond: Condition) -> list[str]:
     """The examples' flags for the condition's slowed rank (every example has them, see
-    `dynamix_hvd.examples.common.add_bench_flags`)."""
+    `bench.jobs.common.add_bench_flags`)."""
     if cond.slow_rank < 0:
         return []
     out = ["--slow-rank", str(cond.slow_rank), "--slow-factor", str(cond.slow_factor), "--slow-mode", cond.slow_mode]

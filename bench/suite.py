@@ -2,10 +2,9 @@
 
     python -m bench.suite --quick            # CI: the harness end to end (1 workload, 1 condition, 1 seed)
     python -m bench.suite --config headline  # one configuration of the full matrix (--list shows them all)
-    dynamix-hvd bench suite -- --config cnn
 
 Every arm trains the same model with the same optimizer, LR rule and data order (see
-`dynamix_hvd.examples.common`); only the batch-size policy differs. The reference arm is the
+`bench.jobs.common`); only the batch-size policy differs. The reference arm is the
 script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
 ``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms run interleaved: for seed s the arm
 order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine).
@@ -47,7 +46,7 @@ STARTUP_S = 8.0  # starting Python, torch, Horovod and MPI on 2 ranks, per job (
 
 @dataclass(frozen=True)
 class Workload:
-    """An example script of dynamix_hvd/examples, its size in the suite and its target.
+    """A benchmark job of bench/jobs, its size in the suite and its target.
 
     `plain_s`: the plain Horovod run's expected training time on an idle 2-core machine, no
     straggler, from per-step CPU times measured one process at a time (see BENCHMARKS.md)."""
@@ -75,22 +74,22 @@ def rule_kwargs(base: int, steps_per_epoch: int, epochs: int) -> dict[str, dict]
 
 WORKLOADS = {
     # 4,000 train / 1,000 test digits; width 64: 1.12 ms CPU per sample -> ~2.4 s per epoch per rank
-    "cnn": Workload("cnn", "dynamix_hvd.examples.cnn_train", "accuracy", 0.968, 24, 2000, 40.0, 60.0,
+    "cnn": Workload("cnn", "bench.jobs.cnn_train", "accuracy", 0.968, 24, 2000, 40.0, 60.0,
                     args=("--width", "64", "--train-samples", "4000", "--eval-every", "1000000000",
                           "--no-report", "--progress", "off"),
                     rule_kwargs=rule_kwargs(64, 63, 24)),
     # 400k characters of stdlib source, 5,940 sequences of 64; 0.92 ms per sequence
-    "charlm": Workload("charlm", "dynamix_hvd.examples.charlm_train", "loss", 1.5, 25, 2000, 50.0, 75.0,
+    "charlm": Workload("charlm", "bench.jobs.charlm_train", "loss", 1.5, 25, 2000, 50.0, 75.0,
                        args=("--chars", "400000", "--eval-every", "0", "--decide-every", "-1"),
                        default_batch=16, static_batches=(8, 16, 32), rule_kwargs=rule_kwargs(32, 186, 25)),
     # 16,384 generated samples, 2 x 1024 hidden units: 0.15 ms per sample + a 4 MB allreduce per step
     # its test accuracy peaks at ~0.77 after ~2 epochs (label noise) and then slowly falls back
-    "mlp": Workload("mlp", "dynamix_hvd.examples.mlp_train", "accuracy", 0.765, 20, 4096, 30.0, 45.0,
+    "mlp": Workload("mlp", "bench.jobs.mlp_train", "accuracy", 0.765, 20, 4096, 30.0, 45.0,
                     args=("--samples", "16384", "--hidden", "1024", "--depth", "2", "--no-report",
                           "--progress", "off"),
                     rule_kwargs=rule_kwargs(64, 256, 20)),
     # --quick: the CNN cut to seconds (checks the harness, not the numbers)
-    "cnn-quick": Workload("cnn-quick", "dynamix_hvd.examples.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 15.0,
+    "cnn-quick": Workload("cnn-quick", "bench.jobs.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 15.0,
                           args=("--train-samples", "1000", "--eval-every", "1000000000", "--no-report",
                                 "--progress", "off", "--decide-every", "4")),
 }
@@ -198,7 +197,7 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "headline-final": [{"workloads": ["cnn"], "conditions": ["slow3x", "slow2x", "none"],
                         "arms": ["plain", "static-32", "ppo"], "seeds": 5}],
     # per-step logs of the other two workloads for the simulator's calibrated profiles
-    # (dynamix_hvd/rl/profiles/), with plain Horovod beside them (~20 min)
+    # (bench/lab/profiles/), with plain Horovod beside them (~20 min)
     "calibration-logs": [{"workloads": ["charlm", "mlp"], "conditions": ["slow3x", "none"],
                           "arms": ["plain", "model"], "seeds": 1}],
     "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],

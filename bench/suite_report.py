@@ -35,7 +35,7 @@ PLAIN = "plain-horovod"
 
 
 def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
-    """One finished job's numbers, from the records its script wrote (`dynamix_hvd.examples.records`)."""
+    """One finished job's numbers, from the records its script wrote (`bench.jobs.records`)."""
     res = json.loads((run_dir / "suite_result.json").read_text())
     evals = pd.read_csv(run_dir / "suite_evals.csv")
     within = evals[evals.train_s <= wall_budget_s]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import dynamix_hvd as dx
-from dynamix_hvd.examples.common import Slowdown
+from bench.jobs.common import Slowdown
 
 VOCAB = 128
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from dynamix_hvd.examples.charlm_train import STDLIB_FILES, CharTransformer
+from bench.jobs.charlm_train import STDLIB_FILES, CharTransformer
 
 TUNING, EVALUATION = "tuning", "evaluation"
 

@@ -10,7 +10,7 @@ optimizer step; with dynamix_hvd, ``dx.ProgressScheduler`` steps it by training 
 schedule written for the plain script's step count stays right when the batch changes. Clipping
 follows Horovod's documented pattern (synchronize, clip, step under skip_synchronize) in the plain
 script and the weighted optimizer's ``max_grad_norm`` with dynamix_hvd. Records for the suite come
-from `dynamix_hvd.examples.records.SuiteRecorder`.
+from `bench.jobs.records.SuiteRecorder`.
 """
 from __future__ import annotations
 
@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     import horovod.torch as hvd
 
     import dynamix_hvd as dx
-    from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags,
+    from bench.jobs.common import (PlainHorovodLoader, add_bench_flags, add_common_flags,
                                              controller_config, local_batches, make_slowdown, parser,
                                              start, step_due)
-    from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
+    from bench.jobs.records import SuiteRecorder, sharded_sum
 
     ap = parser(__doc__)
     ap.add_argument("--job", required=True, choices=sorted(JOBS), help="the zoo job to train")

@@ -6,12 +6,14 @@ owns and what it may import:
 - `data`: epoch plan, loader, per-step metrics, resource sampling, generated data;
 - `optim`: the weighted distributed optimizer and LR rules (the only code that touches gradients);
 - `stats`: fused squared norms, gradient noise scale, efficiency;
-- `control`: state, reward, actions, policies and rules, policy files, the live controller;
+- `control`: state, reward, actions, policies and rules, the PPO learner, policy files, the live controller;
 - `comm`: every control-plane collective (the only module that imports mpi4py);
 - `logs`: the one logging path (rank-prefixed `logging` under "dynamix_hvd"; imports nothing of ours);
-- `rl`: PPO, the cluster simulator, calibration and pretraining;
-- `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs and
-  reports; `tools`: the CLI, launch checks and progress display.
+- `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs, reports
+  and the progress display; `tools`: the CLI, launch and build checks; `examples`: a plain Horovod script.
+
+The simulator, pretraining, calibration and benchmarks (the source tree's `bench/`) build on the
+package; the package never imports them.
 
 Importing the package imports neither Horovod nor MPI: `WeightedDistributedOptimizer` (which needs
 `horovod.torch`) is loaded on first use.
@@ -29,7 +31,7 @@ from .optim.lr_scaling import lr_factor
 from .optim.progress import ProgressScheduler
 from .resilience import checkpoint
 from .resilience.checkpoint import Checkpointer
-from .rl.ppo import PPOConfig
+from .control.ppo import PPOConfig
 
 __version__ = "0.2.0"
 

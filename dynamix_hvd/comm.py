@@ -18,7 +18,6 @@ end of this module: ``allgather_object``, ``gather_object``, ``broadcast_object`
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import threading
@@ -28,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
 import numpy as np
+
+from . import validate
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 _TAG_GATHER, _TAG_BCAST = 7301, 7302
@@ -477,9 +478,8 @@ class Collective:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"Collective name={self.name!r}; give every collective a non-empty name")
-        if not (isinstance(self.deadline_s, (int, float)) and math.isfinite(self.deadline_s) and self.deadline_s > 0):
-            raise ValueError(f"Collective '{self.name}': deadline_s={self.deadline_s!r}; it must be a positive "
-                             "finite number of seconds")
+        validate.number(f"Collective '{self.name}': deadline_s", self.deadline_s, above=0,
+                        what="a positive finite number of seconds")
 
 
 def _tag(op: Collective) -> int:

@@ -4,7 +4,7 @@
 #   HOSTFILE=             hostfile, one 'host slots=N' line per node (see hostfile.example); unset: this host
 #   HOSTS=                or a host list instead: node1:2,node2:2
 #   SCRIPT=               Python script run on every rank; unset: `python -m $MODULE`
-#   MODULE=dynamix_hvd.examples.mlp_train
+#   MODULE=dynamix_hvd.examples.mlp
 #   SCRIPT_ARGS=          arguments for the script (word-split); this wrapper's own arguments follow them
 #   PYTHON=               interpreter for the ranks (default: the venv's python, by absolute path)
 #   OVERSUBSCRIBE=0       1: allow more ranks than cores (or than the hostfile's slots): --oversubscribe
@@ -22,7 +22,7 @@ set -euo pipefail
 set -euo pipefail  # setup_env.sh relaxes these for interactive callers
 
 NP=${NP:-2} HOSTFILE=${HOSTFILE:-} HOSTS=${HOSTS:-} SCRIPT=${SCRIPT:-} SCRIPT_ARGS=${SCRIPT_ARGS:-}
-MODULE=${MODULE:-dynamix_hvd.examples.mlp_train} PYTHON=${PYTHON:-$(command -v python)}
+MODULE=${MODULE:-dynamix_hvd.examples.mlp} PYTHON=${PYTHON:-$(command -v python)}
 OVERSUBSCRIBE=${OVERSUBSCRIBE:-0} ALLOW_RUN_AS_ROOT=${ALLOW_RUN_AS_ROOT:-1}
 MPIRUN=${MPIRUN:-mpirun} MPIRUN_ARGS=${MPIRUN_ARGS:-} DRY_RUN=${DRY_RUN:-0}
 # Horovod's stall warning and shutdown (README "A rank that stops answering"); set them to override.

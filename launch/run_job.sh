@@ -8,7 +8,7 @@
 #   LAUNCHER=mpirun            mpirun | horovodrun | horovodrun-gloo
 #   BATCH_SIZES=16,48          local batch size per rank (default: 32 each)
 #   EPOCHS=3  OUT=runs/mlp     epochs and run directory (epochs.csv, trace.h5, meta.json, report.png)
-# Extra arguments go to the training script (python -m dynamix_hvd.examples.mlp_train --help).
+# Extra arguments go to the training script (python -m dynamix_hvd.examples.mlp --help).
 # Delegates to launch/mpirun.sh or launch/horovodrun.sh (their variables, e.g. HOSTFILE, work here too);
 # unlike them it oversubscribes by default (OVERSUBSCRIBE=1), so NP may exceed the cores of a small machine.
 set -euo pipefail

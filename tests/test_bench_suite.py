@@ -22,7 +22,7 @@ from bench import suite, suite_report
 from bench.conditions import (Condition, NetworkNamespaces, cleanup_stale, netem_available, parse_pairs,
                               physical_limit, slow_args, split_limit)
 from bench.suite_report import PLAIN, measure, summarize, summary_markdown
-from dynamix_hvd.examples.common import Slowdown
+from bench.jobs.common import Slowdown
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,5 @@
 """``dynamix-hvd``: a real 2-rank run with a slowed rank and what it leaves behind (records, traces,
-summary with the straggler diagnosis, PNG report), policies, benchmarks, help texts, and the progress
-display."""
+summary with the straggler diagnosis, PNG report), help texts, and the progress display."""
 from __future__ import annotations
 
 import io
@@ -18,15 +17,10 @@ import pandas as pd
 import pytest
 import torch
 
-from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.tools.cli import build_parser, main
-from dynamix_hvd.control.policy_store import save_policy
-from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
-from dynamix_hvd.tools.progress import Progress, resolve_mode
+from dynamix_hvd.runs.progress import Progress, resolve_mode
 from dynamix_hvd.runs.report import nominal_steps
 from dynamix_hvd.runs.rundir import read_run
-from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = 1024
@@ -55,7 +49,7 @@ def test_run_writes_records_and_traces(run_dir: Path):
     files = {p.name for p in run_dir.iterdir()}
     assert {"epochs.csv", "trace.h5", "meta.json", "report.png", "steps_rank0.csv", "steps_rank1.csv",
             "decisions.csv"} <= files, files
-    from dynamix_hvd.rl.calibrate import load_run  # the per-rank CSVs still serve the calibration tool
+    from bench.lab.calibrate import load_run  # the per-rank CSVs serve the calibration tool
 
     csv_steps, csv_decisions = load_run(run_dir)
     assert len(csv_steps) == len(read_run(run_dir).steps) and len(csv_decisions) > 2
@@ -122,51 +116,10 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr
 
 
-def _learner() -> PPOLearner:
-    learner = make_learner(ActionSpace(), PPOConfig(rollout_length=2, seed=3))
-    learner.act(torch.randn(2, OBS_DIM, generator=torch.Generator().manual_seed(0)))
-    return learner
-
-
-def test_policy_list_inspect_validate(tmp_path: Path, cli_here):
-    empty = cli_here("policy", "list", "--dir", str(tmp_path), "--json")
-    assert empty.returncode == 0 and json.loads(empty.stdout) == []
-    save_policy(_learner(), ActionSpace(), "good", {"trained_on": "test"}, directory=tmp_path)
-    save_policy(PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), 3), ActionSpace((0.5, 1.0, 2.0)), "other",
-                directory=tmp_path)
-    listing = cli_here("policy", "list", "--dir", str(tmp_path))
-    assert listing.returncode == 0 and "good" in listing.stdout and "other" in listing.stdout
-    inspect = cli_here("policy", "inspect", "good", "--dir", str(tmp_path), "--json")
-    assert inspect.returncode == 0, inspect.stderr
-    assert json.loads(inspect.stdout)["provenance"]["trained_on"] == "test"
-    ok = cli_here("policy", "validate", "good", "--dir", str(tmp_path))
-    assert ok.returncode == 0 and ok.stdout.startswith("policy good: OK"), ok.stdout + ok.stderr
-    spec = tmp_path / "other.json"
-    spec.write_text(json.dumps(json.loads(spec.read_text()) | {"rank_features": ["made_up"]}))
-    bad = cli_here("policy", "validate", "other", "--dir", str(tmp_path))
-    assert bad.returncode == 1 and "[FAIL] spec matches this dynamix_hvd" in bad.stdout, bad.stdout
-    assert "'rank_features'" in bad.stdout
-    weights = tmp_path / "good.pt"
-    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
-    corrupt = cli_here("policy", "validate", str(weights))
-    assert corrupt.returncode == 1 and "[FAIL] checksum" in corrupt.stdout, corrupt.stdout
-    assert cli_here("policy", "validate").returncode == 2
-
-
-def test_bench(tmp_path: Path, cli_here):
-    listing = cli_here("bench", "--list")
-    assert listing.returncode == 0 and "decision_overhead" in listing.stdout
-    unknown = cli_here("bench", "nope")
-    assert unknown.returncode == 2 and "no benchmark 'nope'" in unknown.stderr
-    proc = dx("bench", "decision_overhead", "--", "--ranks", "2", "--decisions", "3")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[1].split()[0] == "2", proc.stdout
-
-
 def test_every_option_is_explained(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"run", "check", "policy", "summarize", "plot", "tensorboard", "bench"}
+    assert set(sub.choices) == {"run", "check", "summarize", "plot", "report", "tensorboard"}
     for name, p in sub.choices.items():
         for action in p._actions:
             if action.dest != "help":

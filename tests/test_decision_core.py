@@ -22,7 +22,7 @@ from dynamix_hvd.control.core import DecisionCore, LayerMeans, RankInput, StepSe
 from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.state import RankReport
-from dynamix_hvd.rl.simulator import ClusterSimulator
+from bench.lab.simulator import ClusterSimulator
 from launching import launch
 from test_simulator import spec
 

@@ -71,7 +71,7 @@ def test_run_job_keeps_its_interface(tmp_path):
 def test_run_job_runs_the_demo_by_default():
     proc = wrapper("run_job.sh", DRY_RUN="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if "dynamix_hvd.examples.cnn_train" in l]
+    lines = [l for l in proc.stderr.splitlines() if "bench.jobs.cnn_train" in l]
     assert len(lines) == 2 and "--plain-horovod" in lines[0] and "--policy ppo" in lines[1], proc.stderr
     assert all("--slow-factor 3.0" in l for l in lines)
 
@@ -80,7 +80,7 @@ def test_dry_run_shows_the_command():
     proc = wrapper("mpirun.sh", "--epochs", "4", NP="2", DRY_RUN="1", MPIRUN_ARGS="--mca btl self,tcp")
     assert proc.returncode == 0, proc.stderr
     assert "mpirun -np 2 --bind-to none" in proc.stderr and "--mca btl self,tcp" in proc.stderr
-    assert "-m dynamix_hvd.examples.mlp_train --epochs 4" in proc.stderr
+    assert "-m dynamix_hvd.examples.mlp --epochs 4" in proc.stderr
 
 
 # --- no MPI ------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from dynamix_hvd.control.config import ControllerConfig, make_policy
 from dynamix_hvd.control.policy import StaticPolicy
-from dynamix_hvd.rl.simulator import ClusterSimulator, ClusterSpec
+from bench.lab.simulator import ClusterSimulator, ClusterSpec
 
 CLUSTERS = [(R, slow) for R in (2, 3, 4) for slow in (2.0, 3.0)]
 

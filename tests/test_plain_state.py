@@ -33,7 +33,7 @@ from dynamix_hvd.data.loader import AdaptiveLoader
 from dynamix_hvd.data.resources import ResourceSampler
 from dynamix_hvd.logs import RankFormatter, configure_logging, get_logger, launcher_rank
 from dynamix_hvd.resilience.checkpoint import FORMAT, FORMAT_VERSION, non_plain_entry
-from dynamix_hvd.rl.ppo import PPOLearner
+from dynamix_hvd.control.ppo import PPOLearner
 from launching import REPO, job_env, launch
 
 

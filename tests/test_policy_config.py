@@ -10,7 +10,7 @@ import pytest
 from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.config import ControllerConfig, make_policy
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, PolicyError, default_policy_dir, load_policy
-from dynamix_hvd.rl.ppo import PPOConfig
+from dynamix_hvd.control.ppo import PPOConfig
 
 
 def test_missing_default_policy_is_an_error_saying_how_to_fix_it(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.control.policy_store import PolicyError, list_policies, load_policy, save_policy
-from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.control.ppo import PPOConfig, PPOLearner
 from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
 

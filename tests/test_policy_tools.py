@@ -1,4 +1,4 @@
-"""Policy tools (dynamix_hvd.tools.policy_tools): list, inspect, validate, compare, on good and broken files."""
+"""Policy tools (bench.lab.policy_tools): list, inspect, validate, compare, on good and broken files."""
 from __future__ import annotations
 
 import json
@@ -12,9 +12,9 @@ import torch
 from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.refine import make_learner
 from dynamix_hvd.control.policy_store import PolicyError, default_policy_dir, load_policy, save_policy
-from dynamix_hvd.tools.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
+from bench.lab.policy_tools import (compare_policies, format_result, inspect_policy, list_policy_summaries,
                                       sample_observations, validate_policy)
-from dynamix_hvd.rl.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.control.ppo import PPOConfig, PPOLearner
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY
 from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES
 
@@ -45,7 +45,7 @@ def test_list_and_inspect(store: Path) -> None:
     rows = list_policy_summaries(store)
     assert [r["name"] for r in rows] == [DEFAULT_POLICY, "fresh"]
     default = rows[0]
-    assert default["has_weights"] and default["command"].startswith("python -m dynamix_hvd.rl.pretrain")
+    assert default["has_weights"] and default["command"].startswith("python -m bench.lab.pretrain")
     assert default["num_updates"] > 0 and 0 < default["ppo_vs_best_static"] < 1.0, "beats the best static batch"
     info = inspect_policy(DEFAULT_POLICY, store)
     assert info["parameters"] > 1000 and info["rank_features"] == list(RANK_FEATURES)
@@ -113,3 +113,51 @@ def test_sample_observations_are_diverse_and_deterministic() -> None:
     a, b = sample_observations(200, seed=1), sample_observations(200, seed=1)
     assert a.shape == (200, OBS_DIM) and torch.equal(a, b) and torch.isfinite(a).all()
     assert (a.std(0)[:6] > 0.01).all(), "per-rank features vary across states"
+
+
+# --- the command line (python -m bench.lab.policy_tools) ---------------------------------------------
+@pytest.fixture()
+def policy_cli(capsys: pytest.CaptureFixture[str]):
+    """``python -m bench.lab.policy_tools ARGS`` in this process; exit code and output as a CompletedProcess."""
+    import subprocess
+
+    from bench.lab.policy_tools import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
+
+
+def _learner() -> PPOLearner:
+    learner = make_learner(ActionSpace(), PPOConfig(rollout_length=2, seed=3))
+    learner.act(torch.randn(2, OBS_DIM, generator=torch.Generator().manual_seed(0)))
+    return learner
+
+
+def test_policy_list_inspect_validate(tmp_path: Path, policy_cli):
+    empty = policy_cli("list", "--dir", str(tmp_path), "--json")
+    assert empty.returncode == 0 and json.loads(empty.stdout) == []
+    save_policy(_learner(), ActionSpace(), "good", {"trained_on": "test"}, directory=tmp_path)
+    save_policy(PPOLearner(len(RANK_FEATURES), len(GLOBAL_FEATURES), 3), ActionSpace((0.5, 1.0, 2.0)), "other",
+                directory=tmp_path)
+    listing = policy_cli("list", "--dir", str(tmp_path))
+    assert listing.returncode == 0 and "good" in listing.stdout and "other" in listing.stdout
+    inspect = policy_cli("inspect", "good", "--dir", str(tmp_path), "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["provenance"]["trained_on"] == "test"
+    ok = policy_cli("validate", "good", "--dir", str(tmp_path))
+    assert ok.returncode == 0 and ok.stdout.startswith("policy good: OK"), ok.stdout + ok.stderr
+    spec = tmp_path / "other.json"
+    spec.write_text(json.dumps(json.loads(spec.read_text()) | {"rank_features": ["made_up"]}))
+    bad = policy_cli("validate", "other", "--dir", str(tmp_path))
+    assert bad.returncode == 1 and "[FAIL] spec matches this dynamix_hvd" in bad.stdout, bad.stdout
+    assert "'rank_features'" in bad.stdout
+    weights = tmp_path / "good.pt"
+    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
+    corrupt = policy_cli("validate", str(weights))
+    assert corrupt.returncode == 1 and "[FAIL] checksum" in corrupt.stdout, corrupt.stdout
+    assert policy_cli("validate").returncode == 2

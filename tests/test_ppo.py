@@ -1,4 +1,4 @@
-"""PPO learner (dynamix_hvd.rl.ppo) and the toy cluster (toy_env): maths, validation,
+"""PPO learner (dynamix_hvd.control.ppo) and the toy cluster (toy_env): maths, validation,
 determinism, checkpoint round trip, and learning a batch-size task whose optimum is known."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynamix_hvd.rl.ppo import ActorCritic, PPOConfig, PPOLearner, RolloutBuffer, compute_gae, make_observation
+from dynamix_hvd.control.ppo import ActorCritic, PPOConfig, PPOLearner, RolloutBuffer, compute_gae, make_observation
 from toy_env import (OBS_DIM_GLOBAL, OBS_DIM_RANK, ToyBatchSizeEnv, ToyBatchSizeVecEnv, ToyClusterConfig,
                                  exhaustive_optimum)
 

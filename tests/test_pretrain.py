@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace
-from dynamix_hvd.rl.calibrate import calibrate, load_run, mape, step_table
+from bench.lab.calibrate import calibrate, load_run, mape, step_table
 from dynamix_hvd.control.policy import StaticPolicy
 from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.policy_store import load_policy
-from dynamix_hvd.rl.pretrain import (DEFAULT_POLICY, JobSampler, PretrainConfig, actions_from_sizes, dataclass_parser,
+from bench.lab.pretrain import (DEFAULT_POLICY, JobSampler, PretrainConfig, actions_from_sizes, dataclass_parser,
                                   field_docs, finetune_on_transitions, make_learner, pretrain, read_transitions_h5,
                                   rollout, transitions_from_history, write_transitions_h5)
-from dynamix_hvd.rl.scenarios import ScenarioConfig, sample_cluster
-from dynamix_hvd.rl.simulator import ClusterSimulator, ClusterSpec
+from bench.lab.scenarios import ScenarioConfig, sample_cluster
+from bench.lab.simulator import ClusterSimulator, ClusterSpec
 from dynamix_hvd.control.state import OBS_DIM
 from test_simulator import drive_both, spec
 
@@ -41,7 +41,7 @@ def test_command_line_help_comes_from_the_field_docstrings() -> None:
     assert set(docs) == set(PretrainConfig.__dataclass_fields__) and "PPO updates" in docs["updates"]
     args = dataclass_parser(PretrainConfig).parse_args(["--updates", "3", "--families", "cnn"])
     assert PretrainConfig(**vars(args)) == PretrainConfig(updates=3, families="cnn")
-    out = subprocess.run([sys.executable, "-m", "dynamix_hvd.rl.pretrain", "--help"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "bench.lab.pretrain", "--help"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "--clusters-per-update" in out.stdout and "Simulated jobs per rollout" in out.stdout
 
@@ -113,7 +113,7 @@ def test_short_pretraining_keeps_the_weights_that_scored_best() -> None:
 def test_default_policy_loads_and_beats_static_in_the_simulator() -> None:
     learner, meta = load_policy(DEFAULT_POLICY, ActionSpace())
     prov = meta["provenance"]
-    assert prov["command"].startswith("python -m dynamix_hvd.rl.pretrain") and prov["num_updates"] > 0
+    assert prov["command"].startswith("python -m bench.lab.pretrain") and prov["num_updates"] > 0
     assert (REPO / "policies" / f"{DEFAULT_POLICY}.md").exists()
     assert (REPO / "policies" / f"{DEFAULT_POLICY}.pt").stat().st_size < 1_000_000
     rng = np.random.default_rng(2024)  # jobs the policy was not evaluated on during training

@@ -10,8 +10,8 @@ from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.proposal import ModelPolicy
 from dynamix_hvd.control.refine import FlipGuard, PPOPolicy, make_learner
-from dynamix_hvd.rl.ppo import PPOConfig
-from dynamix_hvd.rl.simulator import ClusterSimulator, ClusterSpec
+from dynamix_hvd.control.ppo import PPOConfig
+from bench.lab.simulator import ClusterSimulator, ClusterSpec
 
 
 def straggler(R: int = 2, slow: float = 3.0, **kw) -> ClusterSpec:

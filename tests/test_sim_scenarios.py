@@ -10,9 +10,9 @@ import pytest
 
 from dynamix_hvd.control.cadence import DecisionCadence
 from dynamix_hvd.control.policy import StaticPolicy
-from dynamix_hvd.rl.scenarios import (FAMILIES, PROFILE_DIR, ScenarioConfig, family_names, load_profile,
+from bench.lab.scenarios import (FAMILIES, PROFILE_DIR, ScenarioConfig, family_names, load_profile,
                                       profile_names, sample_cluster)
-from dynamix_hvd.rl.simulator import ClusterSimulator
+from bench.lab.simulator import ClusterSimulator
 
 from test_simulator import spec
 

@@ -1,4 +1,4 @@
-"""Cluster simulator (dynamix_hvd.rl.simulator): the live controller's interface, physics invariants, the
+"""Cluster simulator (bench.lab.simulator): the live controller's interface, physics invariants, the
 goodput optimum, statistics, and speed at 1024 ranks. One process, no MPI."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dynamix_hvd.control.actions import ActionSpace
 from dynamix_hvd.control.config import ControllerConfig
 from dynamix_hvd.control.core import DecisionCore
 from dynamix_hvd.control.policy import DecisionInput, DecisionOutput, StaticPolicy
-from dynamix_hvd.rl.scenarios import FAMILIES, ScenarioConfig, sample_cluster
-from dynamix_hvd.rl.simulator import ClusterSimulator, ClusterSpec
+from bench.lab.scenarios import FAMILIES, ScenarioConfig, sample_cluster
+from bench.lab.simulator import ClusterSimulator, ClusterSpec
 from dynamix_hvd.control.state import OBS_DIM
 
 

@@ -18,9 +18,9 @@ from launching import command, job_env
 REPO = Path(__file__).resolve().parents[1]
 # Everything calibrated or trained for the defaults: the simulator's profiles, the shipped policy and
 # its card, the proposal's and the controller's constants, the pretraining scenarios.
-CALIBRATION = [*sorted((REPO / "dynamix_hvd" / "rl" / "profiles").glob("*.json")),
+CALIBRATION = [*sorted((REPO / "bench" / "lab" / "profiles").glob("*.json")),
                *sorted(p for p in (REPO / "policies").iterdir() if p.suffix in (".json", ".md", ".csv")),
-               REPO / "dynamix_hvd" / "rl" / "scenarios.py", REPO / "dynamix_hvd" / "rl" / "pretrain.py",
+               REPO / "bench" / "lab" / "scenarios.py", REPO / "bench" / "lab" / "pretrain.py",
                REPO / "dynamix_hvd" / "control" / "proposal.py", REPO / "dynamix_hvd" / "control" / "growth.py",
                REPO / "dynamix_hvd" / "control" / "config.py"]
 
@@ -48,7 +48,7 @@ def test_no_calibration_file_names_an_evaluation_job():
 
 def test_profiles_come_from_tuning_jobs_only():
     tuning_aliases = {a for n in halves()[TUNING] for a in (n, *JOBS[n].aliases)}
-    profiles = sorted((REPO / "dynamix_hvd" / "rl" / "profiles").glob("*.json"))
+    profiles = sorted((REPO / "bench" / "lab" / "profiles").glob("*.json"))
     assert profiles
     for path in profiles:
         source = json.loads(path.read_text())["source"]

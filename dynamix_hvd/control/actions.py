@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .. import validate
+
 DEFAULT_MULTIPLIERS = (0.8, 0.9, 1.0, 1.1, 1.25)
 """Corrections of a rank's proposed share and of the proposed global batch (1.0 = the proposal)."""
 
@@ -25,8 +27,7 @@ class ActionSpace:
     action (must include 1.0 = the proposal)."""
 
     def __post_init__(self) -> None:
-        ok = all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m) and m > 0
-                 for m in self.multipliers)
+        ok = all(validate.is_number(m, above=0) for m in self.multipliers)
         if not ok or 1.0 not in self.multipliers:
             raise ValueError(f"multipliers {self.multipliers} must be positive and include 1.0 (keep)")
 
@@ -59,8 +60,7 @@ class BatchBounds:
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch}, max_batch={self.max_batch}")
         if not 0 < self.memory_safety <= 1:
             raise ValueError(f"memory_safety={self.memory_safety} must be in (0, 1]")
-        if isinstance(self.max_passes, bool) or not isinstance(self.max_passes, int) or self.max_passes < 1:
-            raise ValueError(f"max_passes={self.max_passes!r}; it must be an integer >= 1")
+        validate.integer("max_passes", self.max_passes, 1)
         if not self.learned_max:
             self.learned_max = [self.max_batch] * self.world_size
         self._memory = [dict() for _ in range(self.world_size)]

@@ -1,7 +1,6 @@
 """The controller's configuration, and the policy and decision core it describes. Pure: no MPI, no Horovod."""
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -14,8 +13,9 @@ from .proposal import ModelPolicy, ProposalConfig
 from .refine import PPOPolicy
 from .reward import RewardConfig
 from .rules import BASELINES, make_baseline
-from ..rl.ppo import PPOConfig
+from .ppo import PPOConfig
 from ..stats.noise_scale import StatsConfig
+from .. import validate
 
 POLICY_NAMES = ("ppo", "static", "model", *sorted(BASELINES))
 
@@ -91,10 +91,7 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int) -> int:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"ControllerConfig.{name}={value!r}; it must be an integer >= {low}")
-            return value
+            return validate.integer(f"ControllerConfig.{name}", getattr(self, name), low)
 
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"ControllerConfig.policy={self.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
@@ -102,16 +99,13 @@ class ControllerConfig:
             raise ValueError(f"ControllerConfig.policy_kwargs={self.policy_kwargs!r}; it must be a dict")
         if self.policy_file is not None and not isinstance(self.policy_file, (str, os.PathLike)):
             raise ValueError(f"ControllerConfig.policy_file={self.policy_file!r}; give a policy name, a path or None")
-        if not isinstance(self.learn, bool):
-            raise ValueError(f"ControllerConfig.learn={self.learn!r}; it must be True or False")
+        validate.boolean("ControllerConfig.learn", self.learn)
         if self.decide_every_steps is not None:
             integer("decide_every_steps", 0)
         integer("target_decisions", 1)
         integer("min_decision_steps", 1)
-        if isinstance(self.decision_budget, bool) or not isinstance(self.decision_budget, (int, float)) \
-                or not 0 <= self.decision_budget < 1:
-            raise ValueError(f"ControllerConfig.decision_budget={self.decision_budget!r}; it must be a share "
-                             "of training time in [0, 1) (0: no limit)")
+        validate.number("ControllerConfig.decision_budget", self.decision_budget, 0, below=1,
+                        what="a share of training time in [0, 1) (0: no limit)")
         integer("keep_inputs", 0)
         integer("max_passes", 1)
         integer("batchnorm_min_batch", 1)
@@ -119,15 +113,11 @@ class ControllerConfig:
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
         if self.total_epochs is not None:
             integer("total_epochs", 1)
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"ControllerConfig.timeout_s={self.timeout_s!r}; it must be a positive number of seconds")
-        if isinstance(self.resource_period_s, bool) or not isinstance(self.resource_period_s, (int, float)) \
-                or not math.isfinite(self.resource_period_s) or self.resource_period_s < 0:
-            raise ValueError(f"ControllerConfig.resource_period_s={self.resource_period_s!r}; use seconds >= 0")
+        validate.number("ControllerConfig.timeout_s", self.timeout_s, above=0, what="a positive number of seconds")
+        validate.number("ControllerConfig.resource_period_s", self.resource_period_s, 0,
+                        what="a finite number of seconds >= 0")
         if isinstance(self.multipliers, (str, bytes)) or not isinstance(self.multipliers, (tuple, list)) \
-                or not all(isinstance(m, (int, float)) and not isinstance(m, bool) and math.isfinite(m)
-                           for m in self.multipliers):
+                or not all(validate.is_number(m) for m in self.multipliers):
             raise ValueError(f"ControllerConfig.multipliers={self.multipliers!r}; give a tuple of finite numbers, "
                              "e.g. (0.5, 1.0, 2.0)")
         try:

@@ -4,8 +4,8 @@ One object owns everything a decision depends on besides the reports themselves:
 statistics (fed step by step with every rank's squared norms), the per-rank batch bounds (memory),
 the reward references (the first interval's goodput and throughput), the previous sizes and loss,
 and the policy. The live controller (:mod:`dynamix_hvd.control.controller`), the cluster simulator
-(:mod:`dynamix_hvd.rl.simulator`) and the transition rebuild for fine-tuning
-(:func:`dynamix_hvd.rl.pretrain.transitions_from_history`) all go through it, so a policy sees the
+(:mod:`bench.lab.simulator`) and the transition rebuild for fine-tuning
+(:func:`bench.lab.pretrain.transitions_from_history`) all go through it, so a policy sees the
 same numbers in the simulator as in a real job.
 
 One decision, in this order: :meth:`DecisionCore.observe` (statistics, memory bounds, efficiency,
@@ -29,6 +29,7 @@ from .costmodel import CostFit, NetworkFit
 from .reward import RewardConfig, compute_reward, global_throughput, predicted_goodput
 from .state import GlobalContext, RankReport, build_observation
 from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate, statistical_efficiency
+from .. import validate
 
 NOISE_Z = 1.0
 """Width, in standard errors, of the lower confidence bound on the noise scale handed to policies."""
@@ -214,10 +215,8 @@ class DecisionCore:
                  max_batch: int = 1024, total_epochs: int | None = None,
                  layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None,
                  max_passes: int = 1, fit_first_interval: bool = False) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"DecisionCore world_size={world_size!r}; it must be an integer >= 1")
-        if isinstance(base_batch, bool) or not isinstance(base_batch, int) or base_batch < 1:
-            raise ValueError(f"DecisionCore base_batch={base_batch!r}; it must be an integer >= 1")
+        validate.integer("DecisionCore world_size", world_size, 1)
+        validate.integer("DecisionCore base_batch", base_batch, 1)
         self.policy = policy
         self.reward_cfg = reward or RewardConfig()
         self.stats_cfg = stats or StatsConfig()
@@ -227,9 +226,8 @@ class DecisionCore:
         self.bounds = BatchBounds(world_size, min_batch, max_batch, max_passes=max_passes)
         self.stats = GradientStatistics(self.stats_cfg)
         self.costs = CostModel(world_size)
-        if lr_base_batch is not None and (isinstance(lr_base_batch, bool) or not isinstance(lr_base_batch, (int, float))
-                                          or not math.isfinite(lr_base_batch) or lr_base_batch < 1):
-            raise ValueError(f"DecisionCore lr_base_batch={lr_base_batch!r}; give a number >= 1 or None")
+        if lr_base_batch is not None:
+            validate.number("DecisionCore lr_base_batch", lr_base_batch, 1, what="a finite number >= 1 or None")
         self.base_batch = base_batch
         self.fit_first_interval = fit_first_interval
         """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
@@ -300,8 +298,7 @@ class DecisionCore:
         optimizer step (`passes` micro-batches of the new sizes) over `lr_base_batch`."""
         if self.policy is None:
             raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-            raise ValueError(f"DecisionCore.decide passes={passes!r}; it must be an integer >= 1")
+        validate.integer("DecisionCore.decide passes", passes, 1)
         index = self.decisions
         seen = self.observe(inputs, sizes, epoch, passes)
         out = self.policy.decide(self.policy_input(seen))

@@ -46,6 +46,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .. import validate
+
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
 
 
@@ -162,8 +164,7 @@ class CostModel:
     """Per-step points of all ranks and the fits through them (computed on demand, cached)."""
 
     def __init__(self, world_size: int, config: CostConfig | None = None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"CostModel world_size={world_size!r}; it must be an integer >= 1")
+        validate.integer("CostModel world_size", world_size, 1)
         self.world_size = world_size
         self.cfg = config or CostConfig()
         R = world_size

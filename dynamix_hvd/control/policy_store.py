@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .actions import ActionSpace
-from ..rl.ppo import PPOConfig, PPOLearner
+from .ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
 FORMAT_VERSION = 2
@@ -126,7 +126,7 @@ def check_spec(meta: dict[str, Any], actions: ActionSpace, source: str) -> None:
     if version != FORMAT_VERSION:
         raise PolicyError(f"policy {source} has format_version {version!r}; this dynamix_hvd reads format "
                           f"{FORMAT_VERSION} (PPO refining the model-based proposal). Retrain it with "
-                          "python -m dynamix_hvd.rl.pretrain, or use a policy made for this version.")
+                          "python -m bench.lab.pretrain, or use a policy made for this version.")
     for key, want in current_spec(actions).items():
         got = meta.get(key, "<missing>")
         if got != want:

@@ -38,6 +38,7 @@ from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
 from ..stats.noise_scale import statistical_efficiency
+from .. import validate
 
 
 @dataclass
@@ -89,21 +90,15 @@ class ProposalConfig:
             raise ValueError(f"ProposalConfig.noise={self.noise!r}; choose 'lower' or 'point'")
         if self.trust is not None and not (math.isfinite(self.trust) and self.trust > 1):
             raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
-        if isinstance(self.hold_unidentified, bool) or not isinstance(self.hold_unidentified, int) \
-                or self.hold_unidentified < 0:
-            raise ValueError(f"ProposalConfig.hold_unidentified={self.hold_unidentified!r}; give an integer >= 0")
+        validate.integer("ProposalConfig.hold_unidentified", self.hold_unidentified, 0)
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
         for name in ("confident_growth", "check_growth", "search_batch", "joint_fit"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ProposalConfig.{name}={getattr(self, name)!r}; it must be True or False")
-        if self.dither_decisions is not None and (isinstance(self.dither_decisions, bool)
-                                                  or not isinstance(self.dither_decisions, int) or self.dither_decisions < 0):
-            raise ValueError(f"ProposalConfig.dither_decisions={self.dither_decisions!r}; give an integer >= 0 or None")
+            validate.boolean(f"ProposalConfig.{name}", getattr(self, name))
+        if self.dither_decisions is not None:
+            validate.integer("ProposalConfig.dither_decisions", self.dither_decisions, 0, what="an integer >= 0 or None")
         for name in ("split_margin", "grow_margin"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"ProposalConfig.{name}={value!r}; give a fraction in [0, 1)")
+            validate.number(f"ProposalConfig.{name}", getattr(self, name), 0, below=1, what="a fraction in [0, 1)")
 
 
 def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,

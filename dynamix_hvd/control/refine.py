@@ -6,7 +6,7 @@ exactly as policy "model" computes it; (2) the shared actor acts on R + 1 rows o
 (:mod:`dynamix_hvd.control.state`): one action per rank multiplies its proposed share, the batch
 row's action multiplies the proposed global batch (:func:`dynamix_hvd.control.actions.compose`).
 The neutral action (1.0) of every row is exactly the proposal, and a fresh learner's actor is biased
-towards it (:data:`dynamix_hvd.rl.ppo.NEUTRAL_LOGIT`), so its mode is the proposal.
+towards it (:data:`dynamix_hvd.control.ppo.NEUTRAL_LOGIT`), so its mode is the proposal.
 
 The critic reads only the features all rows share (a pooled view of the ranks and job-wide signals):
 one value per decision, one shared reward (:mod:`dynamix_hvd.control.reward`).
@@ -24,7 +24,7 @@ import torch
 from .actions import ActionSpace, compose
 from .policy import DecisionInput, DecisionOutput
 from .proposal import ModelPolicy, ProposalConfig
-from ..rl.ppo import PPOConfig, PPOLearner
+from .ppo import PPOConfig, PPOLearner
 from .state import GLOBAL_FEATURES, RANK_FEATURES
 
 

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from .metrics import StepTracker
 from .plan import (LastStep, PlannedStep, epoch_permutation, plan_steps, plan_token_steps, sortish_order,
                    token_cumsum, validate_batch_sizes, validate_lengths, with_tokens)
+from .. import validate
 
 Budget = Literal["samples", "tokens"]
 DEFAULT_SORT_WINDOW = 1024
@@ -64,8 +65,7 @@ class AdaptiveLoader:
             raise ValueError("AdaptiveLoader budget='tokens' needs lengths= (each sample's token count)")
         if sort_window is None:
             sort_window = DEFAULT_SORT_WINDOW if budget == "tokens" else 0
-        if isinstance(sort_window, bool) or not isinstance(sort_window, int) or sort_window < 0:
-            raise ValueError(f"AdaptiveLoader sort_window={sort_window!r}; it must be an integer >= 0")
+        validate.integer("AdaptiveLoader sort_window", sort_window, 0)
         if sort_window > 1 and lengths is None:
             raise ValueError(f"AdaptiveLoader sort_window={sort_window} sorts by length and needs lengths=")
         if not 0 <= rank < len(sizes):
@@ -74,10 +74,8 @@ class AdaptiveLoader:
             if bad in loader_kwargs:
                 raise ValueError(f"AdaptiveLoader plans batches itself; do not pass {bad}="
                                  f"{loader_kwargs[bad]!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"AdaptiveLoader seed={seed!r}; it must be an integer >= 0")
-        if not isinstance(shuffle, bool):
-            raise ValueError(f"AdaptiveLoader shuffle={shuffle!r}; it must be True or False")
+        validate.integer("AdaptiveLoader seed", seed, 0)
+        validate.boolean("AdaptiveLoader shuffle", shuffle)
         self.dataset = dataset
         self.num_samples = len(dataset)  # type: ignore[arg-type]
         if self.num_samples < len(sizes):

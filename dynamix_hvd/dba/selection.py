@@ -26,7 +26,6 @@ full batch's mean (per layer), which is what stops the elimination before it rea
 """
 from __future__ import annotations
 
-import math
 
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -39,6 +38,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..optim.grads import assign_gradients
 from . import fastgreedy, ghost
 from .importance import importance_weights
+from .. import validate
 
 Metric = Literal["variance", "snr"]
 Search = Literal["greedy", "rank"]
@@ -120,21 +120,13 @@ class DBAConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"DBAConfig.{name}={value!r}; choose one of {', '.join(allowed)}")
-        if isinstance(self.min_subset, bool) or not isinstance(self.min_subset, int) or self.min_subset < 2:
-            raise ValueError(f"DBAConfig.min_subset={self.min_subset!r}; it must be an integer >= 2")
-        def number(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        if not (number(self.min_fraction) and 0.0 <= self.min_fraction <= 1.0):
-            raise ValueError(f"DBAConfig.min_fraction={self.min_fraction!r}; it must be in [0, 1]")
-        if not (number(self.tolerance) and 0.0 <= self.tolerance < 1.0):
-            raise ValueError(f"DBAConfig.tolerance={self.tolerance!r}; it must be in [0, 1)")
-        if self.min_cosine is not None and not (number(self.min_cosine) and -1.0 <= self.min_cosine <= 1.0):
-            raise ValueError(f"DBAConfig.min_cosine={self.min_cosine!r}; it must be None or in [-1, 1]")
-        if not (number(self.max_noise) and math.isfinite(self.max_noise) and self.max_noise > 0):
-            raise ValueError(f"DBAConfig.max_noise={self.max_noise!r}; it must be > 0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"DBAConfig.seed={self.seed!r}; it must be an integer")
+        validate.integer("DBAConfig.min_subset", self.min_subset, 2)
+        validate.number("DBAConfig.min_fraction", self.min_fraction, 0.0, maximum=1.0, what="a number in [0, 1]")
+        validate.number("DBAConfig.tolerance", self.tolerance, 0.0, below=1.0, what="a number in [0, 1)")
+        if self.min_cosine is not None:
+            validate.number("DBAConfig.min_cosine", self.min_cosine, -1.0, maximum=1.0, what="None or a number in [-1, 1]")
+        validate.number("DBAConfig.max_noise", self.max_noise, above=0)
+        validate.integer("DBAConfig.seed", self.seed)
 
     def min_size(self, n: int) -> int:
         """Smallest subset allowed in a batch of n samples (n itself if the batch is that small)."""

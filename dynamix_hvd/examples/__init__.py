@@ -1,11 +1,5 @@
-"""Example training jobs (MLP, CNN, char-level transformer) and what they share."""
-from __future__ import annotations
+"""Example training scripts: plain Horovod + PyTorch jobs whose dynamix_hvd lines are marked ``# dx``.
 
-import time
-
-
-def busy_wait(seconds: float) -> None:
-    """Burn CPU like a slower device would (sleeping would free the core for the other ranks)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+`mlp` (generated data, no download) is what ``dynamix-hvd run`` launches. Horovod's own examples with
+the same change are in the source tree's docs/integration/.
+"""

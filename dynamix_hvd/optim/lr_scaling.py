@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
+from .. import validate
+
 LRRule = Literal["none", "linear", "sqrt", "adascale"]
 LR_RULES: tuple[str, ...] = ("none", "linear", "sqrt", "adascale")
 WARMUP_EPOCH_FRACTION = 0.03
@@ -50,9 +52,10 @@ def default_warmup_steps(steps_per_epoch: int) -> int:
 
 
 def check_warmup_steps(steps: Any) -> int | None:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
-        raise ValueError(f"lr_warmup_steps={steps!r}; give an integer >= 0 (0: no warm-up) or None "
-                         f"(the default: {WARMUP_EPOCH_FRACTION:.0%} of an epoch, at least 2 steps)")
+    if steps is not None:
+        validate.integer("lr_warmup_steps", steps, 0,
+                         what=f"an integer >= 0 (0: no warm-up) or None (the default: {WARMUP_EPOCH_FRACTION:.0%} "
+                              "of an epoch, at least 2 steps)")
     return steps
 
 

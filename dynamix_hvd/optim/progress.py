@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .lr_scaling import LRCoupling
+from .. import validate
 
 _EPS = 1e-9  # tau is a float sum: 2.9999999999 base steps are 3
 
@@ -46,9 +47,7 @@ def whole(progress: float) -> int:
 
 
 def _budget(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r}; give a finite number >= 0")
-    return float(value)
+    return float(validate.number(name, value, 0))
 
 
 class ProgressAccounting:
@@ -113,8 +112,8 @@ class ProgressScheduler:
             raise ValueError(f"per={per!r}; choose 'step' (one scheduler step per base iteration) or 'epoch'")
         if limit is None:
             limit = getattr(scheduler, "total_steps", None)
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            raise ValueError(f"limit={limit!r}; give an integer >= 0 or None")
+        if limit is not None:
+            validate.integer("limit", limit, 0, what="an integer >= 0 or None")
         self.scheduler, self.optimizer, self.per, self.limit = scheduler, optimizer, per, limit
         self._built_on_inner = scheduler.optimizer is not optimizer
         self.done = 0

@@ -41,6 +41,7 @@ from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, LRCoupling
 from .progress import ProgressAccounting
 from .flat import FlatGradients, sq_norm
+from .. import validate
 
 
 _CLASSES: dict[type, type] = {}
@@ -686,8 +687,7 @@ class _WeighThenCompress:
 
 
 def _check_passes(passes: Any) -> None:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"backward_passes_per_step={passes!r}; it must be an integer >= 1")
+    validate.integer("backward_passes_per_step", passes, 1)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -51,6 +51,7 @@ from ..comm import ControlChannel, StallWatchdog, abort_world
 from ..data.loader import AdaptiveLoader
 from ..data.plan import split_proportional
 from ..logs import get_logger
+from .. import validate
 
 FORMAT = "dynamix_hvd.checkpoint"
 FORMAT_VERSION = 2
@@ -308,7 +309,7 @@ class Checkpointer:
         if missing:
             raise bad(f"it lacks {missing}")
         world = state["world_size"]
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        if not validate.is_integer(world, 1):
             raise bad(f"world_size={world!r}")
         loader = state["loader"]
         if not isinstance(loader, dict) or not {"num_samples", "batch_sizes", "epoch", "cursor", "step"} <= set(loader):

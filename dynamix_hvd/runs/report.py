@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..tools.progress import format_sizes
+from .progress import format_sizes
 from .diagnosis import Diagnosis, diagnose
 from .rundir import RunData, read_run
 

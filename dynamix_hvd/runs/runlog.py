@@ -12,7 +12,7 @@ writes ``OUT/``:
   attribute;
 * ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
-  decisions as plain CSV (what `dynamix_hvd.rl.calibrate` reads);
+  decisions as plain CSV (what `bench.lab.calibrate` reads);
 * ``tensorboard/``: TensorBoard event files, with ``RunLog(..., tensorboard=True)`` (optional; see
   `dynamix_hvd.runs.tensorboard` for the tags).
 
@@ -41,7 +41,7 @@ import pandas as pd
 from ..comm import RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, Collective, library_channel
 from ..data.metrics import StepRecord
 from ..logs import get_logger
-from ..tools.progress import Progress
+from .progress import Progress
 
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
@@ -259,7 +259,7 @@ def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.D
 
     out.mkdir(parents=True, exist_ok=True)
     epochs.to_csv(out / "epochs.csv", index=False)
-    # the earlier per-rank CSVs, still read by dynamix_hvd.rl.calibrate and other tools
+    # the earlier per-rank CSVs, still read by bench.lab.calibrate and other tools
     for r, frame in steps.groupby("rank"):
         frame.to_csv(out / f"steps_rank{r}.csv", index=False)
     pd.DataFrame([{k: v for k, v in d.items() if k not in ("reports", "info")} for d in history]

@@ -20,6 +20,8 @@ from typing import Deque, Dict, Optional, Sequence, Union
 
 import numpy as np
 
+from .. import validate
+
 ArrayLike = Union[float, Sequence[float], np.ndarray]
 
 
@@ -266,22 +268,13 @@ class StatsConfig:
     """Keep per-layer (per-segment) EMAs when local_sq has a layer axis."""
 
     def __post_init__(self) -> None:
-        def real(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
         for name in ("ema_beta", "loss_ema_beta"):
-            value = getattr(self, name)
-            if not (real(value) and 0.0 <= value < 1.0):
-                raise ValueError(f"StatsConfig.{name}={value!r}; it must be a number in [0, 1)")
-        if self.base_batch is not None and (isinstance(self.base_batch, bool) or not isinstance(self.base_batch, int)
-                                            or self.base_batch < 1):
-            raise ValueError(f"StatsConfig.base_batch={self.base_batch!r}; it must be None or an integer >= 1")
-        if not (real(self.max_noise_scale) and self.max_noise_scale > 0):
-            raise ValueError(f"StatsConfig.max_noise_scale={self.max_noise_scale!r}; it must be a finite number > 0")
-        if isinstance(self.loss_window, bool) or not isinstance(self.loss_window, int) or self.loss_window < 2:
-            raise ValueError(f"StatsConfig.loss_window={self.loss_window!r}; it must be an integer >= 2")
-        if not isinstance(self.per_layer, bool):
-            raise ValueError(f"StatsConfig.per_layer={self.per_layer!r}; it must be True or False")
+            validate.number(f"StatsConfig.{name}", getattr(self, name), 0.0, below=1.0, what="a number in [0, 1)")
+        if self.base_batch is not None:
+            validate.integer("StatsConfig.base_batch", self.base_batch, 1, what="None or an integer >= 1")
+        validate.number("StatsConfig.max_noise_scale", self.max_noise_scale, above=0)
+        validate.integer("StatsConfig.loss_window", self.loss_window, 2)
+        validate.boolean("StatsConfig.per_layer", self.per_layer)
 
 
 #: Keys of :meth:`GradientStatistics.snapshot`, all floats; NaN until the quantity is known.
@@ -469,8 +462,7 @@ class GradientStatistics:
         all clipped to max_noise_scale; NaN before the first estimate; (0, the plain ratio, the cap)
         while no standard error is known (one estimate). `noise_scale` keeps its
         original definition (the PPO features and the shipped policy's reproduction depend on it)."""
-        if not (isinstance(z, (int, float)) and math.isfinite(z) and z >= 0):
-            raise ValueError(f"z={z!r} must be a finite number >= 0")
+        validate.number("z", z, 0)
         self._flush()
         if self._trace.count == 0:
             return math.nan, math.nan, math.nan

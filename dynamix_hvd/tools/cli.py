@@ -1,19 +1,18 @@
-"""``dynamix-hvd``: run the example job, manage policies, summarise and plot runs, run benchmarks.
+"""``dynamix-hvd``: launch a training script after checking the launch, summarise and plot runs.
 
     dynamix-hvd run --np 2 --launcher mpirun --batch-sizes 16,48 --epochs 3 --out runs/mlp
-    dynamix-hvd check --np 4 --launcher mpirun          # only the launch checks
-    dynamix-hvd policy list | inspect NAME | validate NAME | compare NAME OTHER
+    dynamix-hvd run --np 4 --script train.py -- --lr 0.1   # your own script through the same checks
+    dynamix-hvd check --np 4 --launcher mpirun             # only the launch checks
     dynamix-hvd summarize runs/mlp
-    dynamix-hvd plot runs/mlp [-o report.png]
-    dynamix-hvd bench decision_overhead -- --ranks 2,4
-    dynamix-hvd bench suite --quick                     # the benchmark suite (bench/suite.py)
+    dynamix-hvd plot runs/mlp [-o report.png]              # also: dynamix-hvd report
+    dynamix-hvd tensorboard runs/mlp
 
-Also ``python -m dynamix_hvd``. Every subcommand has ``--help``.
+Also ``python -m dynamix_hvd``. Every subcommand has ``--help``. Policy tools, the simulator and the
+benchmarks belong to the source tree's lab (``python -m bench.lab.policy_tools``, ``python -m bench.suite``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -25,9 +24,8 @@ from ..comm import set_horovod_stall_defaults
 from ..control.controller import POLICY_NAMES
 from ..logs import configure_logging
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH_DIR = REPO / "bench"
-EXAMPLE = "dynamix_hvd.examples.mlp_train"
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the directory that holds dynamix_hvd/
+EXAMPLE = "dynamix_hvd.examples.mlp"
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -74,19 +72,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = _check(args)
     except launchcheck.LaunchError as exc:
         return _fail("launch misconfigured:\n" + "\n".join(f"  - {l}" for l in str(exc).splitlines()))
-    job = [sys.executable, "-m", EXAMPLE, "--epochs", str(args.epochs), "--out", args.out,
-           "--policy", args.policy, "--samples", str(args.samples)]
-    if sizes:
-        job += ["--batch-sizes", ",".join(s.strip() for s in sizes)]
-    if args.policy_file:
-        job += ["--policy-file", args.policy_file]
+    if args.script:
+        if not Path(args.script).is_file():
+            return _fail(f"--script {args.script}: no such file")
+        job = [sys.executable, args.script]
+    else:
+        job = [sys.executable, "-m", EXAMPLE, "--epochs", str(args.epochs), "--out", args.out,
+               "--policy", args.policy, "--samples", str(args.samples)]
+        if sizes:
+            job += ["--batch-sizes", ",".join(s.strip() for s in sizes)]
+        if args.policy_file:
+            job += ["--policy-file", args.policy_file]
     job += [a for a in args.extra if a != "--"]
     env = dict(os.environ, **plan.env, DYNAMIX_LAUNCHER=args.launcher)
     env.setdefault("OMP_NUM_THREADS", "1")
     set_horovod_stall_defaults(env)
     if sys.stderr.isatty():  # ranks cannot tell (Open MPI gives them a pty anyway): ask for the bar
         env.setdefault("DYNAMIX_PROGRESS", "bar")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_PARENT), env.get("PYTHONPATH", "")]))
     if os.sep in args.mpirun:  # horovodrun --mpi looks mpirun up on PATH
         env["PATH"] = os.pathsep.join([str(Path(args.mpirun).parent), env.get("PATH", "")])
     cmd = launchcheck.command(plan, job, mpirun=args.mpirun, env=env)
@@ -94,37 +97,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     return subprocess.run(cmd, env=env).returncode
-
-
-# --- policy ------------------------------------------------------------------------------------------
-def _policy_dir(args: argparse.Namespace) -> Path | None:
-    return Path(args.dir) if args.dir else None
-
-
-def cmd_policy(args: argparse.Namespace) -> int:
-    """list / inspect / validate / compare through `policy_tools`."""
-    from ..control.policy_store import PolicyError
-    from . import policy_tools as tools
-
-    directory = _policy_dir(args)
-
-    try:
-        if args.action == "list":
-            result: Any = tools.list_policy_summaries(directory)
-        elif args.action == "inspect":
-            result = tools.inspect_policy(args.name, directory)
-        elif args.action == "validate":
-            result = tools.validate_policy(args.name, directory)
-        else:
-            if not args.other:
-                return _fail("policy compare needs two policies: NAME OTHER")
-            result = tools.compare_policies(args.name, args.other, directory=directory)
-    except PolicyError as exc:
-        return _fail(str(exc), 1)
-    print(json.dumps(result, indent=2, default=str) if args.json else tools.format_result(result))
-    failed = args.action == "validate" and not result.get("ok")
-    failed |= args.action == "inspect" and ("error" in result or "load_error" in result)
-    return 1 if failed else 0
 
 
 # --- runs --------------------------------------------------------------------------------------------
@@ -170,42 +142,15 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- bench -------------------------------------------------------------------------------------------
-def bench_scripts() -> dict[str, Path]:
-    """Benchmarks in bench/: name (file stem without 'bench_') -> script; "suite" is bench/suite.py."""
-    if not BENCH_DIR.is_dir():
-        return {}
-    scripts = {p.stem.removeprefix("bench_"): p for p in sorted(BENCH_DIR.glob("bench_*.py"))}
-    if (BENCH_DIR / "suite.py").is_file():
-        scripts["suite"] = BENCH_DIR / "suite.py"
-    return scripts
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    scripts = bench_scripts()
-    if args.list or not args.name:
-        for name, path in scripts.items():
-            doc = path.read_text().split('"""')[1].strip().splitlines()[0] if '"""' in path.read_text() else ""
-            print(f"{name:<22} {doc}")
-        return 0 if scripts else _fail(f"no benchmarks found in {BENCH_DIR}", 1)
-    script = scripts.get(args.name)
-    if script is None:
-        return _fail(f"no benchmark {args.name!r} in {BENCH_DIR}; available: {', '.join(scripts) or 'none'}")
-    extra = [a for a in args.extra if a != "--"]
-    # bench/ is a package of the source tree: run from its root, with this tree's dynamix_hvd first
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])))
-    return subprocess.run([sys.executable, "-m", f"bench.{script.stem}", *extra], cwd=REPO, env=env).returncode
-
-
 # --- parser ------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dynamix-hvd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("run", help="run the example training job through a launcher",
-                       description="Run the example MLP job (dynamix_hvd.examples.mlp_train) on --np ranks. "
-                                   "Arguments after '--' go to the example (see its --help).")
+    p = sub.add_parser("run", help="run the example training job (or --script) through a launcher",
+                       description="Run the example MLP job (dynamix_hvd.examples.mlp) or --script on --np "
+                                   "ranks. Arguments after '--' go to the script (see its --help).")
     _add_launch_options(p)
     p.add_argument("--batch-sizes", default=None, help="local batch size per rank, e.g. 16,48 (default 32 each)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
@@ -214,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-size policy: ppo (DYNAMIX, default), static or a classic rule")
     p.add_argument("--policy-file", default=None, help="PPO policy to start from: name in policies/ or path")
     p.add_argument("--out", default="runs/mlp", help="run directory for records and report (default runs/mlp)")
+    p.add_argument("--script", default=None,
+                   help="a training script to run instead of the example (then only the launch options "
+                        "and the arguments after '--' apply)")
     p.add_argument("--dry-run", action="store_true", help="check and print the command without running it")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the example")
     p.set_defaults(func=cmd_run)
@@ -223,22 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_options(p)
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("policy", help="list, inspect, validate or compare stored PPO policies")
-    p.add_argument("action", choices=["list", "inspect", "validate", "compare"],
-                   help="list: policies in the directory; inspect: NAME's spec, provenance and size; "
-                        "validate: run every check on NAME (exit 1 if one fails); "
-                        "compare: action distributions of NAME and OTHER on the same simulated states")
-    p.add_argument("name", nargs="?", help="policy name in the directory, or a path (inspect/validate/compare)")
-    p.add_argument("other", nargs="?", help="the second policy (compare only)")
-    p.add_argument("--dir", default=None, help="policy directory (default $DYNAMIX_POLICY_DIR or policies/)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
-    p.set_defaults(func=cmd_policy)
-
     p = sub.add_parser("summarize", help="table of a finished run, one row per epoch, and its straggler diagnosis")
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
     p.set_defaults(func=cmd_summarize)
 
-    p = sub.add_parser("plot", help="write the PNG report of a finished run")
+    p = sub.add_parser("plot", aliases=["report"], help="write the PNG report of a finished run")
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
     p.add_argument("-o", "--output", default=None, help="PNG to write (default RUN_DIR/report.png)")
     p.set_defaults(func=cmd_plot)
@@ -251,19 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", default=None, help="where to write (default RUN_DIR/tensorboard)")
     p.set_defaults(func=cmd_tensorboard)
 
-    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. decision_overhead)")
-    p.add_argument("name", nargs="?", help="benchmark name: bench/bench_NAME.py")
-    p.add_argument("--list", action="store_true", help="list the benchmarks")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="-- then arguments for the benchmark")
-    p.set_defaults(func=cmd_bench)
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
-    if args.command == "policy" and args.action != "list" and not args.name:
-        return _fail(f"policy {args.action} needs a policy NAME")
     result: Any = args.func(args)
     return int(result)
 

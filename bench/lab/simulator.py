@@ -51,16 +51,16 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..control.actions import ActionSpace, BatchBounds
-from ..control.cadence import DecisionCadence
-from ..control.core import DecisionCore, Observation, RankInput, StepSeries
-from ..control.policy import BatchSizePolicy, DecisionInput
-from ..control.proposal import ModelPolicy
-from ..control.refine import refine
-from ..control.reward import RewardConfig
-from ..control.state import RankReport
-from ..optim.lr_scaling import lr_factor
-from ..stats.noise_scale import GradientStatistics, StatsConfig
+from dynamix_hvd.control.actions import ActionSpace, BatchBounds
+from dynamix_hvd.control.cadence import DecisionCadence
+from dynamix_hvd.control.core import DecisionCore, Observation, RankInput, StepSeries
+from dynamix_hvd.control.policy import BatchSizePolicy, DecisionInput
+from dynamix_hvd.control.proposal import ModelPolicy
+from dynamix_hvd.control.refine import refine
+from dynamix_hvd.control.reward import RewardConfig
+from dynamix_hvd.control.state import RankReport
+from dynamix_hvd.optim.lr_scaling import lr_factor
+from dynamix_hvd.stats.noise_scale import GradientStatistics, StatsConfig
 
 
 @dataclass
@@ -500,7 +500,7 @@ class ClusterSimulator:
             self._epoch_step += 1
 
     def step_log_frame(self) -> Any:
-        """The logged steps as a pandas DataFrame (the columns :mod:`dynamix_hvd.rl.calibrate` reads)."""
+        """The logged steps as a pandas DataFrame (the columns :mod:`bench.lab.calibrate` reads)."""
         import pandas as pd
 
         return pd.DataFrame(self.step_log)

@@ -1,4 +1,4 @@
-"""Example job: a small character-level transformer language model with dynamix_hvd, trained to a target.
+"""Benchmark job: a small character-level transformer language model with dynamix_hvd, trained to a target.
 
 Structured like ``mlp_train.py`` (the dynamix_hvd lines are marked ``# dx``). The text is Python's
 own standard-library source code (read from this interpreter's installation, nothing downloaded).
@@ -6,7 +6,7 @@ Training stops when the loss on a fixed validation batch falls below ``--target-
 computes it on identical weights, so all stop at the same step without talking), and the script prints
 ``time_to_target_s`` — the metric of ``bench/bench_transfer.py``.
 
-Run with e.g. ``mpirun -np 2 python -m dynamix_hvd.examples.charlm_train --batch-sizes 16,16``.
+Run with e.g. ``mpirun -np 2 python -m bench.jobs.charlm_train --batch-sizes 16,16``.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
-from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
+from bench.jobs.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
                                          local_batches, make_slowdown, parser, plain_horovod_optimizer, start,
                                          step_due)
-from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
+from bench.jobs.records import SuiteRecorder, sharded_sum
 
 STDLIB_FILES = ("textwrap.py", "difflib.py", "argparse.py", "string.py", "fractions.py", "heapq.py",
                 "bisect.py", "calendar.py", "shlex.py", "glob.py", "fnmatch.py", "statistics.py")
@@ -171,7 +171,7 @@ def main() -> None:
                    "policy_file": args.policy_file, "decisions": len(controller.history) if controller is not None else 0}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if args.transitions and controller is not None and len(controller.history) > 1:
-            from dynamix_hvd.rl.pretrain import transitions_from_history, write_transitions_h5
+            from bench.lab.pretrain import transitions_from_history, write_transitions_h5
 
             obs, acts, rews = transitions_from_history(controller.history, args.epochs)
             write_transitions_h5(args.transitions, obs, acts, rews, attrs={"source": "charlm_train"})

@@ -1,7 +1,7 @@
-"""Example job: a Horovod + PyTorch training script using dynamix_hvd's data plane.
+"""Benchmark job: a Horovod + PyTorch training script using dynamix_hvd's data plane.
 
 Structured like Horovod's own ``pytorch_mnist.py``; the dynamix_hvd lines are marked ``# dx``.
-Run with e.g. ``mpirun -np 2 python -m dynamix_hvd.examples.mlp_train --batch-sizes 16,48``.
+Run with e.g. ``mpirun -np 2 python -m bench.jobs.mlp_train --batch-sizes 16,48``.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from torch import nn
 
 import dynamix_hvd as dx
 from dynamix_hvd.data.synthetic import teacher_classification
-from dynamix_hvd.examples.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
+from bench.jobs.common import (PlainHorovodLoader, add_bench_flags, add_common_flags, controller_config,
                                          local_batches, make_slowdown, parser, plain_horovod_optimizer, start,
                                          step_due)
-from dynamix_hvd.examples.records import SuiteRecorder, sharded_sum
+from bench.jobs.records import SuiteRecorder, sharded_sum
 from dynamix_hvd.runs.runlog import RunLog
-from dynamix_hvd.tools.progress import Progress
+from dynamix_hvd.runs.progress import Progress
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,9 +14,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..control.policy import BatchSizePolicy, StaticPolicy
-from ..control.proposal import ModelPolicy
-from ..control.rules import make_baseline
+from dynamix_hvd.control.policy import BatchSizePolicy, StaticPolicy
+from dynamix_hvd.control.proposal import ModelPolicy
+from dynamix_hvd.control.rules import make_baseline
 from .simulator import ClusterSimulator, ClusterSpec, EpisodeResult
 
 STATIC_SCALES = (0.5, 1.0, 2.0, 4.0)

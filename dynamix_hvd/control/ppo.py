@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
+from .. import validate
+
 ArrayLike = Union[Tensor, np.ndarray, Sequence[float], float]
 BUFFER_KEYS = ("obs", "actions", "logprobs", "rewards", "values", "dones")
 
@@ -98,17 +100,11 @@ class PPOConfig:
         ]
         for name, ok, what in rules:
             if not ok:
-                raise ValueError(f"PPOConfig.{name} must be {what} (got {getattr(self, name)!r})")
+                validate.fail(f"PPOConfig.{name}", getattr(self, name), what)
 
 
-def _num(value: Any) -> bool:
-    """A finite real number (bools excluded)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int(value: Any, low: int) -> bool:
-    """An int (bools excluded) >= ``low``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+_num = validate.is_number   # a finite real number (bools excluded)
+_int = validate.is_integer  # an int (bools excluded) >= the minimum
 
 
 def make_observation(rank_obs: ArrayLike, global_obs: ArrayLike) -> Tensor:

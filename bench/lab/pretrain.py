@@ -1,10 +1,10 @@
 """Pretrain the PPO batch-size policy in the cluster simulator, fine-tune it, save it.
 
-``python -m dynamix_hvd.rl.pretrain --help`` lists every option (the fields of :class:`PretrainConfig`).
-The shipped default policy is reproduced by ``python -m dynamix_hvd.rl.pretrain`` (all defaults).
+``python -m bench.lab.pretrain --help`` lists every option (the fields of :class:`PretrainConfig`).
+The shipped default policy is reproduced by ``python -m bench.lab.pretrain`` (all defaults).
 
 Training: each PPO update is one rollout of ``horizon`` decisions on ``clusters_per_update`` simulated
-jobs drawn from :class:`~dynamix_hvd.rl.simulator.ScenarioConfig` (world sizes, speeds, stragglers, drifts,
+jobs drawn from :class:`~bench.lab.simulator.ScenarioConfig` (world sizes, speeds, stragglers, drifts,
 noise-scale trajectories, networks, memory), each starting at a random point of its training run. The
 jobs' ranks are stacked into one batch of rows (the shared policy acts on each rank independently, as
 in the live controller). The rollout ends by time limit, so its last reward is bootstrapped.
@@ -35,17 +35,17 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..control.actions import ActionSpace
-from ..control.refine import PPOPolicy
-from ..control.refine import make_learner as fresh_learner
-from ..control.policy_store import DEFAULT_POLICY, load_policy, resolve, save_policy
-from .ppo import PPOConfig, PPOLearner
-from ..control.reward import RewardConfig
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.refine import PPOPolicy
+from dynamix_hvd.control.refine import make_learner as fresh_learner
+from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy, resolve, save_policy
+from dynamix_hvd.control.ppo import PPOConfig, PPOLearner
+from dynamix_hvd.control.reward import RewardConfig
 from .evaluate import evaluate_job, gmean_ratio, heldout_table
 from .scenarios import ScenarioConfig, perturb_spec, sample_cluster
 from .simulator import ClusterSimulator, ClusterSpec
-from ..control.core import loss_trend, observe_reports, progress_fraction
-from ..control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, RankReport
+from dynamix_hvd.control.core import loss_trend, observe_reports, progress_fraction
+from dynamix_hvd.control.state import GLOBAL_FEATURES, OBS_DIM, RANK_FEATURES, RankReport
 
 """Name of the shipped policy in ``policies/`` (``policies/default.pt`` + ``default.json`` + ``default.md``)."""
 
@@ -70,7 +70,7 @@ class PretrainConfig:
     """Decisions per rollout (PPO rollout length)."""
     families: str = "mlp,cnn,real-cnn,real-mlp"
     """Comma-separated workload families to train on: synthetic (mlp, cnn, transformer) or calibrated
-    from a real run of the example jobs (real-cnn, real-mlp, real-charlm; dynamix_hvd/rl/profiles/)."""
+    from a real run of the example jobs (real-cnn, real-mlp, real-charlm; bench/lab/profiles/)."""
     world_sizes: str = "2,2,2,2,3,3,4,4,4,6,8,8,16,32,64"
     """Comma-separated world sizes drawn uniformly (repeat one to weight it): mostly 2-8, some 16-64."""
     heldout_families: str = "transformer,real-charlm"
@@ -80,7 +80,7 @@ class PretrainConfig:
     time_limit_s: float = 600.0
     """Stop the PPO updates after this many seconds (the evaluation runs after it)."""
     calibration: str = ""
-    """A calibration JSON (python -m dynamix_hvd.rl.calibrate): also train on jobs perturbed around it."""
+    """A calibration JSON (python -m bench.lab.calibrate): also train on jobs perturbed around it."""
     calibration_mix: float = 0.5
     """Fraction of the jobs drawn around the calibrated cluster when `calibration` is set."""
     init_policy: str = ""
@@ -478,7 +478,7 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
              "## Training", "",
              f"- Simulator jobs: `ScenarioConfig(families={_names(cfg.families)}, world_sizes={list(_ints(cfg.world_sizes))})`"
              " (2-8 ranks weighted, some 16-64; `real-*` families are workloads calibrated from real runs of "
-             "this project's example jobs, `dynamix_hvd/rl/profiles/`): heterogeneous speeds, stragglers, mid-run "
+             "this project's example jobs, `bench/lab/profiles/`): heterogeneous speeds, stragglers, mid-run "
              "slow-downs, heavy-tailed transient stalls, GPU small-batch knees, ring allreduce with latency/"
              "bandwidth/contention and overlap, memory limits, noise-scale trajectories, loss spikes on LR jumps, "
              "the live controller's decision cadence over finite epochs (half the jobs) or fixed spacing.",
@@ -499,12 +499,12 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
     if evaluation.get("table"):
         lines += [f"Held-out workload families {_names(cfg.heldout_families)} (not trained on), world sizes "
                   f"{list(_ints(cfg.eval_world_sizes))}, full runs to the statistical target "
-                  "(`dynamix_hvd.rl.evaluate`): time-to-target / the best static batch's (the initial sizes "
+                  "(`bench.lab.evaluate`): time-to-target / the best static batch's (the initial sizes "
                   "scaled x0.5, x1, x2, x4, best kept), geometric means; lower is better.", "",
                   *evaluation["table"], ""]
     lines += ["## Limits", "",
               "- Trained only in simulation, and briefly (time-boxed); the simulator's models are approximations. "
-              "Calibrate against a real log (`python -m dynamix_hvd.rl.calibrate`) and fine-tune for a target.",
+              "Calibrate against a real log (`python -m bench.lab.calibrate`) and fine-tune for a target.",
               "- The oracle knows the true noise scale and speeds; the policy sees the controller's noisy estimates.", ""]
     evals = [r["eval_reward"] for r in curve if math.isfinite(r["eval_reward"])]
     if evaluation.get("selected_eval_reward") == first:
@@ -516,10 +516,10 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = dataclass_parser(PretrainConfig, (__doc__ or "").split("\n\n")[0], prog="python -m dynamix_hvd.rl.pretrain")
+    ap = dataclass_parser(PretrainConfig, (__doc__ or "").split("\n\n")[0], prog="python -m bench.lab.pretrain")
     cfg = PretrainConfig(**vars(ap.parse_args(argv)))
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python -m dynamix_hvd.rl.pretrain", *argv])
+    command = " ".join(["python -m bench.lab.pretrain", *argv])
     t0 = time.perf_counter()
     learner, curve, evaluation = pretrain(cfg)
     elapsed = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 
 Input: the per-step records every rank writes (:class:`~dynamix_hvd.data.metrics.StepRecord` columns, e.g.
 ``steps_rank*.csv`` of the example jobs) and, optionally, rank 0's ``decisions.csv`` (loss, decision
-interval). Output: a :class:`~dynamix_hvd.rl.simulator.ClusterSpec` plus the fit error.
+interval). Output: a :class:`~bench.lab.simulator.ClusterSpec` plus the fit error.
 
 Throughput model (the simulator's): rank i arrives at the allreduce after ``data_i + alpha_i + beta_i b_i``;
 the step ends ``(max_i arrival_i ** gamma + net ** gamma) ** (1 / gamma) + optimizer`` after it started.
@@ -16,8 +16,8 @@ Noise-scale trajectory: per window of steps, the pooled unbiased estimates of tr
 (:func:`noise_scale.pooled_estimate`, from ``local_grad_sq``/``global_grad_sq``) are averaged and
 divided; ``log phi`` and ``log |G|^2`` are fitted linearly against the fraction of samples processed.
 
-``python -m dynamix_hvd.rl.calibrate RUN_DIR --out calibration.json`` (the JSON feeds
-``python -m dynamix_hvd.rl.pretrain --calibration``).
+``python -m bench.lab.calibrate RUN_DIR --out calibration.json`` (the JSON feeds
+``python -m bench.lab.pretrain --calibration``).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from ..stats.noise_scale import pooled_estimate
+from dynamix_hvd.stats.noise_scale import pooled_estimate
 from .simulator import ClusterSpec
 
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
@@ -91,7 +91,7 @@ def run_source(run_dir: str | Path) -> dict[str, Any]:
     cmd = run_dir / "command.txt"
     if cmd.is_file():
         out["command"] = cmd.read_text().strip()
-        module = re.search(r"-m dynamix_hvd\.examples\.(\w+)", out["command"])
+        module = re.search(r"-m (?:bench\.jobs|dynamix_hvd\.examples)\.(\w+)", out["command"])
         if module and "example" not in out:
             out["example"] = module.group(1)
     return out
@@ -270,7 +270,7 @@ def calibrate(steps: pd.DataFrame, decisions: Optional[pd.DataFrame] = None, hol
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m dynamix_hvd.rl.calibrate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.lab.calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="directory with steps_rank*.csv (and optionally decisions.csv)")
     ap.add_argument("--out", default="", help="write the calibration JSON here")
     ap.add_argument("--holdout", type=float, default=0.25, help="fraction of steps (the last ones) held back")

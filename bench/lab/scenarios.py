@@ -5,7 +5,7 @@ curve, length) on a cluster (world size, per-rank speeds, stragglers and slow-do
 network, memory, a GPU's small-batch knee, the decision cadence). Workloads come from a synthetic
 family (:data:`FAMILIES`: ranges drawn log-uniformly) or, for families named ``real-NAME``, from a
 profile fitted to a real run of this project's example jobs (``profiles/NAME.json``, written by
-:func:`dynamix_hvd.rl.calibrate.calibrate`; read as JSON, nothing in it is executed), jittered around
+:func:`bench.lab.calibrate.calibrate`; read as JSON, nothing in it is executed), jittered around
 the fit. The cluster is drawn the same way for both, so a real workload also meets world sizes,
 stragglers and networks its log never saw.
 """

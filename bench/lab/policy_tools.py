@@ -1,4 +1,6 @@
-"""Policy tools for the command line: list, inspect, validate, compare. Pure: no MPI, no Horovod.
+"""Policy tools: list, inspect, validate, compare stored PPO policies. Pure: no MPI, no Horovod.
+
+    python -m bench.lab.policy_tools list | inspect NAME | validate NAME | compare NAME OTHER [--dir D] [--json]
 
 Every function takes a policy name (looked up in the policy directory, see
 :func:`policy_store.default_policy_dir`) or a path, and returns plain dicts (JSON-ready) that
@@ -11,15 +13,16 @@ import hashlib
 import json
 import math
 import os
+import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..control.actions import ActionSpace
-from ..control.policy_store import PolicyError, list_policies, load_policy, read_spec, resolve
-from ..control.state import OBS_DIM
+from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.policy_store import PolicyError, list_policies, load_policy, read_spec, resolve
+from dynamix_hvd.control.state import OBS_DIM
 
 
 def _space(meta: Optional[dict[str, Any]] = None) -> ActionSpace:
@@ -67,8 +70,8 @@ def inspect_policy(name_or_path: str | os.PathLike, directory: Optional[Path] = 
 def sample_observations(n: int = 256, seed: int = 0) -> torch.Tensor:
     """``[n, OBS_DIM]`` realistic observations: simulated jobs (random clusters and workloads) driven by
     random actions, so states away from the static configuration are covered too."""
-    from ..rl.scenarios import ScenarioConfig, sample_cluster
-    from ..rl.simulator import ClusterSimulator
+    from .scenarios import ScenarioConfig, sample_cluster
+    from .simulator import ClusterSimulator
 
     rng = np.random.default_rng(seed)
     scenario = ScenarioConfig(families=("mlp", "cnn", "transformer"), world_sizes=(1, 2, 3, 4, 8))
@@ -101,7 +104,7 @@ def validate_policy(name_or_path: str | os.PathLike, directory: Optional[Path] =
         check("spec readable", False, str(exc))
         return out | {"ok": False}
     space = _space(meta)
-    from ..control.policy_store import check_spec
+    from dynamix_hvd.control.policy_store import check_spec
     try:
         check_spec(meta, space, str(js))
         check("spec matches this dynamix_hvd", True)
@@ -179,3 +182,48 @@ def _fmt(v: Any) -> str:
     if isinstance(v, (dict, list)):
         return json.dumps(v, default=str)
     return str(v)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: one action, its result as text (or JSON); exit 1 when a check fails, 2 on misuse."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.lab.policy_tools", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("action", choices=["list", "inspect", "validate", "compare"],
+                    help="list: policies in the directory; inspect: NAME's spec, provenance and size; "
+                         "validate: run every check on NAME (exit 1 if one fails); "
+                         "compare: action distributions of NAME and OTHER on the same simulated states")
+    ap.add_argument("name", nargs="?", help="policy name in the directory, or a path (inspect/validate/compare)")
+    ap.add_argument("other", nargs="?", help="the second policy (compare only)")
+    ap.add_argument("--dir", default=None, help="policy directory (default $DYNAMIX_POLICY_DIR or policies/)")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    args = ap.parse_args(argv)
+
+    def fail(message: str, code: int) -> int:
+        print(f"policy_tools: error: {message}", file=sys.stderr)
+        return code
+
+    if args.action != "list" and not args.name:
+        return fail(f"policy {args.action} needs a policy NAME", 2)
+    directory = Path(args.dir) if args.dir else None
+    try:
+        if args.action == "list":
+            result: Any = list_policy_summaries(directory)
+        elif args.action == "inspect":
+            result = inspect_policy(args.name, directory)
+        elif args.action == "validate":
+            result = validate_policy(args.name, directory)
+        else:
+            if not args.other:
+                return fail("policy compare needs two policies: NAME OTHER", 2)
+            result = compare_policies(args.name, args.other, directory=directory)
+    except PolicyError as exc:
+        return fail(str(exc), 1)
+    print(json.dumps(result, indent=2, default=str) if args.json else format_result(result))
+    failed = args.action == "validate" and not result.get("ok")
+    failed |= args.action == "inspect" and ("error" in result or "load_error" in result)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

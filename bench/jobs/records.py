@@ -24,7 +24,7 @@ import torch
 
 from dynamix_hvd.comm import Collective, library_channel
 
-SUITE_FINISH = Collective("bench.suite_finish", 600.0, "examples.records: every rank's step rows to rank 0")
+SUITE_FINISH = Collective("bench.suite_finish", 600.0, "bench.jobs.records: every rank's step rows to rank 0")
 
 
 def sharded_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,

