@@ -99,14 +99,14 @@ class Setup:
                                                        max_grad_norm=self.clip or None,
                                                        track_grad_norms=variant != "weighted-nostats")
             if variant.startswith("controller"):
-                period = 0.0 if variant == "controller-nothreads" else dx.ControllerConfig().resource_period_s
+                period = 0.0 if variant == "controller-nothreads" else dx.AdvancedConfig().resource_period_s
                 self.controller = dx.DynamixController(self.loader, self.opt,
-                                                       dx.ControllerConfig(policy="static", resource_period_s=period,
+                                                       dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=period),
                                                                            decide_every_steps=0))
             elif variant == "default":  # as bench.zoo_train's default arm builds it
                 cfg = dx.ControllerConfig(policy="ppo", policy_file="default", learn=False,
                                           total_epochs=job.epochs if job is not None else 10,
-                                          ppo=dx.PPOConfig(seed=0, rollout_length=8))
+                                          ppo={"seed": 0, "rollout_length": 8})
                 self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)
 
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs

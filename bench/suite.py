@@ -154,7 +154,7 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name == "rules":
             out += arms(w, list(RULES))
         elif name in RULES:
-            kw = ("--policy-kwargs", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
+            kw = ("--policy-config", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
             out.append(Arm(name, ("--policy", name, *kw)))
         elif name == "ppo-bn1":  # the default without the BatchNorm floor: ranks may go down to one sample
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
@@ -162,7 +162,7 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
         elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
-            out.append(Arm(name, ("--policy", "model", "--policy-kwargs", json.dumps({"hold_unidentified": 0}))))
+            out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"hold_unidentified": 0}))))
         elif name in ("ppo", "ppo-online"):
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
                                   "1" if name == "ppo-online" else "0")))

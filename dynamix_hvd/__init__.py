@@ -22,7 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from .control.config import AdvancedConfig
 from .control.controller import ControllerConfig, DynamixController
+from .control.proposal import ProposalConfig
+from .control.reward import RewardConfig
+from .control.rules import (AdaBatchConfig, GoodputConfig, IncreaseBatchConfig, LinearRampConfig, NoiseScaleConfig,
+                            SpeedSplitConfig)
 from .data.loader import AdaptiveLoader
 from .data.metrics import StepRecord, StepTracker
 from .data.plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
@@ -32,10 +37,13 @@ from .optim.progress import ProgressScheduler
 from .resilience import checkpoint
 from .resilience.checkpoint import Checkpointer
 from .control.ppo import PPOConfig
+from .stats.noise_scale import StatsConfig
 
 __version__ = "0.2.0"
 
-__all__ = ["AdaptiveLoader", "Checkpointer", "checkpoint", "ControllerConfig", "DynamixController", "PPOConfig",
+__all__ = ["AdaBatchConfig", "AdaptiveLoader", "AdvancedConfig", "Checkpointer", "checkpoint", "ControllerConfig",
+           "DynamixController", "GoodputConfig", "IncreaseBatchConfig", "LinearRampConfig", "NoiseScaleConfig",
+           "PPOConfig", "ProposalConfig", "RewardConfig", "SpeedSplitConfig", "StatsConfig",
            "PlannedStep", "ProgressScheduler", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 

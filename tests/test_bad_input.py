@@ -13,11 +13,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamix_hvd import ControllerConfig, PPOConfig
+from dynamix_hvd import AdvancedConfig, ControllerConfig, PPOConfig
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.config import POLICY_CONFIGS
 from dynamix_hvd.control.controller import POLICY_NAMES
 from dynamix_hvd.control.policy_store import PolicyError, load_policy
+from dynamix_hvd.control.proposal import ProposalConfig
 from dynamix_hvd.control.reward import RewardConfig
+from dynamix_hvd.control.rules import RULE_CONFIGS
 from dynamix_hvd.data.loader import AdaptiveLoader
 from dynamix_hvd.dba.selection import DBAConfig
 from dynamix_hvd.optim.lr_scaling import LRCoupling
@@ -28,6 +31,7 @@ FUZZ_EXAMPLES = 400
 values = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
                    st.text(max_size=5), st.lists(st.integers(-3, 3), max_size=3))
 TRIED = {"configs": 0, "policies": 0}
+PPO_FIELDS = {f.name for f in dataclasses.fields(PPOConfig)}
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
@@ -56,13 +60,45 @@ def test_reward_config_fuzz(field, value):
 @given(kwargs=st.fixed_dictionaries({}, optional={"policy": values, "decide_every_steps": values,
                                                   "min_batch": values, "max_batch": values,
                                                   "timeout_s": values, "total_epochs": values,
-                                                  "learn": values, "multipliers": st.lists(values, max_size=3)}))
+                                                  "learn": values, "decision_budget": values,
+                                                  "ppo": st.one_of(values, st.dictionaries(
+                                                      st.sampled_from(["gamma", "seed", "hidden_sizes", "lr"]), values,
+                                                      max_size=2)),
+                                                  "policy_config": st.one_of(values, st.sampled_from(
+                                                      sorted({k for k in POLICY_CONFIGS.values() if k}, key=str)).map(
+                                                      lambda kind: kind()))}))
 def test_controller_config_fuzz(kwargs):
     TRIED["configs"] += 1
     try:
         ControllerConfig(**kwargs)
     except ValueError as exc:
         assert any(k in str(exc) for k in kwargs) or "batch bounds" in str(exc)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(kwargs=st.fixed_dictionaries({}, optional={
+    "target_decisions": values, "min_decision_steps": values, "keep_inputs": values, "resource_period_s": values,
+    "multipliers": st.one_of(values, st.lists(values, max_size=3))}))
+def test_advanced_config_fuzz(kwargs):
+    TRIED["configs"] += 1
+    try:
+        AdvancedConfig(**kwargs)
+    except ValueError as exc:
+        assert any(k in str(exc) for k in kwargs)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), policy=st.sampled_from(sorted(RULE_CONFIGS)))
+def test_rule_config_fuzz(data, policy):
+    """Any value of a rule's field either builds its config or is refused naming the field."""
+    kind = RULE_CONFIGS[policy]
+    name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(kind)]))
+    value = data.draw(values, label=name)
+    TRIED["configs"] += 1
+    try:
+        kind(**{name: value})
+    except ValueError as exc:
+        assert f"{kind.__name__}.{name}=" in str(exc)
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -110,29 +146,40 @@ BAD_PPO = {
 BAD_WEIGHT = st.one_of(NOT_A_NUMBER, NONFINITE, st.floats(max_value=-1e-9, allow_nan=False), st.integers(max_value=-1))
 BAD_CONTROLLER = {
     "policy": st.one_of(st.text(max_size=8).filter(lambda t: t not in POLICY_NAMES), st.none(), st.integers()),
-    "policy_kwargs": st.one_of(st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2)),
+    # a config of another policy's type (policy "ppo" takes a ProposalConfig), or not a config at all
+    "policy_config": st.one_of(st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2), st.just({}),
+                               st.sampled_from(sorted(RULE_CONFIGS)).map(lambda name: RULE_CONFIGS[name]()),
+                               st.builds(RewardConfig)),
     "policy_file": st.one_of(st.integers(), st.floats(), st.lists(st.text(max_size=2), max_size=2)),
     "learn": NOT_A_BOOL,
     "decide_every_steps": not_an_int(0).filter(lambda v: v is not None),  # None: the automatic cadence
-    "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0), "min_batch": not_an_int(1),
-    "max_batch": not_an_int(1),
+    "min_batch": not_an_int(1), "max_batch": not_an_int(1),
     "max_passes": not_an_int(1), "batchnorm_min_batch": not_an_int(1),
     "total_epochs": not_an_int(1).filter(lambda v: v is not None),
-    "timeout_s": NOT_POSITIVE, "resource_period_s": NEGATIVE,
+    "timeout_s": NOT_POSITIVE,
     "decision_budget": st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
                                  st.floats(max_value=-1e-9, allow_infinity=False)),
+    # nested configs: anything but the right type, or the right type holding a bad value
+    "reward": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.booleans(), st.builds(PPOConfig),
+                        st.sampled_from([f.name for f in dataclasses.fields(RewardConfig) if f.name != "noise"]).flatmap(
+                            lambda name: st.booleans().map(lambda b: RewardConfig(**{name: b})))),
+    # not a dict, an unknown field, or a known field with a bad value
+    "ppo": st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2), st.integers(),
+                     st.booleans(), st.builds(PPOConfig), st.builds(RewardConfig),
+                     st.text(min_size=1, max_size=6).filter(lambda t: t not in PPO_FIELDS).map(lambda t: {t: 1}),
+                     st.sampled_from(sorted(BAD_PPO)).flatmap(lambda name: BAD_PPO[name].map(lambda v: {name: v}))),
+    "stats": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.builds(RewardConfig), st.builds(PPOConfig)),
+    "advanced": st.one_of(NOT_A_NUMBER, st.integers(), st.builds(RewardConfig), st.builds(StatsConfig)),
+}
+BAD_ADVANCED = {
+    "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0),
+    "resource_period_s": NEGATIVE,
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
                              st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
                              st.lists(st.text(max_size=2), min_size=1, max_size=3),
                              st.just([1.0, math.nan]), st.just([1.0, math.inf]),
                              st.integers(), st.floats(), st.none(), st.text(min_size=1, max_size=3),
                              st.just((1.0, True))),
-    # nested configs: anything but the right type, or the right type holding a bad value
-    "reward": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.booleans(), st.builds(PPOConfig),
-                        st.sampled_from([f.name for f in dataclasses.fields(RewardConfig) if f.name != "noise"]).flatmap(
-                            lambda name: st.booleans().map(lambda b: RewardConfig(**{name: b})))),
-    "ppo": st.one_of(NOT_A_NUMBER, st.integers(), st.booleans(), st.builds(RewardConfig), st.builds(StatsConfig)),
-    "stats": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.builds(RewardConfig), st.builds(PPOConfig)),
 }
 UNIT_OPEN = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
                       st.floats(max_value=-1e-9, allow_infinity=False))
@@ -167,6 +214,7 @@ def test_every_field_has_bad_values():
     """A field added to a config without a generator of bad values fails here."""
     assert set(BAD_PPO) == {f.name for f in dataclasses.fields(PPOConfig)}
     assert set(BAD_CONTROLLER) == {f.name for f in dataclasses.fields(ControllerConfig)}
+    assert set(BAD_ADVANCED) == {f.name for f in dataclasses.fields(AdvancedConfig)}
     assert set(BAD_STATS) == {f.name for f in dataclasses.fields(StatsConfig)}
     assert set(BAD_DBA) == {f.name for f in dataclasses.fields(DBAConfig)}
 
@@ -193,6 +241,14 @@ def test_controller_config_rejects_bad_values(data, field):
     value = data.draw(BAD_CONTROLLER[field], label=field)
     with pytest.raises(ValueError, match=field):
         ControllerConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_ADVANCED)))
+def test_advanced_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_ADVANCED[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        AdvancedConfig(**{field: value})
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
@@ -279,11 +335,16 @@ def test_stats_config_fuzz(field, value):
 
 
 def test_nested_configs_named_in_the_error():
-    for kwargs, needle in ((dict(multipliers=5), "multipliers=5"), (dict(reward="x"), "reward='x'"),
-                           (dict(stats=StatsConfig), "stats="), (dict(ppo={}), "ppo={}"),
+    for kwargs, needle in ((dict(reward="x"), "reward='x'"), (dict(stats=StatsConfig), "stats="),
+                           (dict(ppo=PPOConfig()), "ppo=PPOConfig("), (dict(ppo={"gamma": 2}), "ppo: PPOConfig.gamma"),
+                           (dict(advanced=AdvancedConfig), "advanced="),
+                           (dict(policy="goodput", policy_config=ProposalConfig()),
+                            "policy_config=ProposalConfig("),
                            (dict(reward=RewardConfig(switch_weight=True)), "reward.switch_weight=True")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             ControllerConfig(**kwargs)
+    with pytest.raises(ValueError, match=re.escape("AdvancedConfig.multipliers=5")):
+        AdvancedConfig(multipliers=5)
     for beta in (math.nan, 1.5):
         with pytest.raises(ValueError, match="ema_beta"):
             StatsConfig(ema_beta=beta)

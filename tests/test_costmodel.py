@@ -211,7 +211,7 @@ def test_batch_grows_only_on_identified_fits_unless_exploring():
 
 def test_model_policy_is_selectable_and_keeps_sizes_without_timings():
     assert "model" in POLICY_NAMES
-    policy = make_policy(ControllerConfig(policy="model", policy_kwargs={"trust": 4.0}))
+    policy = make_policy(ControllerConfig(policy="model", policy_config=ProposalConfig(trust=4.0)))
     assert isinstance(policy, ModelPolicy) and policy.cfg.trust == 4.0
     out = policy.decide(decision_input([16, 8], costs=CostModel(2)))
     assert out.sizes == [16, 8]

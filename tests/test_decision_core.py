@@ -151,7 +151,7 @@ def _plain(value: Any, path: str = "state") -> None:
 def test_core_state_is_plain_and_continues_exactly_after_a_weights_only_load() -> None:
     sim = ClusterSimulator(spec(2), seed=4)
     sim.reset()
-    cfg = ControllerConfig(policy="ppo", learn=True, total_epochs=sim.total_epochs, ppo=ControllerConfig().ppo)
+    cfg = ControllerConfig(policy="ppo", learn=True, total_epochs=sim.total_epochs)
     core = make_core(cfg, 2, sum(sim.sizes))
     for _ in range(6):
         d = core.decide(sim.inputs, list(sim.sizes), sim.epoch)

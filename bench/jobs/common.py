@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import dynamix_hvd as dx
+from dynamix_hvd.control.config import policy_config_from
 from dynamix_hvd.control.controller import POLICY_NAMES
 from dynamix_hvd.optim.lr_scaling import LR_RULES
 
@@ -36,7 +37,10 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                          "(B/B0: SGD while B stays below the noise scale), sqrt (sqrt(B/B0): Adam-type), none")
     ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
                     help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
-    ap.add_argument("--policy-kwargs", default="{}", help="JSON parameters of a classic rule, e.g. '{\"end\": 512}'")
+    ap.add_argument("--policy-config", default="{}",
+                    help="JSON fields of the policy's typed config (ControllerConfig.policy_config), e.g. "
+                         "'{\"end\": 512}' for linear-ramp (LinearRampConfig), '{\"trust\": 4}' for model or ppo "
+                         "(ProposalConfig)")
     ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
                     help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
     ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
@@ -86,11 +90,11 @@ def step_due(optimizer: Any) -> bool:
 def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
     """The controller's configuration from the common flags."""
     return dx.ControllerConfig(
-        policy=args.policy, policy_kwargs=json.loads(args.policy_kwargs),
+        policy=args.policy, policy_config=policy_config_from(args.policy, json.loads(args.policy_config)),
         policy_file=None if args.policy_file == "none" else args.policy_file,
         learn=bool(args.learn), total_epochs=args.epochs, max_batch=args.max_batch, max_passes=args.max_passes,
         decide_every_steps=None if args.decide_every is None or args.decide_every < 0 else args.decide_every,
-        ppo=dx.PPOConfig(seed=args.seed, rollout_length=8))
+        ppo={"seed": args.seed, "rollout_length": 8})
 
 
 # --- what the benchmark suite (bench/suite.py) needs from every example ------------------------------

@@ -153,9 +153,9 @@ class ClusterSpec:
     cadence (epoch ends, a ramp, then `target_decisions` spread over `total_epochs` epochs of
     `dataset_size` samples; an epoch's last step takes the remainder)."""
     target_decisions: int = 32
-    """ControllerConfig.target_decisions (``cadence="live"``)."""
+    """ControllerConfig.advanced.target_decisions (``cadence="live"``)."""
     min_decision_steps: int = 8
-    """ControllerConfig.min_decision_steps (``cadence="live"``)."""
+    """ControllerConfig.advanced.min_decision_steps (``cadence="live"``)."""
     max_decisions: int = 2000
     """Decisions after which an episode stops even if the target was not reached."""
     min_batch: int = 1

@@ -95,15 +95,15 @@ class DynamixController:
         # np.median imports numpy.ma on first use: 0.2 s here, which would land in the first decision
         # (inside the first epoch, with every other rank waiting); pay it now, before training starts
         import numpy.ma  # noqa: F401
-        self.resources = ResourceSampler(device, background_period_s=self.cfg.resource_period_s)
+        self.resources = ResourceSampler(device, background_period_s=self.cfg.advanced.resource_period_s)
         self.history: list[dict[str, Any]] = []   # every decision, kept on every rank
-        self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.keep_inputs)
+        self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.advanced.keep_inputs)
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
         self._total_steps = 0
         self._steps_since = 0  # loader steps (micro-batches) since the last decision (identical on every rank)
-        self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.target_decisions,
-                                       self.cfg.min_decision_steps, self.cfg.total_epochs)
+        self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.advanced.target_decisions,
+                                       self.cfg.advanced.min_decision_steps, self.cfg.total_epochs)
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "

@@ -7,8 +7,8 @@ field. Files are written to a temporary name and renamed, so a crash never leave
 Where policies live: $DYNAMIX_POLICY_DIR if set; else the policies shipped inside the installed
 package (the top-level ``policies/`` folder is package data ``dynamix_hvd.policies`` in the wheel and
 the sdist, found with ``importlib.resources``); else, in a source checkout, the repository's
-``policies/``. A PPO config given by the user is applied on top of the stored one where that is
-possible and refused, naming the fields, where it is not (``load_policy(..., ppo=...)``).
+``policies/``. The PPO fields a user names override the stored config where that is possible and
+are refused, naming the fields, where it is not (``load_policy(..., ppo={field: value})``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping
 
 import torch
 
@@ -135,15 +135,12 @@ def check_spec(meta: dict[str, Any], actions: ActionSpace, source: str) -> None:
 
 
 def load_policy(name_or_path: str | os.PathLike, actions: ActionSpace, directory: Path | None = None,
-                ppo: PPOConfig | None = None, ppo_defaults: Sequence[PPOConfig] | None = None
-                ) -> tuple[PPOLearner, dict[str, Any]]:
+                ppo: Mapping[str, Any] | None = None) -> tuple[PPOLearner, dict[str, Any]]:
     """Load and validate a policy; returns the learner and its JSON metadata.
 
-    `ppo` is the user's PPO config. The fields where it differs from every config in `ppo_defaults`
-    (the defaults a user may have started from; None: every field) count as given, so a field set
-    to a default value cannot be told from an unset one and the stored value applies. A given field
-    that differs from the stored config is applied to the learner, except the fields in
-    FIXED_PPO_FIELDS, which are refused (PolicyError naming them). The applied ones are listed in
+    `ppo` names the PPOConfig fields the user set, {field: value}: each overrides the stored config,
+    except the fields in FIXED_PPO_FIELDS where they differ from it, which are refused (PolicyError
+    naming them). Fields not named keep their stored values. The applied changes are listed in
     ``meta["ppo_overrides"]``.
     """
     try:
@@ -152,18 +149,16 @@ def load_policy(name_or_path: str | os.PathLike, actions: ActionSpace, directory
         if str(name_or_path) == DEFAULT_POLICY:
             raise PolicyError(f"the default policy cannot be used: {exc}. {_DEFAULT_FIX}") from None
         raise
-    if ppo is not None:
-        meta["ppo_overrides"] = apply_ppo_overrides(learner, ppo, ppo_defaults, str(resolve(name_or_path, directory)[1]))
+    if ppo:
+        meta["ppo_overrides"] = apply_ppo_overrides(learner, ppo, str(resolve(name_or_path, directory)[1]))
     return learner, meta
 
 
-def apply_ppo_overrides(learner: PPOLearner, ppo: PPOConfig, ppo_defaults: Sequence[PPOConfig] | None,
-                        source: str) -> dict[str, Any]:
-    """Apply the given fields of `ppo` that differ from the learner's stored config; returns them."""
+def apply_ppo_overrides(learner: PPOLearner, ppo: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Apply the fields named in `ppo` that differ from the learner's stored config; returns them."""
     stored = learner.config
-    given = [f.name for f in dataclasses.fields(PPOConfig)
-             if all(getattr(ppo, f.name) != getattr(d, f.name) for d in ppo_defaults or ())]
-    changes = {k: getattr(ppo, k) for k in given if getattr(ppo, k) != getattr(stored, k)}
+    wanted = dataclasses.replace(stored, **ppo)  # checks the names and values; normalises them
+    changes = {k: getattr(wanted, k) for k in ppo if getattr(wanted, k) != getattr(stored, k)}
     fixed = [k for k in changes if k in FIXED_PPO_FIELDS]
     if fixed:
         detail = ", ".join(f"{k}={changes[k]!r} (stored {getattr(stored, k)!r})" for k in fixed)

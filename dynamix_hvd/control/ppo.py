@@ -36,7 +36,11 @@ BUFFER_KEYS = ("obs", "actions", "logprobs", "rewards", "values", "dones")
 
 @dataclass
 class PPOConfig:
-    """Hyper-parameters; defaults are CleanRL's PPO (``ppo.py``, ``ppo_continuous_action.py``) except where noted."""
+    """Hyper-parameters; defaults are CleanRL's PPO (``ppo.py``, ``ppo_continuous_action.py``) except where noted.
+
+    In the controller the settings come, highest first, from the fields named in
+    ``ControllerConfig.ppo``, the policy file's stored config (a fresh policy: ``FRESH_PPO`` of
+    :mod:`dynamix_hvd.control.config`), then these defaults."""
 
     learning_rate: float = 3e-4
     """Adam step size (not annealed: an online controller has no known total number of updates)."""

@@ -3,6 +3,8 @@
 Each rule chooses a global batch B and a split over the ranks; all see the same `DecisionInput`
 (reports of the last interval, global context with the noise scale, current sizes, bounds), and all
 are selectable by name through `make_baseline`. Schedules count decisions (one per epoch by default).
+Each rule's parameters are a typed config (``LinearRampConfig``, ...; ``RULE_CONFIGS`` by name), checked
+at construction; ``ControllerConfig.policy_config`` takes the one of the chosen rule.
 
 - ``static``            keep the sizes (the reference).
 - ``linear-ramp``       Megatron's --rampup-batch-size: B grows linearly from B0 to `end` over `ramp`.
@@ -20,12 +22,14 @@ with other settings: one implementation of the cost fits and of the split.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .actions import BatchBounds
 from ..data.plan import split_proportional
 from .policy import DecisionInput, DecisionOutput
 from .proposal import ModelPolicy, ProposalConfig
+from .. import validate
 
 
 def split(global_batch: int, weights: Sequence[float], bounds: BatchBounds) -> list[int]:
@@ -45,6 +49,87 @@ def accumulation(global_batch: float, bounds: BatchBounds, world: int, current: 
         return current
     one_pass = sum(bounds.upper(r) for r in range(world))
     return max(1, min(bounds.max_passes, math.ceil(global_batch / one_pass)))
+
+
+@dataclass(frozen=True)
+class LinearRampConfig:
+    """Parameters of ``linear-ramp``."""
+
+    end: int = 512
+    """Global batch at the end of the ramp."""
+    ramp: int = 10
+    """Decisions over which B grows linearly from the initial global batch to `end`."""
+
+    def __post_init__(self) -> None:
+        validate.integer("LinearRampConfig.end", self.end, 1)
+        validate.integer("LinearRampConfig.ramp", self.ramp, 1)
+
+
+@dataclass(frozen=True)
+class AdaBatchConfig:
+    """Parameters of ``adabatch``."""
+
+    every: int = 2
+    """Decisions between two doublings of B."""
+    end: int = 1024
+    """Largest global batch."""
+
+    def __post_init__(self) -> None:
+        validate.integer("AdaBatchConfig.every", self.every, 1)
+        validate.integer("AdaBatchConfig.end", self.end, 1)
+
+
+@dataclass(frozen=True)
+class IncreaseBatchConfig:
+    """Parameters of ``increase-batch``."""
+
+    milestones: tuple[float, ...] = (0.5, 0.75)
+    """Training progress (0..1) at which a step LR schedule would divide the LR."""
+    factor: float = 5.0
+    """B is multiplied by this at each milestone passed."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.milestones, (tuple, list)) \
+                or not all(validate.is_number(m, 0, maximum=1) for m in self.milestones):
+            validate.fail("IncreaseBatchConfig.milestones", self.milestones, "a tuple of numbers in [0, 1]")
+        object.__setattr__(self, "milestones", tuple(self.milestones))
+        validate.number("IncreaseBatchConfig.factor", self.factor, above=0)
+
+
+@dataclass(frozen=True)
+class NoiseScaleConfig:
+    """Parameters of ``noise-scale``."""
+
+    scale: float = 1.0
+    """B = scale x the measured gradient noise scale."""
+
+    def __post_init__(self) -> None:
+        validate.number("NoiseScaleConfig.scale", self.scale, above=0)
+
+
+@dataclass(frozen=True)
+class GoodputConfig:
+    """Parameters of ``goodput`` (the rest of its proposal is fixed to AdaptDL's choices)."""
+
+    hysteresis: float = 0.05
+    """Switch B only for a predicted goodput gain above this fraction."""
+    candidates: int = 32
+    """Global batches scored per decision."""
+
+    def __post_init__(self) -> None:
+        validate.number("GoodputConfig.hysteresis", self.hysteresis, 0)
+        validate.integer("GoodputConfig.candidates", self.candidates, 2)
+
+
+@dataclass(frozen=True)
+class SpeedSplitConfig:
+    """Parameters of ``speed-split``."""
+
+    dither: float = 0.04
+    """Relative size dither while a rank's cost line is not identified (0: none)."""
+
+    def __post_init__(self) -> None:
+        validate.number("SpeedSplitConfig.dither", self.dither, 0, below=0.5, what="a number in [0, 0.5)")
 
 
 class _Rule:
@@ -81,9 +166,10 @@ class _Rule:
 class LinearRamp(_Rule):
     name = "linear-ramp"
 
-    def __init__(self, end: int = 512, ramp: int = 10) -> None:
+    def __init__(self, config: LinearRampConfig | None = None) -> None:
         super().__init__()
-        self.end, self.ramp = end, ramp
+        config = config or LinearRampConfig()
+        self.end, self.ramp = config.end, config.ramp
 
     def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
         frac = min(1.0, (self.decisions + 1) / self.ramp)
@@ -93,9 +179,10 @@ class LinearRamp(_Rule):
 class AdaBatch(_Rule):
     name = "adabatch"
 
-    def __init__(self, every: int = 2, end: int = 1024) -> None:
+    def __init__(self, config: AdaBatchConfig | None = None) -> None:
         super().__init__()
-        self.every, self.end = every, end
+        config = config or AdaBatchConfig()
+        self.every, self.end = config.every, config.end
 
     def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
         return min(self.end, self.base * 2 ** ((self.decisions + 1) // self.every)), [1.0] * len(inp.sizes)
@@ -104,9 +191,10 @@ class AdaBatch(_Rule):
 class IncreaseBatch(_Rule):
     name = "increase-batch"
 
-    def __init__(self, milestones: Sequence[float] = (0.5, 0.75), factor: float = 5.0) -> None:
+    def __init__(self, config: IncreaseBatchConfig | None = None) -> None:
         super().__init__()
-        self.milestones, self.factor = tuple(milestones), factor
+        config = config or IncreaseBatchConfig()
+        self.milestones, self.factor = config.milestones, config.factor
 
     def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
         passed = sum(inp.ctx.progress >= m for m in self.milestones)
@@ -116,9 +204,9 @@ class IncreaseBatch(_Rule):
 class NoiseScaleRule(_Rule):
     name = "noise-scale"
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, config: NoiseScaleConfig | None = None) -> None:
         super().__init__()
-        self.scale = scale
+        self.scale = (config or NoiseScaleConfig()).scale
 
     def target(self, inp: DecisionInput) -> tuple[int, list[float]]:
         noise = inp.ctx.noise_scale
@@ -132,7 +220,8 @@ class SpeedSplit(ModelPolicy):
 
     name = "speed-split"
 
-    def __init__(self, dither: float = 0.04) -> None:
+    def __init__(self, config: SpeedSplitConfig | None = None) -> None:
+        dither = (config or SpeedSplitConfig()).dither
         super().__init__(ProposalConfig(search_batch=False, trust=None, dither=dither, dither_decisions=None,
                                         split_margin=0.0, check_growth=False))
 
@@ -145,17 +234,29 @@ class Goodput(ModelPolicy):
 
     name = "goodput"
 
-    def __init__(self, hysteresis: float = 0.05, candidates: int = 32) -> None:
-        super().__init__(ProposalConfig(hysteresis=hysteresis, candidates=candidates, trust=None, noise="point",
+    def __init__(self, config: GoodputConfig | None = None) -> None:
+        config = config or GoodputConfig()
+        super().__init__(ProposalConfig(hysteresis=config.hysteresis, candidates=config.candidates, trust=None,
+                                        noise="point",
                                         dither=0.0, hold_unidentified=0, joint_fit=True, split_margin=0.0,
                                         grow_margin=0.0, confident_growth=False, check_growth=False))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}
+RULE_CONFIGS: dict[str, type] = {
+    "linear-ramp": LinearRampConfig, "adabatch": AdaBatchConfig, "increase-batch": IncreaseBatchConfig,
+    "noise-scale": NoiseScaleConfig, "goodput": GoodputConfig, "speed-split": SpeedSplitConfig}
+"""Each rule's typed config, by rule name."""
 
 
-def make_baseline(name: str, **kwargs: Any) -> Any:
-    """A baseline rule by name (see the module docstring); kwargs go to its constructor."""
+def make_baseline(name: str, config: Any = None, **kwargs: Any) -> Any:
+    """A baseline rule by name (see the module docstring), with its typed `config` (``RULE_CONFIGS[name]``)
+    or that config's fields as keyword arguments; neither: the rule's defaults."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(sorted(BASELINES))}")
-    return BASELINES[name](**kwargs)
+    kind = RULE_CONFIGS[name]
+    if config is not None and kwargs:
+        raise ValueError(f"make_baseline({name!r}): give a {kind.__name__} or its fields, not both")
+    if config is not None and type(config) is not kind:
+        raise ValueError(f"rule {name!r} takes a {kind.__name__}, not {config!r}")
+    return BASELINES[name](config if config is not None else kind(**kwargs))

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     config = dx.ControllerConfig(                                             # dx
         policy=args.policy, policy_file=None if args.policy_file == "none" else args.policy_file,
         total_epochs=args.epochs, decide_every_steps=None if args.decide_every < 0 else args.decide_every,
-        ppo=dx.PPOConfig(seed=args.seed, rollout_length=8))
+        ppo={"seed": args.seed, "rollout_length": 8})
     controller = dx.DynamixController(loader, optimizer, config, model=model)  # dx
     run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp", **vars(args)},  # dx
                  progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))  # dx

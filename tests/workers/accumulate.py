@@ -42,7 +42,7 @@ def main() -> None:
     loader = dx.AdaptiveLoader(data, [4] * world, rank, seed=5)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                           model.named_parameters(), loader, lr_rule="adascale")
-    cfg = dx.ControllerConfig(policy="linear-ramp", policy_kwargs={"end": 12 * world, "ramp": 3},
+    cfg = dx.ControllerConfig(policy="linear-ramp", policy_config=dx.LinearRampConfig(end=12 * world, ramp=3),
                               max_batch=4, max_passes=4, decide_every_steps=5, total_epochs=EPOCHS,
                               timeout_s=60.0)
     controller = dx.DynamixController(loader, opt, cfg)

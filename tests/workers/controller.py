@@ -55,8 +55,9 @@ def main() -> None:
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
-                              ppo=dx.PPOConfig(rollout_length=4, seed=3), keep_inputs=args.keep_inputs,
-                              target_decisions=args.target_decisions, decision_budget=args.decision_budget)
+                              ppo={"rollout_length": 4, "seed": 3}, decision_budget=args.decision_budget,
+                              advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs,
+                                                         target_decisions=args.target_decisions))
     controller = dx.DynamixController(loader, opt, cfg)
     if args.mode == "silent":
         if rank == args.silent:

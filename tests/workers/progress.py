@@ -63,7 +63,7 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     sched = ProgressScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=STEP_SIZE, gamma=0.5), opt)
     controller = None
     if scenario in ("controller", "explicit", "tuned"):
-        cfg = dx.ControllerConfig(policy="adabatch", policy_kwargs={"every": 1, "end": 32}, decide_every_steps=4,
+        cfg = dx.ControllerConfig(policy="adabatch", policy_config=dx.AdaBatchConfig(every=1, end=32), decide_every_steps=4,
                                   max_batch=64, timeout_s=60.0)
         controller = dx.DynamixController(loader, opt, cfg)
     steps: list[dict[str, Any]] = []

@@ -141,7 +141,7 @@ def part_close(args: argparse.Namespace) -> None:
         sys.exit("Checkpointer.close() did not restore the handlers and detach from the loader")
     print(f"rank {hvd.rank()}: SIGNALS-OK", flush=True)
 
-    config = dx.ControllerConfig(policy="static", resource_period_s=60.0)
+    config = dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=60.0))
     with dx.DynamixController(loader, opt, config) as controller:
         thread = controller.resources._thread
         if thread is None or not thread.is_alive():
