@@ -117,6 +117,12 @@ CONDITIONS = {
     "slow-changing": Condition("slow-changing", 2, slow_rank=1, slow_factor=1.0, slow_schedule="5:3,20:1.5"),
     "stalls": Condition("stalls", 2, slow_rank=1, stall_rate=0.5, stall_ms=200.0),
     "net10": Condition("net10", 2, rate_mbit=10.0),
+    "net100": Condition("net100", 2, rate_mbit=100.0),
+    "net1g": Condition("net1g", 2, rate_mbit=1000.0),
+    # the zoo's changing network: jobs of ~15-60 s, so the phases come a few decisions apart
+    "net-changing": Condition("net-changing", 2, rate_mbit=100.0, rate_schedule="10:10,25:50"),
+    "net10-slow3x": Condition("net10-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=10.0),
+    "net100-slow3x": Condition("net100-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=100.0),
     "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
     # scaling rows: more ranks than cores, so the slowed rank sleeps (the output says so)
     "scale4-slow3x": Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep"),
@@ -234,6 +240,13 @@ CONFIGS.update({
     "zoo-critical": [{"workloads": [w], "conditions": ["none"],
                       "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 1}
                      for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
+    # slow and changing links (every rank in its own network namespace, tbf-shaped): where a larger
+    # batch pays for the allreduce, and where it must not be grown
+    "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm", "zoo:resnet-bn"],
+                     "conditions": ["net10", "net100", "net-changing", "net10-slow3x"],
+                     "arms": ["plain", "ppo"], "seeds": 3}],
+    "zoo-network-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100", "net1g"],
+                           "arms": ["plain", "ppo"], "seeds": 1}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
                     "seeds": 1}],
 })

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dynamix_hvd.optim.lr_scaling import LRCoupling, default_warmup_steps, lr_factor
+from dynamix_hvd.optim.lr_scaling import LRCoupling, default_warmup_steps, is_adaptive, lr_factor
 from dynamix_hvd.optim.progress import ProgressAccounting, ProgressScheduler
 
 
@@ -29,6 +29,38 @@ def test_rules_hand_values():
         assert lr_factor("adascale", 64, 8, gain=gain) == 1.0  # no statistics: no scaling
     with pytest.raises(ValueError, match="'cubic'"):
         lr_factor("cubic", 8, 8)
+
+
+def test_adaptive_optimizers_take_the_square_root_of_the_gain_and_progress_counts_the_gain():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    for make in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.NAdam):
+        assert is_adaptive(make(params, lr=0.1)), make
+    for opt in (torch.optim.SGD(params, lr=0.1), torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True)):
+        assert not is_adaptive(opt)
+
+    class MyAdam(torch.optim.Adam):  # a subclass is still Adam
+        pass
+
+    class Custom(torch.optim.Optimizer):  # unknown class: Adam's betas say adaptive
+        def __init__(self, p, betas):
+            super().__init__(p, {"lr": 0.1, **({"betas": betas} if betas else {})})
+
+    assert is_adaptive(MyAdam(params)) and is_adaptive(Custom(params, (0.9, 0.99))) and not is_adaptive(Custom(params, None))
+    assert lr_factor("adascale", 64, 8, gain=4.0, adaptive=True) == 2.0
+    assert lr_factor("adascale", 64, 8, gain=4.0, adaptive=False) == 4.0
+    assert lr_factor("linear", 64, 8, adaptive=True) == 8.0  # an explicit rule is what runs
+    # progress: each step is worth the gain (Adam at sqrt(r), SGD at r), and B/B0 under the sqrt rule
+    sgd, adam, sqrt = LRCoupling(0), LRCoupling(0, adaptive=True), LRCoupling(0)
+    assert run(sgd, [("adascale", 32, 4.0)] * 3) == [4.0] * 3
+    assert run(adam, [("adascale", 32, 4.0)] * 3) == [2.0] * 3
+    assert run(sqrt, [("sqrt", 32, 1.0)] * 3) == [2.0] * 3
+    assert sgd.scale_invariant_steps == adam.scale_invariant_steps == sqrt.scale_invariant_steps == 12.0
+    # the warm-up ramps the applied (square-root) factor: 1 -> 2 over 2 steps, progress its square
+    ramp = LRCoupling(2, adaptive=True)
+    assert run(ramp, [("adascale", 8, 1.0), ("adascale", 32, 4.0), ("adascale", 32, 4.0)]) == [1.0, 1.5, 2.0]
+    assert ramp.scale_invariant_steps == pytest.approx(1 + 2.25 + 4)
+    with pytest.raises(ValueError, match="adaptive='yes'"):
+        LRCoupling(adaptive="yes")
 
 
 def test_ramp_after_an_increase_then_tau_is_the_sum_of_the_factors():

@@ -6,14 +6,22 @@ When the global batch B moves away from the batch B0 the learning rate was tuned
   scaling while gradient noise dominates, none once the gradient signal does. The caller supplies the
   gain (the controller, from its gradient statistics); without one the factor is 1. It is the coupling
   under which the controller's efficiency model E(B) holds, so it is the default wherever B changes.
+  AdaScale's gain is derived for SGD; it is applied as it is to SGD with or without momentum (as in
+  AdaScale's own experiments: momentum multiplies the effective step by the same 1/(1 - mu) at every
+  B). For adaptive optimizers (Adam, AdamW, RMSprop, Adagrad, ...: `is_adaptive`) the factor is
+  sqrt(r): their update is normalised by the gradient's running second moment, so the square-root
+  scaling rule applies (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
+  Algorithms": LR x sqrt(k) at batch k B keeps one step worth k steps); r = B/B0 gives the ``sqrt`` rule.
 - ``linear``:   B / B0 (Goyal et al. 2017): right for SGD (with momentum) while B stays below the
   gradient noise scale; above it, it overshoots.
-- ``sqrt``:     sqrt(B / B0): the usual choice for Adam-type optimizers (Adam, AdamW, LAMB).
+- ``sqrt``:     sqrt(B / B0): the square-root rule for Adam-type optimizers (Adam, AdamW, LAMB).
 - ``none``:     factor 1.
 
 `LRCoupling` holds what the coupling keeps between steps: the short warm-up after B grows (the factor
 ramps from the last applied value to the new one over a few steps) and the scale-invariant progress
-tau = the sum of the factors applied (AdaScale's iterations; see `dynamix_hvd.optim.progress`).
+tau = the base iterations the steps were worth (AdaScale's iterations; see `dynamix_hvd.optim.progress`):
+the factor applied, or its square where the factor is a square-root rule (``sqrt``, and ``adascale``
+on an adaptive optimizer).
 """
 from __future__ import annotations
 
@@ -28,8 +36,26 @@ WARMUP_EPOCH_FRACTION = 0.03
 """Default warm-up after B grows: this fraction of an epoch's optimizer steps at the new B (at least 2)."""
 
 
-def lr_factor(rule: str, global_batch: int, base_batch: int, gain: float | None = None) -> float:
-    """Multiplier for the base learning rate at global batch `global_batch`."""
+ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam",
+                       "Adafactor", "LAMB", "Lamb", "FusedAdam", "FusedLAMB")
+"""Optimizer class names (torch.optim's and common fused or third-party ones) that normalise the update
+by a running second moment of the gradient."""
+
+
+def is_adaptive(optimizer: Any) -> bool:
+    """Does `optimizer` normalise its update by the gradient's second moment (Adam-type)? By class name
+    along its MRO (so subclasses and wrappers that subclass count), else by Adam's ``betas`` setting."""
+    if any(cls.__name__ in ADAPTIVE_OPTIMIZERS for cls in type(optimizer).__mro__):
+        return True
+    if any(cls.__name__ == "SGD" for cls in type(optimizer).__mro__):
+        return False
+    return "betas" in getattr(optimizer, "defaults", {})
+
+
+def lr_factor(rule: str, global_batch: int, base_batch: int, gain: float | None = None,
+              adaptive: bool = False) -> float:
+    """Multiplier for the base learning rate at global batch `global_batch` (`adaptive`: the optimizer
+    is Adam-type, so ``adascale`` applies the square root of the gain)."""
     if rule not in LR_RULES:
         raise ValueError(f"lr rule {rule!r} is not one of {', '.join(LR_RULES)}")
     if global_batch < 1 or base_batch < 1:
@@ -43,7 +69,13 @@ def lr_factor(rule: str, global_batch: int, base_batch: int, gain: float | None 
     if gain is None or not math.isfinite(gain) or gain <= 0:
         # No statistics yet (first steps, or a single rank): fall back to no scaling rather than guess.
         return 1.0
-    return float(gain)
+    return math.sqrt(gain) if adaptive else float(gain)
+
+
+def progress_power(rule: str, adaptive: bool) -> int:
+    """A step with LR factor f is worth f ** this many base iterations: 2 where f is a square-root
+    rule (one step at k B with LR x sqrt(k) is worth k steps), else 1."""
+    return 2 if rule == "sqrt" or (rule == "adascale" and adaptive) else 1
 
 
 def default_warmup_steps(steps_per_epoch: int) -> int:
@@ -71,13 +103,15 @@ class LRCoupling:
     f_old (B or the gain fell) applies at once; B growing again restarts the ramp from the factor
     last applied.
 
-    Progress: ``scale_invariant_steps`` (tau) adds the factor applied at each step, so it counts base
-    iterations: for ``adascale`` it is AdaScale's scale-invariant iteration count (sum of the gains
-    r_t), for ``linear`` the samples seen / B0, for ``none`` the raw step count.
+    Progress: ``scale_invariant_steps`` (tau) adds what each step was worth in base iterations: for
+    ``adascale`` AdaScale's scale-invariant iteration count (sum of the gains r_t, whether the LR took
+    r_t or, on an adaptive optimizer, sqrt(r_t)), for ``linear`` and ``sqrt`` the samples seen / B0,
+    for ``none`` the raw step count.
     """
 
-    def __init__(self, warmup_steps: int | None = None) -> None:
+    def __init__(self, warmup_steps: int | None = None, adaptive: bool = False) -> None:
         self.warmup_steps = check_warmup_steps(warmup_steps)
+        self.adaptive = validate.boolean("adaptive", adaptive)
         self.scale_invariant_steps = 0.0
         self.last_batch: int | None = None
         self.last_factor: float | None = None
@@ -85,12 +119,13 @@ class LRCoupling:
         self.ramp_length = 0    # 0: no ramp in progress
         self.ramp_done = 0
         self._pending: tuple[int, float, float, int, int] | None = None
+        self._pending_progress = 1.0
 
     def plan(self, rule: str, global_batch: int, base_batch: int, gain: float | None,
              steps_per_epoch: int) -> float:
         """The factor for a step at `global_batch` (`steps_per_epoch`: optimizer steps per epoch at it,
         for the default warm-up length)."""
-        target = lr_factor(rule, global_batch, base_batch, gain)
+        target = lr_factor(rule, global_batch, base_batch, gain, self.adaptive)
         start, length, done = self.ramp_from, self.ramp_length, self.ramp_done
         if (self.last_batch is not None and self.last_factor is not None and global_batch > self.last_batch
                 and target > self.last_factor):
@@ -104,6 +139,7 @@ class LRCoupling:
             if done >= length or target <= start:
                 length, done = 0, 0
         self._pending = (global_batch, factor, start, length, done)
+        self._pending_progress = factor ** progress_power(rule, self.adaptive)
         return factor
 
     def commit(self) -> None:
@@ -112,7 +148,7 @@ class LRCoupling:
             raise RuntimeError("LRCoupling.commit() without a plan() for this step")
         (self.last_batch, self.last_factor, self.ramp_from, self.ramp_length,
          self.ramp_done), self._pending = self._pending, None
-        self.scale_invariant_steps += self.last_factor
+        self.scale_invariant_steps += self._pending_progress
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values (warm-up configuration excluded: it belongs to the constructor)."""

@@ -38,7 +38,7 @@ import horovod.torch as hvd
 import torch
 
 from ..data.loader import AdaptiveLoader
-from .lr_scaling import LR_RULES, LRCoupling
+from .lr_scaling import LR_RULES, LRCoupling, is_adaptive
 from .progress import ProgressAccounting
 from .flat import FlatGradients, sq_norm
 from .. import validate
@@ -69,14 +69,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     Learning rate, in this order at every step: an LR scheduler (or the user) owns ``group["lr"]``, the
     *base* LR; ``step()`` multiplies it by the LR rule's factor for the current global batch B (for
-    ``adascale``, the default, that factor is ``lr_gain``, the AdaScale gain the controller sets at each
+    ``adascale``, the default, that factor is ``lr_gain`` (its square root on an adaptive optimizer such
+    as Adam: the square-root scaling rule), the AdaScale gain the controller sets at each
     decision from its gradient statistics, 1 until it has some: r at the samples of one optimizer step,
     ``backward_passes_per_step`` micro-batches of the new sizes, over ``base_batch_size``), eased in over ``lr_warmup_steps`` after
     B grows, runs the inner optimizer, and restores ``group["lr"]``. So the effective LR of a step is
     ``scheduler_lr * ramp(lr_factor(rule, B, base_batch_size, lr_gain))``, the scheduler never sees (and
     never compounds) the factor, and ``state_dict()`` stores the base LR. An explicit ``lr_rule`` is
     what runs: the controller only sets ``lr_gain``, which only ``adascale`` reads. Progress: each step
-    adds its factor to ``scale_invariant_steps`` (AdaScale's tau, in base iterations; also
+    adds what it was worth in base iterations (the gain) to ``scale_invariant_steps`` (AdaScale's tau, in base iterations; also
     ``scale_invariant_epochs``); drive a schedule by it with `dynamix_hvd.optim.progress.ProgressScheduler`
     and stop at ``progress_done(total_base_steps)``, so schedules and budgets mean the same when B changes.
 
@@ -127,6 +128,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             stays below the noise scale), "sqrt" (Adam-type), "none".
         lr_warmup_steps: after B grows, ramp the factor from its last value to the new one over this
             many optimizer steps (0: at once; None: 3% of an epoch at the new B, at least 2).
+        adaptive: the optimizer normalises its update by the gradient's second moment (Adam, AdamW,
+            RMSprop, Adagrad, ...), so ``adascale`` applies the square root of the gain. None (default):
+            detected from the optimizer's class (`dynamix_hvd.optim.lr_scaling.is_adaptive`).
         base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
             times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
@@ -159,7 +163,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
                  loss_reduction: Literal["mean", "sum"] = "mean", loss_unit: str | None = None,
                  max_grad_norm: float | None = None,
-                 lr_rule: str = "adascale", lr_warmup_steps: int | None = None,
+                 lr_rule: str = "adascale", lr_warmup_steps: int | None = None, adaptive: bool | None = None,
                  base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
                  backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
@@ -201,7 +205,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.backward_passes_per_step = backward_passes_per_step
         self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
         self.lr_gain = 1.0  # AdaScale gain set by the controller (read by the adascale rule only)
-        self.lr_coupling = LRCoupling(lr_warmup_steps)  # warm-up ramp and progress (tau), plain state
+        self.adaptive = is_adaptive(optimizer) if adaptive is None else validate.boolean("adaptive", adaptive)
+        # warm-up ramp and progress (tau), plain state
+        self.lr_coupling = LRCoupling(lr_warmup_steps, adaptive=self.adaptive)
         self.track_grad_norms = track_grad_norms
         self.grad_scaler = grad_scaler
         self.param_names = [n for n, _ in named]
