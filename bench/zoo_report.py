@@ -16,6 +16,11 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   backward seconds scaled by R / sum of the ranks' relative speeds (the balanced split's compute on
   this machine; communication and the rest as measured), over the plain run's time under the
   condition; 1.00 without a straggler;
+* final at equal progress: the metric at the first evaluation at which the arm's training progress
+  (base-batch epochs: AdaScale's scale-invariant epochs under dynamix_hvd, epochs under plain Horovod)
+  reached plain Horovod's at its end (the arm's last evaluation where it never did);
+* spread: the range (max - min) of the last three evaluations, the arm's median over seeds beside
+  plain Horovod's (a stability measure: a batch too large for its learning rate swings);
 * every ratio is the median over seeds of per-seed paired ratios, with the interquartile range.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -40,7 +46,7 @@ def smoothed_time(evals: pd.DataFrame, target: float, higher: bool, window: int 
     return float(hit.iloc[0]) if len(hit) else math.inf
 
 
-def job_numbers(run_dir: Path) -> dict[str, float]:
+def job_numbers(run_dir: Path) -> dict[str, Any]:
     res = json.loads((run_dir / "suite_result.json").read_text())
     evals = pd.read_csv(run_dir / "suite_evals.csv")
     steps = pd.read_csv(run_dir / "suite_steps.csv")
@@ -48,7 +54,11 @@ def job_numbers(run_dir: Path) -> dict[str, float]:
     ttt = smoothed_time(evals, float(res["target"]), higher)
     first = steps[steps.epoch == 0].groupby("rank").t_s.max().max() if (steps.epoch == 0).any() else math.nan
     per_sample = (steps.compute_s / steps.local_batch.clip(lower=1)).groupby(steps["rank"]).median()
-    return {"ttt_s": ttt if math.isfinite(ttt) else float(res["train_s"]), "miss": not math.isfinite(ttt),
+    once = evals.drop_duplicates("samples", keep="last")
+    progress = once.progress.tolist() if "progress" in once else [math.nan] * len(once)
+    return {"evals": list(zip(progress, once.value.tolist())),
+            "spread": float(once.value.tail(3).max() - once.value.tail(3).min()) if len(once) else math.nan,
+            "ttt_s": ttt if math.isfinite(ttt) else float(res["train_s"]), "miss": not math.isfinite(ttt),
             "budget_s": float(res["train_s"]), "first_epoch_s": float(first),
             "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
             "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
@@ -75,6 +85,14 @@ def _limit(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
     return ((T0 - C0) + C0 * len(plain.speeds) / sum(plain.speeds)) / float(plain.budget_s)
 
 
+def at_progress(evals: list[tuple[float, float]], progress: float) -> float:
+    """The metric at the first evaluation at or past `progress` (the last one if none is)."""
+    for p, value in evals:
+        if math.isfinite(p) and p >= progress - 1e-9:
+            return value
+    return evals[-1][1] if evals else math.nan
+
+
 def _med_iqr(values: pd.Series) -> str:
     v = values.dropna()
     if v.empty:
@@ -85,20 +103,24 @@ def _med_iqr(values: pd.Series) -> str:
 def headline(jobs: pd.DataFrame) -> str:
     """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
     lines = ["| job | condition | limit | arm | time to target / plain [IQR] | / limit | budget time / plain "
-             "| first epoch s | final (plain) | misses |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first epoch s | final (plain) | final at equal progress | spread of last 3 (plain) | misses |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, c), cell in jobs.groupby(["workload", "condition"], sort=False):
         plain = cell[cell.arm == PLAIN].set_index("seed")
         none = jobs[(jobs.workload == w) & (jobs.condition == "none") & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
         limit = pd.Series({s: _limit(none, s, p) if c != "none" else 1.0 for s, p in plain.iterrows()})
+        end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")
             ratio = (g.ttt_s / plain.ttt_s).dropna()
             budget = (g.budget_s / plain.budget_s).dropna()
+            equal = pd.Series([at_progress(e, end.get(s, math.nan)) for s, e in g.evals.items()], dtype=float)
             lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} | {arm} | {_med_iqr(ratio)} | "
                          f"{(ratio / limit.reindex(ratio.index)).median():.2f} | {_med_iqr(budget)} | "
                          f"{g.first_epoch_s.median():.2f} | {g.final.median():.4f} ({plain.final.median():.4f}) | "
+                         f"{equal.median():.4f} | {g.spread.median():.4f} ({plain.spread.median():.4f}) | "
                          f"{int(g.miss.sum())}/{len(g)} |")
     return "\n".join(lines)
 

@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     def evaluate() -> float:
         return _evaluate(job, model, *test.tensors, sharded_sum)
 
+    # progress in base-batch epochs: samples / epoch under plain Horovod, AdaScale's scale-invariant
+    # epochs under dynamix_hvd (what the steps were worth at the batch sizes the controller chose)
+    rec.progress = ((lambda: rec.samples / len(train)) if args.plain_horovod
+                    else (lambda: optimizer.scale_invariant_epochs))
     rec.start()
     slow.clock = rec.train_s
     for epoch in range(epochs):

@@ -56,7 +56,9 @@ def test_run_writes_records_and_traces(run_dir: Path):
     meta = json.loads((run_dir / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["launcher"] == "mpirun" and meta["decisions"] > 2
     epochs = pd.read_csv(run_dir / "epochs.csv")
-    assert sorted(zip(epochs.epoch, epochs["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # the example's budget is 2 epochs of progress: 2 passes at the base batch, more if B grew
+    n = epochs.epoch.max() + 1
+    assert n >= 2 and sorted(zip(epochs.epoch, epochs["rank"])) == [(e, r) for e in range(n) for r in (0, 1)]
     assert (epochs.groupby("epoch").samples.sum() == SAMPLES).all()
     assert epochs.accuracy.between(0, 1).all() and (epochs.sync_wait_s >= 0).all()
 
@@ -90,8 +92,8 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     assert "2 ranks on" in proc.stdout and "via mpirun" in proc.stdout
     blank = [i for i, line in enumerate(lines) if line == ""]
     table, diagnosis = lines[blank[0] + 1:blank[1]], lines[blank[1] + 1:]
-    assert table[0].split()[:3] == ["epoch", "wall_s", "sizes"] and len(table) == 3
     epochs = pd.read_csv(run_dir / "epochs.csv").sort_values(["epoch", "rank"])
+    assert table[0].split()[:3] == ["epoch", "wall_s", "sizes"] and len(table) == 1 + epochs.epoch.nunique()
     for row, (epoch, e) in zip(table[1:], epochs.groupby("epoch")):
         assert row.split()[0] == str(epoch) and row.split()[2] == "/".join(str(b) for b in e.batch_size), row
     # the straggler diagnosis names the slowed rank, the phase its wait falls in, and what it cost

@@ -27,6 +27,22 @@ def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ra
     assert results[0]["final_sizes"] == histories[0][-1]["sizes"]
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_the_network_fit_knows_the_gradient_bytes_and_the_allreduce_latency(tmp_path, fp16):
+    """Every decision's network fit carries the bytes each rank sends in the gradient allreduce (the
+    model's 1,386 float32 parameters, halved by fp16 compression, times 2 (R - 1) / R) and, from the
+    second decision on, the latency probed with a single-value allreduce after each decision."""
+    launch("mpirun", 3, "controller.py", "--out", str(tmp_path), "--epochs", "1", "--every", "8",
+           "--policy", "static", *(["--fp16"] if fp16 else []))
+    result = json.loads(Path(tmp_path, "rank0.json").read_text())
+    payload = 1386 * (2 if fp16 else 4)
+    assert result["allreduce_bytes"] == payload
+    fitted = [d["net"] for d in result["history"] if d["net"] is not None]
+    assert len(fitted) >= 3, result["history"]
+    assert all(n["bus_bytes"] == pytest.approx(payload * 2 * 2 / 3) for n in fitted)
+    assert all(0 < n["latency_s"] < 1.0 for n in fitted[1:]), [n["latency_s"] for n in fitted]
+
+
 @pytest.mark.parametrize("policy", ["static", "model"])
 def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, policy):
     """decide_every_steps=None: every epoch end, and inside epochs so that the job gets about

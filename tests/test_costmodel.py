@@ -92,6 +92,38 @@ def test_network_and_overlap_fit():
     assert one.fit_network().gamma == 1.0, "one arrival time cannot tell overlap: assume none"
 
 
+def test_the_network_fit_follows_a_bandwidth_drop_within_three_decisions_and_measures_the_link():
+    """A 2-rank job whose link drops from 100 to 10 Mbit/s (84 kB of gradients, 0.3 ms latency)
+    between two decisions of 16 steps: T_net and the bus bandwidth follow within three decisions,
+    while the per-rank lines (compute) keep their long memory."""
+    payload, latency = 84_000, 3e-4
+    bus = payload * 2 * (2 - 1) / 2
+
+    def link(mbit):
+        return latency + bus / (mbit * 1e6 / 8)
+
+    rng, model = np.random.default_rng(5), CostModel(2)
+    for k in range(12):
+        model.record(*interval(rng, [32, 32], steps=16, jitter=0.02, net=link(100)), overhead_s=1e-3)
+        model.record_link(payload, latency * rng.uniform(1.0, 1.3))
+    fast = model.fit_network()
+    assert fast.net_s == pytest.approx(link(100), rel=0.1)
+    assert fast.bus_bytes == bus and fast.latency_s == pytest.approx(latency, rel=0.3)
+    assert fast.bus_bandwidth_Bps == pytest.approx(100e6 / 8, rel=0.2)
+    per_sample = model.fit().per_sample_s.copy()
+    for k in range(3):
+        model.record(*interval(rng, [32, 32], steps=16, jitter=0.02, net=link(10)), overhead_s=1e-3)
+        model.record_link(payload, latency * rng.uniform(1.0, 1.3))
+    slow = model.fit_network()
+    assert slow.net_s == pytest.approx(link(10), rel=0.1), "T_net follows within three decisions"
+    assert slow.bus_bandwidth_Bps == pytest.approx(10e6 / 8, rel=0.15)
+    assert np.allclose(model.fit().per_sample_s, per_sample, rtol=0.2)
+    restored = CostModel(2)
+    restored.load_state_dict(model.state_dict())
+    assert restored.fit_network() == slow
+    assert math.isnan(CostModel(2).fit_network().latency_s)  # no probe yet: no latency, no bandwidth
+
+
 def test_equalising_split_matches_the_closed_form():
     # two ranks, one 3x slower per sample, both 5 ms fixed: T = (B + sum a/c) / sum 1/c
     a, c = np.array([0.005, 0.005]), np.array([1e-4, 3e-4])

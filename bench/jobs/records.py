@@ -6,7 +6,8 @@ rest of the step is idle: waiting for the gradient allreduce, data, the controll
 rank 0 writes, into the job's OUT directory:
 
 * ``suite_evals.csv``: one row per evaluation (train_s: training wall seconds before it, evaluation
-  excluded; eval_s; samples; steps; value);
+  excluded; eval_s; samples; steps; value; progress: base-batch-equivalent epochs of training
+  progress, where the job set `SuiteRecorder.progress`, else NaN);
 * ``suite_steps.csv``: one row per rank and step (t_s on the training clock, step_s, compute_s,
   local_batch, global_batch);
 * ``suite_result.json``: totals (train_s, eval_total_s, samples, optimizer steps, time to target,
@@ -63,6 +64,8 @@ class SuiteRecorder:
         self.samples = self.steps = 0
         self.eval_total = 0.0
         self.evals: list[dict[str, float]] = []
+        self.progress: Callable[[], float] | None = None
+        """Training progress in base-batch-equivalent epochs (the job sets it), recorded per evaluation."""
         self.rows: list[tuple[float, ...]] = []
         self._t0 = self._last = self._c0 = self._compute = 0.0
 
@@ -103,7 +106,8 @@ class SuiteRecorder:
         took = time.perf_counter() - t
         self.eval_total += took
         self.evals.append({"epoch": epoch, "samples": self.samples, "steps": self.steps, "train_s": train_s,
-                           "eval_s": took, "value": value})
+                           "eval_s": took, "value": value,
+                           "progress": float(self.progress()) if self.progress is not None else math.nan})
         return value
 
     def reached(self, value: float) -> bool:

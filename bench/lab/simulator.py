@@ -463,7 +463,8 @@ class ClusterSimulator:
             data_wait_s=float(data_m[r]), step_s=mean_step, samples_per_s=float(b_mean[r]) / mean_step,
             peak_memory_bytes=int(mem_used[r]), mem_used_bytes=int(mem_used[r]), mem_total_bytes=int(self.mem_total[r]),
             cpu_util=float(cpu[r]), gpu_util=float(gpu[r]), net_bytes_per_s=net_bps, tcp_retrans_per_s=retrans,
-            loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r])
+            loss_mean=float(loss_mean[r]), local_grad_sq=float(ls_m[r]), global_grad_sq=gs_m, max_batch=upper[r],
+            allreduce_bytes=int(s.model_bytes), latency_probe_s=2 * (R - 1) * s.net_latency_s if R > 1 else math.nan)
             for r in range(R)]
         kind = "cuda" if s.gpu else "rss"
         glob = global_sq.tolist()

@@ -116,6 +116,7 @@ class DynamixController:
                               self.optimizer.param_names, lr_base_batch=self.optimizer.base_batch_size)
         self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
         self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
+        self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
         # Under MPI: a rank that waits in the gradient allreduce longer than timeout_s probes the others
@@ -207,6 +208,9 @@ class DynamixController:
         world = self.loader.world_size
         compact = wire.decode_decision(
             self.channel.broadcast_array(sent, wire.decision_length(world), what="batch-size decision"), world)
+        # Every rank has just received the decision, so they are as close together as they get: a
+        # single-value allreduce now times the collective's latency (reported with the next interval).
+        self._latency_probe_s = self.optimizer.time_small_allreduce()
         self.loader.set_batch_sizes(compact["sizes"])
         if compact["passes"] != self.optimizer.backward_passes_per_step:
             self.optimizer.set_backward_passes_per_step(compact["passes"])
@@ -247,7 +251,8 @@ class DynamixController:
             # recorded losses none of which is finite: diverged (inf), which the growth check acts on
             loss_mean=statistics.fmean(finite_losses) if finite_losses else (math.inf if losses else math.nan),
             local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
-            max_batch=self.bounds.upper(self.rank))
+            max_batch=self.bounds.upper(self.rank), allreduce_bytes=self.optimizer.allreduce_bytes,
+            latency_probe_s=self._latency_probe_s)
         steps = StepSeries(local_batch=[r.local_batch for r in records], local_sq=[r.local_grad_sq for r in records],
                            global_sq=[r.global_grad_sq for r in records],
                            losses=wire.padded_losses(losses, len(records)),

@@ -341,6 +341,9 @@ class DecisionCore:
             self._fresh_processes = False
             return
         reports = [i.report for i in inputs]
+        # the fastest probe: the ranks that arrived last at it waited the least for the others
+        self.costs.record_link(reports[0].allreduce_bytes, min((r.latency_probe_s for r in reports
+                                                                 if math.isfinite(r.latency_probe_s)), default=math.nan))
         overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
         if n and all(math.isfinite(i.steps.compute_s[0]) for i in inputs):
             b = np.array([i.steps.local_batch[:n] for i in inputs], dtype=np.float64).T

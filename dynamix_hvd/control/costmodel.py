@@ -32,7 +32,7 @@ not fill takes as long as for k_i samples. The fit:
   below it and one above (a flat stretch and a slope, both seen); then the line is refitted on
   max(b, k). No knee is ever assumed for sizes not seen;
 - T_net and gamma by minimising the mean absolute log error of T_sync over a grid of gamma, T_net
-  the weighted median that fits each gamma; gamma = 1 (no overlap, pessimistic) unless another fits
+  the weighted median that fits each gamma, with a short half-life of its own (`net_half_life_steps`); gamma = 1 (no overlap, pessimistic) unless another fits
   clearly better, which needs arrival times that vary (by more than 20% among the recent points).
 
 Every step's points are kept (subsampled to `points_per_interval` per interval, each carrying the
@@ -48,13 +48,19 @@ import numpy as np
 
 from .. import validate
 
+LATENCY_PROBES = 8
+"""Latency probes kept (one per decision; their median is the latency)."""
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
 
 
 @dataclass
 class CostConfig:
     half_life_steps: float = 200.0
-    """Steps after which a point counts half (forgetting)."""
+    """Steps after which a point counts half in the per-rank lines (forgetting)."""
+    net_half_life_steps: float = 24.0
+    """The same for T_net, gamma and the overhead: one number each, which a decision interval's steps
+    pin down, so they forget fast and follow a change of the link (a bandwidth drop) within a few
+    decisions."""
     capacity: int = 512
     """Points kept (per rank); the oldest go first."""
     points_per_interval: int = 64
@@ -74,10 +80,10 @@ class CostConfig:
     """A knee is kept only if its fit leaves at most this fraction of the line's squared residuals (0: no knees)."""
 
     def __post_init__(self) -> None:
-        if not (self.half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
+        if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
                 and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1):
-            raise ValueError(f"invalid CostConfig {self}: half_life_steps, huber_k > 0; capacity >= 2; "
+            raise ValueError(f"invalid CostConfig {self}: half_life_steps, net_half_life_steps, huber_k > 0; capacity >= 2; "
                              f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
                              f"0 <= knee_residual < 1")
 
@@ -140,6 +146,21 @@ class NetworkFit:
     """Overlap exponent (1: compute and allreduce add up)."""
     overhead_s: float
     """Per-step time after synchronisation (optimizer update)."""
+    bus_bytes: float = 0.0
+    """Bytes each rank sends per step in a ring allreduce of the gradients: their bytes after
+    compression x 2 (R - 1) / R (0: not reported)."""
+    latency_s: float = math.nan
+    """Median of the recent single-value allreduce probes: the collective's latency (NaN: none yet)."""
+    bus_bandwidth_Bps: float = math.nan
+    """Effective bus bandwidth of the gradient allreduce, bytes per second: `bus_bytes` over T_net less
+    the latency (NaN: not measurable: no payload or probe, or T_net within 5% of the latency, i.e.
+    the link's bandwidth is not what limits the allreduce)."""
+
+    def with_link(self, bus_bytes: float, latency_s: float) -> "NetworkFit":
+        """This fit with the link's measurements, and the bandwidth they imply."""
+        moving = self.net_s - latency_s if math.isfinite(latency_s) else self.net_s
+        bandwidth = bus_bytes / moving if bus_bytes > 0 and moving > 0.05 * self.net_s > 0 else math.nan
+        return NetworkFit(self.net_s, self.gamma, self.overhead_s, bus_bytes, latency_s, bandwidth)
 
     def sync_time(self, arrival: np.ndarray | float) -> np.ndarray | float:
         g = self.gamma
@@ -176,6 +197,8 @@ class CostModel:
         self._at = np.zeros(0)      # step count of each point
         self._mult = np.zeros(0)    # steps each point stands for
         self.steps = 0.0
+        self._latency = np.zeros(0)  # the latest single-value allreduce probes (s)
+        self.payload_bytes = 0.0
         self._fit: CostFit | None = None
         self._net: NetworkFit | None = None
 
@@ -227,8 +250,18 @@ class CostModel:
         self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
         self._fit = self._net = None
 
-    def _weights(self) -> np.ndarray:
-        return self._mult * 0.5 ** ((self.steps - self._at) / self.cfg.half_life_steps)
+    def record_link(self, payload_bytes: float, latency_s: float) -> None:
+        """What the link carries and how fast it answers: the gradient bytes of one step (after
+        compression) and one latency probe (a single-value allreduce's seconds; NaN: none)."""
+        if math.isfinite(payload_bytes) and payload_bytes > 0:
+            self.payload_bytes = float(payload_bytes)
+        if math.isfinite(latency_s) and latency_s > 0:
+            self._latency = np.append(self._latency, latency_s)[-LATENCY_PROBES:]
+        self._net = None
+
+    def _weights(self, half_life: float | None = None) -> np.ndarray:
+        half_life = self.cfg.half_life_steps if half_life is None else half_life
+        return self._mult * 0.5 ** ((self.steps - self._at) / half_life)
 
     def fit(self) -> CostFit | None:
         """The per-rank lines (None before the first point)."""
@@ -309,11 +342,11 @@ class CostModel:
         return self._net
 
     def _fit_network(self) -> NetworkFit:
-        w = self._weights()
+        w = self._weights(self.cfg.net_half_life_steps)
         overhead = weighted_median(self._overhead, w)
         ok = np.isfinite(self._sync) & (self._sync > 0)
         if not ok.any():
-            return NetworkFit(0.0, 1.0, overhead)
+            return self._with_link(NetworkFit(0.0, 1.0, overhead))
         A, S, w = self._arrival[ok], np.maximum(self._sync[ok], self._arrival[ok]), w[ok]
         best: tuple[float, float, float] | None = None
         varied = A[w > 1e-3 * w.max()]
@@ -323,24 +356,29 @@ class CostModel:
             if best is None or err < 0.98 * best[0] - 1e-4:  # prefer no overlap unless clearly better
                 best = (err, net, g)
         assert best is not None
-        return NetworkFit(best[1], best[2], overhead)
+        return self._with_link(NetworkFit(best[1], best[2], overhead))
+
+    def _with_link(self, net: NetworkFit) -> NetworkFit:
+        latency = float(np.median(self._latency)) if len(self._latency) else math.nan
+        return net.with_link(self.payload_bytes * 2 * (self.world_size - 1) / self.world_size, latency)
 
     # --- plain state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "steps": self.steps,
+        return {"world_size": self.world_size, "steps": self.steps, "payload_bytes": self.payload_bytes,
                 **{k: getattr(self, "_" + k).tolist() for k in _ARRAYS}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["world_size"]) != self.world_size:
             raise ValueError(f"cost model state for {state['world_size']} ranks, this model has {self.world_size}")
         self.steps = float(state["steps"])
+        self.payload_bytes = float(state.get("payload_bytes", 0.0))
         for k in _ARRAYS:
-            arr = np.asarray(state[k], dtype=np.float64)
+            arr = np.asarray(state.get(k, []), dtype=np.float64)
             setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "t") else arr.reshape(-1))
         self._fit = self._net = None
 
 
-_ARRAYS = ("b", "t", "sync", "arrival", "overhead", "at", "mult")
+_ARRAYS = ("b", "t", "sync", "arrival", "overhead", "at", "mult", "latency")
 
 
 def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:

@@ -97,7 +97,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
         return staged, net
     joint = CostFit(a.numpy().copy(), c.numpy().copy(), staged.identified, staged.fixed_se, staged.per_sample_se,
                     staged.spread, staged.mean_batch, staged.mean_time, staged.knee)
-    return joint, NetworkFit(float(net_s), float(g), net.overhead_s)
+    return joint, NetworkFit(float(net_s), float(g), net.overhead_s).with_link(net.bus_bytes, net.latency_s)
 
 
 def _logit(p: float) -> float:

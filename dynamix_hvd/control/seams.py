@@ -24,6 +24,8 @@ class ControlledOptimizer(Protocol):
     """Names of the parameters, in the order of the per-layer means."""
     accumulating: bool
     """True between the micro-batches of one optimizer step (decisions wait for the step's end)."""
+    allreduce_bytes: int
+    """Gradient bytes one optimizer step allreduces, after compression (the network model's payload)."""
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Micro-batches per optimizer step from the next step on (called between steps)."""
@@ -33,13 +35,18 @@ class ControlledOptimizer(Protocol):
         """Mean per-parameter squared norms (local, global) since the last call (None: no step)."""
         ...
 
+    def time_small_allreduce(self) -> float:
+        """Seconds a single-value allreduce takes (a collective: every rank calls it at the same point)."""
+        ...
+
 
 def check_optimizer(optimizer: Any) -> ControlledOptimizer:
     """`optimizer` if it provides :class:`ControlledOptimizer`; otherwise a TypeError that says what to use."""
     if isinstance(optimizer, ControlledOptimizer):
         return optimizer
     members = ("lr_gain", "base_batch_size", "backward_passes_per_step", "oom_handler", "param_names",
-               "accumulating", "set_backward_passes_per_step", "pop_layer_means")
+               "accumulating", "allreduce_bytes", "set_backward_passes_per_step", "pop_layer_means",
+               "time_small_allreduce")
     missing = [m for m in members if not hasattr(optimizer, m)]
     raise TypeError(
         f"DynamixController needs an optimizer that provides {', '.join(members)} (missing on "

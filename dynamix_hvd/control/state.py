@@ -46,6 +46,8 @@ class RankReport:
     local_grad_sq: float    # mean squared norm of this rank's local mean gradient
     global_grad_sq: float   # mean squared norm of the global mean gradient
     max_batch: int          # this rank's current upper bound (memory)
+    allreduce_bytes: int = 0        # gradient bytes one optimizer step allreduces, after compression
+    latency_probe_s: float = math.nan  # a single-value allreduce after the previous decision (NaN: none yet)
 
     def to_dict(self) -> dict:
         return asdict(self)

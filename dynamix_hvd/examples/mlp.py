@@ -25,7 +25,7 @@ from dynamix_hvd.runs.runlog import RunLog                                    # 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", 3)), help="training epochs (env EPOCHS)")
+    ap.add_argument("--epochs", type=int, default=int(os.environ.get("EPOCHS", 3)), help="training budget in base-batch epochs of progress (env EPOCHS)")
     ap.add_argument("--batch-sizes", default=os.environ.get("BATCH_SIZES", ""),
                     help="comma-separated local batch size per rank, e.g. 16,48 (env BATCH_SIZES); default 32 each")
     ap.add_argument("--samples", type=int, default=8192, help="generated training samples")
@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         model.train()
         return float(hvd.allreduce(correct.double(), op=hvd.Sum, name="test_correct")) / len(y)
 
-    for epoch in range(args.epochs):
+    epoch = 0
+    # the budget in training progress (base-batch epochs), so it means the same whatever B does
+    while not optimizer.progress_done(epochs=args.epochs):                   # dx
         loader.set_epoch(epoch)                                               # dx
         for x, y in loader:
             if slow_s:
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             run.step(loss)                                                    # dx
         acc = accuracy()                                                      # collective
         run.end_epoch(accuracy=acc)                                           # dx: collective
+        epoch += 1
     out = run.finish(report=not args.no_report)                               # dx: collective
     controller.close()                                                        # dx
     if out is not None:

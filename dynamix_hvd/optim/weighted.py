@@ -237,10 +237,12 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.skipped_steps = {"nonfinite": 0, "oom": 0}
         self._synced: dict[str, Any] | None = None  # what synchronize() found, until step() uses it
         self._should_synchronize = True
+        self._compression = compression if compression is not None else hvd.Compression.none
+        self._allreduce_bytes: int | None = None
         # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
         self._engine = hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Sum, backward_passes_per_step=backward_passes_per_step,
-            compression=_WeighThenCompress(self, compression if compression is not None else hvd.Compression.none))
+            compression=_WeighThenCompress(self, self._compression))
         # Without hooks (one process outside elastic mode) Horovod never calls compress(): synchronize()
         # weighs every gradient itself.
         self._engine_hooked = bool(self._engine._requires_update)
@@ -663,6 +665,22 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._layer_sums.zero_()
         self._layer_steps = 0
         return local, global_
+
+    @property
+    def allreduce_bytes(self) -> int:
+        """Bytes of gradient one optimizer step allreduces, as they travel: after the compression
+        (``hvd.Compression.fp16`` halves float32 gradients). The same on every rank."""
+        if self._allreduce_bytes is None:
+            self._allreduce_bytes = sum(
+                p.numel() * self._compression.compress(torch.zeros(1, dtype=p.dtype))[0].element_size() for p in self._params)
+        return self._allreduce_bytes
+
+    def time_small_allreduce(self) -> float:
+        """Seconds one single-value allreduce takes on this rank: the collective's latency, Horovod's
+        negotiation cycle included. A collective: every rank calls it at the same point, between steps."""
+        t0 = time.perf_counter()
+        hvd.allreduce(torch.zeros(1), name="dx.latency_probe", op=hvd.Sum)
+        return time.perf_counter() - t0
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -7,7 +7,8 @@ writes ``OUT/``:
 * ``epochs.csv`` (and ``epochs.parquet`` when pyarrow is installed): one row per epoch and rank;
 * ``trace.h5``: ``/steps`` (every StepRecord field of every rank, plus ``wall_s`` and ``loss``),
   ``/epochs``, ``/decisions`` (``sizes``/``previous_sizes``/``reward`` as decisions x ranks arrays,
-  ``noise_scale``, ``efficiency``, ``throughput``, ``lr_gain``, ``wall_s``, ... and the whole
+  ``noise_scale``, ``efficiency``, ``throughput``, ``lr_gain``, ``wall_s``, the network fit (``net_s``,
+  ``latency_s``, ``bus_bandwidth_Bps``), ... and the whole
   controller history as JSON in ``/decisions/history_json``), run metadata in the root's ``meta``
   attribute;
 * ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
@@ -46,6 +47,8 @@ from .progress import Progress
 STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
                     "throughput", "overhead_s", "learn_s")
+NETWORK_SCALARS = ("net_s", "latency_s", "bus_bandwidth_Bps")
+"""The network fit of each decision (``fit["net"]``): allreduce time, latency, effective bandwidth."""
 
 
 def _float(value: Any) -> float:
@@ -240,12 +243,15 @@ def decision_arrays(history: Sequence[dict[str, Any]], world_size: int,
     """Controller history as arrays: scalars per decision, sizes/rewards as decisions x ranks."""
     wall = wall or {}
     n = len(history)
-    out: dict[str, np.ndarray] = {k: np.full(n, np.nan) for k in DECISION_SCALARS}
+    out: dict[str, np.ndarray] = {k: np.full(n, np.nan) for k in DECISION_SCALARS + NETWORK_SCALARS}
     for k in ("sizes", "previous_sizes", "reward"):
         out[k] = np.full((n, world_size), np.nan)
     for i, d in enumerate(history):
         for k in DECISION_SCALARS:
             out[k][i] = _float(wall.get(int(d.get("decision", i)), math.nan) if k == "wall_s" else d.get(k))
+        net = (d.get("fit") or {}).get("net") or {}
+        for k in NETWORK_SCALARS:
+            out[k][i] = _float(net.get(k))
         for k in ("sizes", "previous_sizes", "reward"):
             if d.get(k) is not None:
                 out[k][i, :] = np.asarray(d[k], dtype=float).reshape(-1)[:world_size]

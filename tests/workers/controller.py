@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--sleep-fixed", type=float, default=0.0, help="... and this long per step")
     ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's sleeps are --slow-factor times longer")
     ap.add_argument("--slow-factor", type=float, default=1.0)
+    ap.add_argument("--fp16", action="store_true", help="Horovod's fp16 compression of the gradients")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -51,7 +52,8 @@ def main() -> None:
     loader = dx.AdaptiveLoader(train, sizes, rank, seed=1)
     slow = args.slow_factor if rank == args.slow_rank else 1.0
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
-                                          loader, lr_rule="adascale")
+                                          loader, lr_rule="adascale",
+                                          compression=hvd.Compression.fp16 if args.fp16 else None)
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
@@ -95,6 +97,8 @@ def main() -> None:
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing")}
                for d in controller.history]
+    for h, d in zip(history, controller.history):  # rank 0: the network fit of each decision
+        h["net"] = (d.get("fit") or {}).get("net")
     for h, d in zip(history, controller.history):  # rank 0: what each rank measured before the decision
         if "reports" in d:
             h["compute_s"] = [r["compute_s"] for r in d["reports"]]
@@ -102,7 +106,7 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "history": history, "backend": controller.channel.backend, "when": when,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
-        "final_sizes": list(loader.batch_sizes)}))
+        "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes}))
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
         Path(args.out, "inputs.json").write_text(json.dumps({
             "inputs": [[i.to_dict() for i in inputs] for inputs in controller.inputs],
