@@ -229,6 +229,8 @@ CONFIGS.update({
                       "arms": ["plain", "split", "ppo"], "seeds": 3}],
     "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
+    # no harm: the default against plain Horovod on equal-speed ranks (3 seeds, ~20 min)
+    "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "ppo"], "seeds": 3}],
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
     "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
                       "seeds": 1}],

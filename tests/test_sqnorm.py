@@ -282,3 +282,23 @@ def test_overhead_bench_smoke():
     row = bench.measure(bench.make_cnn, repeats=1, steps=2)
     assert row["segments"] == 8 and row["base"] > 0 and row["alone"] > 0
     assert "overhead %" in bench.format_table({"cnn": row})
+
+
+def test_flat_gradients_take_back_a_view_whose_storage_was_replaced():
+    """Horovod's synchronize() with fp16 compression ends with ``p.grad.set_(decompressed)``: the view
+    object that is p.grad then holds other storage. attach() puts it back into the flat buffer with its
+    values, so zeroing and the norms (which hold the view objects) see the real gradient again."""
+    from dynamix_hvd.optim.flat import FlatGradients
+
+    params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))]
+    flat = FlatGradients(params)
+    view = params[0].grad
+    params[0].grad.set_(torch.arange(6, dtype=torch.float32).view(3, 2))  # what Horovod's synchronize does
+    params[1].grad = torch.full((4,), 2.0)                                # a gradient replaced outright
+    assert view.data_ptr() != flat.buffers[0].data_ptr()
+    flat.attach()
+    assert params[0].grad is view and view.data_ptr() == flat.buffers[0].data_ptr()
+    assert flat.buffers[0].tolist() == [0, 1, 2, 3, 4, 5, 2, 2, 2, 2]
+    assert flat.sq_norms().tolist() == pytest.approx([55.0, 16.0], rel=1e-6)
+    flat.zero()
+    assert flat.sq_norms().tolist() == [0.0, 0.0] and float(params[0].grad.abs().sum()) == 0.0

@@ -25,6 +25,7 @@ class FlatGradients:
         self.views: list[torch.Tensor] = [torch.empty(0)] * len(params)
         self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
         self.members: list[list[int]] = []     # per buffer: indices of its parameters, in order
+        self._homes: list[tuple[torch.Tensor, int]] = [(torch.empty(0), 0)] * len(params)  # (buffer, offset)
         for (device, dtype), members in groups.items():
             sizes = [params[i].numel() for i in members]
             buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
@@ -32,6 +33,8 @@ class FlatGradients:
             for i, n in zip(members, sizes):
                 self.views[i] = buf[bounds[-1]:bounds[-1] + n].view_as(params[i])
                 bounds.append(bounds[-1] + n)
+            for i, start in zip(members, bounds):
+                self._homes[i] = (buf, start)
             self.buffers.append(buf)
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
             self.members.append(members)
@@ -54,8 +57,17 @@ class FlatGradients:
         return norms
 
     def attach(self) -> None:
-        """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere."""
-        for p, view in zip(self.params, self.views):
+        """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere.
+
+        A view itself may have been moved off the buffer: Horovod's synchronize() with a compression
+        (fp16) ends with ``p.grad.set_(decompressed)``, which gives the view object (that is
+        ``p.grad``) the decompressed tensor's storage. Such a view is set back onto its place in the
+        buffer, its values copied along, so the view objects (which the norms hold) stay valid."""
+        for p, view, (buf, start) in zip(self.params, self.views, self._homes):
+            if view.numel() and view.data_ptr() != buf.data_ptr() + start * buf.element_size():
+                moved = view.detach()  # shares the storage the view was moved to
+                view.set_(buf.untyped_storage(), buf.storage_offset() + start, p.shape)
+                view.copy_(moved)
             g = p.grad
             if g is None or g.data_ptr() != view.data_ptr():
                 if g is not None:
