@@ -56,12 +56,12 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     for layers in (3, 0):
         inputs = [sample_input(r, layers=layers) for r in range(3)]
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 22 + 8 * 4 + 2 * layers)
+        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 24 + 8 * 4 + 2 * layers)
         back = wire.decode_reports(rows)
         assert all(same(a.to_dict(), b.to_dict()) for a, b in zip(inputs, back))
         assert all(type(b.report.peak_memory_bytes) is int and type(b.steps.local_batch[0]) is int for b in back)
     assert back[1].layers is None and back[1].steps.memory_kind == "cuda"
-    with pytest.raises(ValueError, match="does not match its 53 values"):
+    with pytest.raises(ValueError, match="does not match its 55 values"):
         wire.decode_report(rows[0][:-1])
     assert same(wire.padded_losses([1.0, 2.0], 4), [1.0, 2.0, math.nan, math.nan])
     assert wire.padded_losses([1.0, 2.0, 3.0], 2) == [1.0, 2.0]
@@ -178,7 +178,8 @@ def test_plain_optimizer_is_refused_with_what_to_use() -> None:
     model = nn.Linear(32, 10)
     with pytest.raises(TypeError, match=r"missing on torch\.optim\.sgd\.SGD: lr_gain, base_batch_size, "
                                         r"backward_passes_per_step, oom_handler, param_names, accumulating, "
-                                        r"set_backward_passes_per_step, pop_layer_means.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
+                                        r"allreduce_bytes, set_backward_passes_per_step, pop_layer_means, "
+                                        r"time_small_allreduce.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
         DynamixController(loader, torch.optim.SGD(model.parameters(), lr=0.1), ControllerConfig(policy="static"))
 
 
