@@ -112,8 +112,8 @@ class DynamixController:
         # Every rank holds a core and a policy, so that any rank can take over as rank 0 after an
         # elastic reset; only rank 0's is consulted.
         self.core = make_core(self.cfg, loader.world_size,
-                              loader.global_batch_size * self.optimizer.backward_passes_per_step,
-                              self.optimizer.param_names, lr_base_batch=self.optimizer.base_batch_size)
+                              loader.global_micro_batch * self.optimizer.backward_passes_per_step,
+                              self.optimizer.param_names, base_batch=self.optimizer.base_batch_size)
         self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
         self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
         loader.step_end_callbacks.append(self._on_step_end)
@@ -288,7 +288,7 @@ class DynamixController:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
-            self.core.lr_base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
+            self.core.base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's part of the open decision interval, as plain values (a checkpoint holds one per

@@ -127,8 +127,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             stays below the noise scale), "sqrt" (Adam-type), "none".
         lr_warmup_steps: after B grows, ramp the factor from its last value to the new one over this
             many optimizer steps (0: at once; None: 3% of an epoch at the new B, at least 2).
-        base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
-            times ``backward_passes_per_step``).
+        base_batch_size: the base batch, the global batch the learning rate was tuned for (default:
+            the initial batch, the loader's first global micro-batch times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
         track_grad_norms: record local and global gradient squared norms per step (cheap; the
             gradient-noise statistics need them).
@@ -199,7 +199,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.max_grad_norm = max_grad_norm
         self.lr_rule = lr_rule
         self.backward_passes_per_step = backward_passes_per_step
-        self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
+        self.base_batch_size = base_batch_size or loader.global_micro_batch * backward_passes_per_step
         self.lr_gain = 1.0  # AdaScale gain set by the controller (read by the adascale rule only)
         self.lr_coupling = LRCoupling(lr_warmup_steps)  # warm-up ramp and progress (tau), plain state
         self.track_grad_norms = track_grad_norms
@@ -597,7 +597,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     @contextmanager
     def _scaled_lr(self) -> Iterator[float]:
-        batch = self.loader.global_batch_size * self.backward_passes_per_step
+        batch = self.loader.global_micro_batch * self.backward_passes_per_step
         factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
                                        math.ceil(self.loader.epoch_size / batch))
         saved = [g["lr"] for g in self.param_groups]

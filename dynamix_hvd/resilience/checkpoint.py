@@ -69,9 +69,10 @@ class CheckpointVersionError(CheckpointError):
     """A checkpoint was written in another format version."""
 
 
-def redistribute(global_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
-    """Per-rank sizes that keep the global batch when the number of ranks changes."""
-    return list(split_proportional(max(global_batch, world_size), list(weights or [1] * world_size)))
+def redistribute(micro_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
+    """Local batches that keep the global micro-batch (so the global batch) when the number of ranks
+    changes."""
+    return list(split_proportional(max(micro_batch, world_size), list(weights or [1] * world_size)))
 
 
 def non_plain_entry(value: Any, where: str = "state") -> str | None:
