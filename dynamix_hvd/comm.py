@@ -1,20 +1,33 @@
-"""Control-plane messages between ranks: the only module that talks to mpi4py.
+"""Every collective the library issues besides the gradient allreduce: the only module that talks to mpi4py.
 
-The controller's collectives, each with a deadline and an error that names the rank that did not answer:
-- ``gather_array``/``gather_arrays`` and ``broadcast_array``: the per-rank reports and the decision
-  as float64 buffers (layout in `dynamix_hvd.control.wire`), nothing pickled;
-- ``any_true``: agreement on a flag (e.g. a stop request);
-- ``gather(obj)``/``broadcast(obj)``: small Python objects (checkpoint coordination).
+One API. Each collective is named by a `Collective` (a name that is the same on every rank, a
+deadline in seconds, what its messages carry, where the library issues it) and is a method of
+`ControlChannel`:
 
-Under ``mpirun``/``srun``/``horovodrun --mpi`` they run on a ``Dup()`` of MPI_COMM_WORLD, so control
-messages can never match Horovod's own traffic, using nonblocking point-to-point messages polled
-against a deadline (blocking MPI collectives cannot time out). Under ``horovodrun --gloo`` there is
-no MPI world; they fall back to Horovod's object collectives, guarded by a watchdog thread: those
-cannot be abandoned, so on timeout the process exits with the error instead of hanging forever.
+- ``allgather_object``, ``gather_object``, ``broadcast_object``: small Python objects;
+- ``allgather_tensor``: tensors concatenated along dim 0 (what ``hvd.allgather`` returns);
+- ``gather_arrays`` (ragged lengths), ``gather_array`` (equal lengths) and ``broadcast_array``:
+  1-D float64 arrays (the controller's reports and decisions, layout in `dynamix_hvd.control.wire`);
+- ``any_true``: agreement on a flag (e.g. a preemption request).
 
-The rest of the library's collectives (run log, elastic state, DBA counts) are the named ones at the
-end of this module: ``allgather_object``, ``gather_object``, ``broadcast_object`` and
-``allgather_tensor``, each given a `Collective` (name and deadline) and issued on `library_channel()`.
+Under ``mpirun``/``srun``/``horovodrun --mpi`` a channel runs on a ``Dup()`` of MPI_COMM_WORLD, so
+its messages can never match Horovod's own traffic. Every collective is nonblocking point-to-point
+messages rooted at one rank, polled in one loop (`ControlChannel._mpi_poll`) against the deadline
+(blocking MPI collectives cannot time out): the root names the ranks that did not answer and, in an
+allgather, tells the others; ranks other than the root wait a grace of ``1 + 0.1 x deadline`` longer
+than the root, so the root's message, which names the silent rank, comes first. Under
+``horovodrun --gloo`` there is no MPI world: the collectives are Horovod's, of the collective's name,
+under one watchdog (`ControlChannel._hvd_within`) that ends the process at the deadline (Horovod
+collectives cannot be abandoned).
+
+At exit: Horovod, when it initialised MPI, finalises it on every rank as soon as one rank shuts
+down, so a rank must not exit while a peer still waits for its messages. `library_channel()`
+therefore registers an exit barrier (`EXIT_BARRIER`) that runs before Horovod's own shutdown. Sends
+are synchronous (issend), so a rank leaves a collective only once its peers took its messages.
+
+Every collective the library issues is listed below (`CONTROL_COLLECTIVES`: the controller and the
+checkpointer, with the controller's ``timeout_s`` as deadline; `LIBRARY_COLLECTIVES`: the rest, on
+`library_channel()`).
 """
 from __future__ import annotations
 
@@ -23,7 +36,7 @@ import sys
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NoReturn
 
 import numpy as np
@@ -31,11 +44,56 @@ import numpy as np
 from . import validate
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-_TAG_GATHER, _TAG_BCAST = 7301, 7302
+
+DEFAULT_TIMEOUT_S = 120.0
+"""The deadline of the control collectives when no controller sets one (``ControllerConfig.timeout_s``)."""
 
 
 class ControlPlaneTimeout(RuntimeError):
-    """A rank did not take part in a control-plane collective within the deadline."""
+    """A rank did not take part in a collective within the deadline."""
+
+
+class CollectiveTimeout(ControlPlaneTimeout):
+    """A named collective missed its deadline; `missing` lists the ranks that did not answer."""
+
+    def __init__(self, message: str, missing: list[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A named collective: the same name on every rank (one name per call site), its deadline in
+    seconds, what its messages carry (`what`, in error messages) and where the library issues it."""
+
+    name: str
+    deadline_s: float
+    what: str = ""
+    where: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"Collective name={self.name!r}; give every collective a non-empty name")
+        validate.number(f"Collective '{self.name}': deadline_s", self.deadline_s, above=0,
+                        what="a positive finite number of seconds")
+
+    def within(self, deadline_s: float) -> "Collective":
+        """The same collective with another deadline (e.g. ``ControllerConfig.timeout_s``)."""
+        return replace(self, deadline_s=deadline_s)
+
+    @property
+    def carries(self) -> str:
+        return self.what or "data"
+
+
+def _tag(op: Collective) -> int:
+    # The same name gives the same tag on every rank; below MPI_TAG_UB, clear of StallWatchdog's tags.
+    return 10_000 + zlib.crc32(op.name.encode()) % 20_000
+
+
+def _grace(op: Collective) -> float:
+    """How much longer non-root ranks wait than the root, so the root's note naming the silent rank arrives."""
+    return 1.0 + 0.1 * op.deadline_s
 
 
 # Requests given up on after a timeout. MPI may still write into their buffers, so they must outlive
@@ -50,298 +108,58 @@ def launched_under_mpi() -> bool:
 
 
 class ControlChannel:
-    """Rank-0-rooted gather and broadcast of small Python objects, each with a timeout."""
+    """The collectives of this module on one communicator (see the module docstring)."""
 
-    def __init__(self, timeout_s: float = 120.0, poll_s: float = 0.0005) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r}; it must be a positive number of seconds")
-        self.timeout_s = timeout_s
+    def __init__(self, poll_s: float = 0.0005) -> None:
         self.poll_s = poll_s
-        self._seq = 0
         if launched_under_mpi():
             from mpi4py import MPI
 
             self._comm = MPI.COMM_WORLD.Dup()
-            self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+            self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
             self.backend = "mpi4py"
         else:
-            import horovod.torch as hvd
-
             self._comm = None
-            self.rank, self.size = hvd.rank(), hvd.size()
+            self._rank = self._size = -1
             self.backend = "horovod-objects"
 
-    # --- public collectives ------------------------------------------------------------------------
-    def gather(self, obj: Any, what: str = "metrics") -> list[Any] | None:
-        self._seq += 1
-        if self._comm is None:
-            # Horovod matches collectives by name; its default name is the object's type, which
-            # differs between rank 0 (a decision) and the others (None), so name them explicitly.
-            everyone = self._hvd_guarded(lambda h: h.allgather_object(obj, name=f"dx.gather.{self._seq}"), what)
-            return everyone if self.rank == 0 else None
-        if self.rank != 0:
-            self._wait([self._comm.issend(obj, dest=0, tag=_TAG_GATHER)], [0], f"sending {what} to rank 0")
-            return None
-        requests = [self._comm.irecv(source=src, tag=_TAG_GATHER) for src in range(1, self.size)]
-        received = self._wait(requests, list(range(1, self.size)), f"gathering {what} on rank 0")
-        return [obj, *received]
+    @property
+    def rank(self) -> int:
+        """This rank; under Gloo Horovod's, read live (an elastic reset changes it)."""
+        if self._comm is not None or self._rank >= 0:
+            return self._rank
+        import horovod.torch as hvd
 
-    def broadcast(self, obj: Any = None, what: str = "decision") -> Any:
-        self._seq += 1
-        if self._comm is None:
-            return self._hvd_guarded(
-                lambda h: h.broadcast_object(obj, root_rank=0, name=f"dx.bcast.{self._seq}"), what)
-        if self.rank == 0:
-            # Synchronous sends: rank 0 leaves only once every rank has taken the object, so it cannot
-            # exit (and have Horovod finalize MPI everywhere) while a rank still waits for it.
-            sends = [self._comm.issend(obj, dest=dst, tag=_TAG_BCAST) for dst in range(1, self.size)]
-            self._wait(sends, list(range(1, self.size)), f"sending {what} from rank 0", sends_may_drop=True)
-            return obj
-        return self._wait([self._comm.irecv(source=0, tag=_TAG_BCAST)], [0],
-                          f"receiving {what} from rank 0", grace_s=self._root_grace())[0]
+        return hvd.rank()
 
-    # --- numeric arrays: fixed-size float64 buffers, no pickling ------------------------------------
-    # Under MPI the gather is point-to-point into buffers on rank 0 (not Igather), so that a silent
-    # rank is named as the object gather names it; rank 0 probes each message's length before
-    # receiving it, so a rank that sends a different length gets a clear error, never garbage.
-    _TAG_ARRAY = 7311
+    @property
+    def size(self) -> int:
+        if self._comm is not None or self._size >= 0:
+            return self._size
+        import horovod.torch as hvd
 
-    class _Mpi:
-        """A request of this section: answers ControlPlaneTimeout once MPI has been shut down under it
-        (Horovod finalizes MPI when any rank exits), instead of calling into a finalized MPI."""
-
-        def __init__(self, doing: str, rank: int) -> None:
-            self.doing, self.rank = doing, rank
-
-        def _check_alive(self) -> None:
-            from mpi4py import MPI
-
-            if MPI.Is_finalized():
-                raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {self.doing} (another rank "
-                                          "exited: Horovod finalizes MPI on every rank when one shuts down)")
-
-    class _KeepBuffer(_Mpi):
-        """A buffer request that keeps its buffer alive for as long as MPI may use it."""
-
-        def __init__(self, request, buffer, doing: str, rank: int) -> None:
-            super().__init__(doing, rank)
-            self._request, self.buffer = request, buffer
-
-        def test(self):
-            self._check_alive()
-            return self._request.Test(), None
-
-    class _ProbedArray(_Mpi):
-        """Receives one float64 array of any length from `source` once it has arrived (probe, then receive)."""
-
-        def __init__(self, comm, source: int, tag: int, doing: str, rank: int) -> None:
-            super().__init__(doing, rank)
-            self._comm, self._source, self._tag = comm, source, tag
-
-        def test(self):
-            from mpi4py import MPI
-
-            self._check_alive()
-            status = MPI.Status()
-            if not self._comm.Iprobe(source=self._source, tag=self._tag, status=status):
-                return False, None
-            buf = np.empty(status.Get_count(MPI.DOUBLE), dtype=np.float64)
-            self._comm.Recv(buf, source=self._source, tag=self._tag)
-            return True, buf
-
-    def gather_array(self, values: np.ndarray, what: str = "metrics") -> np.ndarray | None:
-        """Every rank's 1-D float64 array of the same length n; rank 0 gets [size, n] in rank order,
-        the others None. A rank whose length differs raises ValueError (naming it) on rank 0 (MPI)
-        or on every rank (Gloo)."""
-        rows, lengths = self._gather_ragged(values, what)
-        if lengths is not None and len(set(lengths)) > 1:
-            raise ValueError(self._length_error(what, lengths))
-        return None if rows is None else np.stack(rows)
-
-    def gather_arrays(self, values: np.ndarray, what: str = "metrics") -> list[np.ndarray] | None:
-        """As :meth:`gather_array`, but the lengths may differ: rank 0 gets one array per rank."""
-        return self._gather_ragged(values, what)[0]
-
-    def _gather_ragged(self, values: np.ndarray, what: str) -> tuple[list[np.ndarray] | None, list[int] | None]:
-        """(rank 0: the arrays in rank order, else None; every length where this rank knows them)."""
-        send = self._as_vector(values, what)
-        self._seq += 1
-        if self._comm is None:
-            return self._hvd_guarded(lambda h: self._hvd_gather_arrays(h, send), what)
-        if self.rank != 0:
-            doing = f"sending {what} to rank 0"
-            request = self._KeepBuffer(self._comm.Isend(send, dest=0, tag=self._TAG_ARRAY), send, doing, self.rank)
-            self._wait([request], [0], doing)
-            return None, None
-        peers, doing = list(range(1, self.size)), f"gathering {what} on rank 0"
-        received = self._wait([self._ProbedArray(self._comm, src, self._TAG_ARRAY, doing, self.rank) for src in peers],
-                              peers, doing)
-        rows = [send, *received]
-        return rows, [len(r) for r in rows]
-
-    def broadcast_array(self, values: np.ndarray | None, n: int, what: str = "decision") -> np.ndarray:
-        """Rank 0's 1-D float64 array of length n on every rank (the others pass None and the same n)."""
-        if self.rank == 0:
-            buf = self._as_vector(values, what)
-            if len(buf) != n:
-                raise ValueError(f"rank 0: broadcast of {what}: array has {len(buf)} values, n={n}")
-        else:
-            buf = np.empty(n, dtype=np.float64)
-        self._seq += 1
-        if self._comm is None:
-            import torch
-
-            t = torch.from_numpy(buf)
-            out = self._hvd_guarded(lambda h: h.broadcast(t, root_rank=0, name=f"dx.bcast_array.{self._seq}"), what)
-            return out.numpy()
-        peers = (list(range(1, self.size)) if self.rank == 0 else [0]) or [0]
-        doing = f"sending {what} from rank 0" if self.rank == 0 else f"receiving {what} from rank 0"
-        request = self._KeepBuffer(self._comm.Ibcast(buf, root=0), buf, doing, self.rank)
-        # One collective; a timeout names every peer. The other ranks wait a grace longer than rank 0, so
-        # that when a third rank is the silent one, rank 0 (which can name it) ends the job first.
-        self._wait([request] * len(peers), peers, doing, grace_s=0.0 if self.rank == 0 else self._root_grace())
-        return buf
-
-    @staticmethod
-    def _as_vector(values: np.ndarray | None, what: str) -> np.ndarray:
-        arr = np.ascontiguousarray(values, dtype=np.float64)
-        if arr.ndim != 1:
-            raise ValueError(f"{what}: need a 1-D array of float64 values, got shape {arr.shape}")
-        return arr
-
-    def _length_error(self, what: str, lengths: list[int]) -> str:
-        expected = min(set(lengths), key=lambda n: (-lengths.count(n), n != lengths[0]))  # ties: rank 0's
-        odd = {r: n for r, n in enumerate(lengths) if n != expected}
-        return (f"rank {self.rank}: gathering {what} (control message #{self._seq}): rank(s) {sorted(odd)} sent "
-                f"{[odd[r] for r in sorted(odd)]} values where the others sent {expected}. Every rank must "
-                "report the same number of steps per decision (a rank skipped or added a step).")
-
-    def _hvd_gather_arrays(self, h: Any, send: np.ndarray) -> tuple[list[np.ndarray] | None, list[int]]:
-        import torch
-
-        lengths = h.allgather(torch.tensor([len(send)], dtype=torch.int64), name=f"dx.gather_lens.{self._seq}").tolist()
-        data = h.allgather(torch.from_numpy(send), name=f"dx.gather_array.{self._seq}").numpy()  # concatenated
-        if self.rank != 0:
-            return None, lengths
-        return np.split(data, np.cumsum(lengths)[:-1]), lengths
-
-    def any_true(self, flag: bool, what: str = "stop flag") -> bool:
-        """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM)."""
-        self._seq += 1
-        if self._comm is None:
-            import torch
-
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-            out = self._hvd_guarded(lambda h: h.allreduce(t, op=h.Max, name=f"dx.any.{self._seq}"), what)
-            return bool(out.item())
-        # Rooted (gather on rank 0, then broadcast) rather than one Iallreduce, so a timeout names the
-        # rank that did not answer, on every rank (rank 0 tells the others whom it missed).
-        flags = self.allgather_object(bool(flag), Collective(f"dx.any_true.{what}", self.timeout_s))
-        return any(flags)
-
-    def rebind(self, rank: int, size: int) -> None:
-        """After an elastic reset (Horovod object collectives only: no MPI world there)."""
-        if self._comm is not None:
-            raise RuntimeError("an MPI control plane cannot change its world; restart from a checkpoint")
-        self.rank, self.size = rank, size
-        self._seq = 0  # collectives are matched by name; a newcomer starts counting at 0 too
+        return hvd.size()
 
     def close(self) -> None:
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
 
-    # --- mechanics ---------------------------------------------------------------------------------
-    @staticmethod
-    def _mpi_finalized() -> bool:
-        from mpi4py import MPI
-
-        return bool(MPI.Is_finalized())
-
-    def _root_grace(self) -> float:
-        return 1.0 + 0.1 * self.timeout_s
-
-    def _wait(self, requests: list, peers: list[int], doing: str, grace_s: float = 0.0,
-              sends_may_drop: bool = False) -> list[Any]:
-        """Poll nonblocking requests until all complete or the deadline (+ `grace_s`) passes.
-        `sends_may_drop`: the requests are rank 0's sends of a broadcast (see `_mpi_poll`)."""
-        waited_s = self.timeout_s + grace_s
-        deadline = time.monotonic() + waited_s
-        results: list[Any] = [None] * len(requests)
-        pending = set(range(len(requests)))
-        spin_until = time.monotonic() + 0.002  # most answers arrive within microseconds: spin first
-        while pending:
-            if self._comm is not None and self._mpi_finalized():
-                if sends_may_drop:
-                    return results
-                raise ControlPlaneTimeout(f"rank {self.rank}: MPI was shut down while {doing} (another rank "
-                                          "exited: Horovod finalizes MPI on every rank when one shuts down)")
-            for i in list(pending):
-                done, value = requests[i].test()
-                if done:
-                    results[i] = value
-                    pending.discard(i)
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                _ABANDONED.extend(requests[i] for i in pending)
-                missing = sorted(peers[i] for i in pending)
-                raise ControlPlaneTimeout(
-                    f"rank {self.rank}: timed out after {waited_s:.0f} s {doing} "
-                    f"(control message #{self._seq}); rank(s) {missing} did not answer. A rank that "
-                    "crashed, hangs, or skipped the decision point (different step counts) causes this.")
-            if time.monotonic() > spin_until:
-                time.sleep(self.poll_s)
-        return results
-
-    def _hvd_guarded(self, call, what: str) -> Any:
-        import horovod.torch as hvd
-
-        finished = threading.Event()
-
-        def watchdog() -> None:
-            if not finished.wait(self.timeout_s):
-                sys.stderr.write(
-                    f"[dynamix_hvd] rank {self.rank}: control-plane collective '{what}' (#{self._seq}) did not "
-                    f"complete within {self.timeout_s:.0f} s under Gloo; some rank did not answer (Horovod's "
-                    "stall warnings above name the missing ranks). Exiting instead of hanging.\n")
-                sys.stderr.flush()
-                os._exit(3)
-
-        threading.Thread(target=watchdog, daemon=True).start()
-        try:
-            return call(hvd)
-        finally:
-            finished.set()
-
-
-    # ==============================================================================================
-    # Named library collectives: every collective the library issues outside the
-    # gradient allreduce and the controller's messages above. Each call takes a `Collective` (a name
-    # and a deadline; the library's own are listed at the end of this module). Under MPI they are
-    # nonblocking point-to-point messages on this channel's Dup()'d communicator, rooted at one rank,
-    # so the root knows which rank did not answer (and, in an allgather, tells the others). Under
-    # Gloo they are Horovod collectives of that name under a watchdog that ends the process at the
-    # deadline (Horovod collectives cannot be abandoned).
-    # At exit: Horovod, when it initialised MPI, finalises it on every rank as soon as one rank shuts
-    # down, so a rank must not exit while a peer still waits for its messages. `library_channel()`
-    # therefore registers an exit barrier (`EXIT_BARRIER`) that runs before Horovod's own shutdown.
-    # Sends are synchronous (issend), so a rank leaves a collective only once its peers took its messages.
-    # ==============================================================================================
+    # --- objects -------------------------------------------------------------------------------------
     def allgather_object(self, obj: Any, op: Collective) -> list[Any]:
         """Every rank's object on every rank (a list in rank order)."""
         if self._comm is None:
             return self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
         deadline = time.monotonic() + op.deadline_s
         gathered = self._mpi_gather(obj, op, 0, deadline, tell_others=True)
-        return self._mpi_bcast(gathered, op, 0, deadline + _grace(op))
+        return self._mpi_bcast(gathered, op, 0, deadline + _grace(op), deadline + _grace(op))
 
     def gather_object(self, obj: Any, op: Collective, root: int = 0) -> list[Any] | None:
         """Every rank's object on `root` (a list in rank order); None on the other ranks."""
         self._check_root(root, op)
         if self._comm is None:
             everyone = self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
-            return everyone if _hvd_rank() == root else None
+            return everyone if self.rank == root else None
         return self._mpi_gather(obj, op, root, time.monotonic() + op.deadline_s, tell_others=False)
 
     def broadcast_object(self, obj: Any, op: Collective, root: int = 0) -> Any:
@@ -349,8 +167,15 @@ class ControlChannel:
         self._check_root(root, op)
         if self._comm is None:
             return self._hvd_within(op, lambda h: h.broadcast_object(obj, root_rank=root, name=op.name))
-        return self._mpi_bcast(obj, op, root, time.monotonic() + op.deadline_s)
+        deadline = time.monotonic() + op.deadline_s
+        return self._mpi_bcast(obj, op, root, deadline, deadline + _grace(op))
 
+    def any_true(self, flag: bool, op: Collective) -> bool:
+        """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM). An
+        allgather, so a timeout names the rank that did not answer on every rank."""
+        return any(self.allgather_object(bool(flag), op))
+
+    # --- tensors and float64 arrays --------------------------------------------------------------------
     def allgather_tensor(self, tensor: Any, op: Collective) -> Any:
         """Every rank's tensor concatenated along dim 0 in rank order (what ``hvd.allgather`` returns)."""
         if self._comm is None:
@@ -360,8 +185,57 @@ class ControlChannel:
         parts = self.allgather_object(tensor.detach().cpu().numpy(), op)
         return torch.cat([torch.from_numpy(p) for p in parts]).to(tensor.device)
 
+    def gather_arrays(self, values: np.ndarray, op: Collective) -> list[np.ndarray] | None:
+        """Every rank's 1-D float64 array on rank 0, one per rank in rank order (the lengths may
+        differ); None on the other ranks."""
+        return self._gather_ragged(values, op)[0]
+
+    def gather_array(self, values: np.ndarray, op: Collective) -> np.ndarray | None:
+        """Every rank's 1-D float64 array of the same length n; rank 0 gets [size, n] in rank order,
+        the others None. A rank whose length differs raises ValueError (naming it) on rank 0 (MPI)
+        or on every rank (Gloo)."""
+        rows, lengths = self._gather_ragged(values, op)
+        if lengths is not None and len(set(lengths)) > 1:
+            raise ValueError(self._length_error(op, lengths))
+        return None if rows is None else np.stack(rows)
+
+    def broadcast_array(self, values: np.ndarray | None, n: int, op: Collective) -> np.ndarray:
+        """Rank 0's 1-D float64 array of length n on every rank (the others pass None and the same n)."""
+        if self.rank == 0:
+            sent = _as_vector(values, op)
+            if len(sent) != n:
+                raise ValueError(f"rank 0: broadcast of {op.carries} (collective '{op.name}'): array has "
+                                 f"{len(sent)} values, n={n}")
+        else:
+            sent = None
+        got = _as_vector(self.broadcast_object(sent, op, root=0), op)
+        if len(got) != n:
+            raise ValueError(f"rank {self.rank}: broadcast of {op.carries} (collective '{op.name}'): rank 0 sent "
+                             f"{len(got)} values, this rank expects n={n}")
+        return got
+
+    def _gather_ragged(self, values: np.ndarray, op: Collective) -> tuple[list[np.ndarray] | None, list[int] | None]:
+        """(rank 0: the arrays in rank order, else None; every length where this rank knows them)."""
+        send = _as_vector(values, op)
+        if self._comm is None:  # every rank receives every array, so every rank checks the lengths
+            everyone = [_as_vector(a, op) for a in self.allgather_object(send, op)]
+            return (everyone if self.rank == 0 else None), [len(a) for a in everyone]
+        rows = self.gather_object(send, op, root=0)
+        if rows is None:
+            return None, None
+        rows = [_as_vector(a, op) for a in rows]
+        return rows, [len(a) for a in rows]
+
+    def _length_error(self, op: Collective, lengths: list[int]) -> str:
+        expected = min(set(lengths), key=lambda n: (-lengths.count(n), n != lengths[0]))  # ties: rank 0's
+        odd = {r: n for r, n in enumerate(lengths) if n != expected}
+        return (f"rank {self.rank}: gathering {op.carries} (collective '{op.name}'): rank(s) {sorted(odd)} sent "
+                f"{[odd[r] for r in sorted(odd)]} values where the others sent {expected}. Every rank must "
+                "report the same number of steps per decision (a rank skipped or added a step).")
+
+    # --- mechanics: MPI ------------------------------------------------------------------------------
     def _check_root(self, root: int, op: Collective) -> None:
-        size = self.size if self._comm is not None else _hvd_size()
+        size = self.size
         if not (isinstance(root, int) and 0 <= root < size):
             raise ValueError(f"collective '{op.name}': root={root!r} is not a rank of this world of {size}")
 
@@ -369,10 +243,10 @@ class ControlChannel:
         others = [r for r in range(self.size) if r != root]
         if self.rank != root:
             send = self._comm.issend(("obj", op.name, obj), dest=root, tag=_tag(op))
-            self._mpi_poll(op, {root: send}, [], deadline, f"sending to rank {root}")
+            self._mpi_poll(op, {root: send}, [], deadline, f"sending {op.carries} to rank {root}")
             return None
         try:
-            got = self._mpi_poll(op, {}, others, deadline, f"gathering on rank {root}")
+            got = self._mpi_poll(op, {}, others, deadline, f"gathering {op.carries} on rank {root}")
         except CollectiveTimeout as exc:
             if tell_others:  # they wait a grace longer for this note, so their errors name the rank too
                 for dst in others:
@@ -381,13 +255,15 @@ class ControlChannel:
         got[root] = ("obj", obj)
         return [got[r][1] for r in range(self.size)]
 
-    def _mpi_bcast(self, obj: Any, op: Collective, root: int, deadline: float) -> Any:
+    def _mpi_bcast(self, obj: Any, op: Collective, root: int, send_deadline: float, receive_deadline: float) -> Any:
         if self.rank == root:
+            # Synchronous sends: the root leaves only once every rank has taken the object, so it cannot
+            # exit (and have Horovod finalize MPI everywhere) while a rank still waits for it.
             sends = {dst: self._comm.issend(("ok", op.name, obj), dest=dst, tag=_tag(op))
                      for dst in range(self.size) if dst != root}
-            self._mpi_poll(op, sends, [], deadline, f"sending from rank {root}", sends_may_drop=True)
+            self._mpi_poll(op, sends, [], send_deadline, f"sending {op.carries} from rank {root}", sends_may_drop=True)
             return obj
-        kind, value = self._mpi_poll(op, {}, [root], deadline, f"receiving from rank {root}")[root]
+        kind, value = self._mpi_poll(op, {}, [root], receive_deadline, f"receiving {op.carries} from rank {root}")[root]
         if kind == "missing":
             raise CollectiveTimeout(
                 f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s on rank {root}; "
@@ -406,13 +282,14 @@ class ControlChannel:
         from mpi4py import MPI
 
         tag, received, waiting = _tag(op), {}, list(sources)
-        spin_until = time.monotonic() + 0.002
+        start = time.monotonic()
+        spin_until = start + 0.002  # most answers arrive within microseconds: spin first
         while True:
             if MPI.Is_finalized():  # Horovod, when it initialised MPI, finalises it once any rank has ended
                 if not waiting and sends_may_drop:
                     return received  # only our sends were pending: the peers took them and ended
-                raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete: MPI was "
-                                        "finalised under it (Horovod shut down: another rank ended)",
+                raise CollectiveTimeout(f"rank {self.rank}: collective '{op.name}' cannot complete {doing}: MPI "
+                                        "was finalised under it (Horovod shut down: another rank ended)",
                                         missing=sorted({*waiting, *sends}))
             for src in list(waiting):
                 message = self._comm.improbe(source=src, tag=tag)
@@ -426,16 +303,18 @@ class ControlChannel:
             sends = {peer: request for peer, request in sends.items() if not request.Test()}
             if not waiting and not sends:
                 return received
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 _ABANDONED.extend(sends.values())
                 missing = sorted({*waiting, *sends})
                 raise CollectiveTimeout(
-                    f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s {doing}; "
+                    f"rank {self.rank}: collective '{op.name}' timed out after {now - start:.0f} s {doing}; "
                     f"rank(s) {missing} did not answer. A rank that crashed, hangs, or skipped this point "
                     "causes this.", missing=missing)
-            if time.monotonic() > spin_until:
+            if now > spin_until:
                 time.sleep(self.poll_s)
 
+    # --- mechanics: Horovod (Gloo) -------------------------------------------------------------------
     @staticmethod
     def _hvd_within(op: Collective, call: Callable[[Any], Any]) -> Any:
         import horovod.torch as hvd
@@ -459,61 +338,49 @@ class ControlChannel:
             finished.set()
 
 
-class CollectiveTimeout(ControlPlaneTimeout):
-    """A named collective missed its deadline; `missing` lists the ranks that did not answer."""
-
-    def __init__(self, message: str, missing: list[int]) -> None:
-        super().__init__(message)
-        self.missing = list(missing)
-
-
-@dataclass(frozen=True)
-class Collective:
-    """A named collective and its deadline in seconds; the same name on every rank, one name per call site."""
-
-    name: str
-    deadline_s: float
-    where: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip():
-            raise ValueError(f"Collective name={self.name!r}; give every collective a non-empty name")
-        validate.number(f"Collective '{self.name}': deadline_s", self.deadline_s, above=0,
-                        what="a positive finite number of seconds")
+def _as_vector(values: Any, op: Collective) -> np.ndarray:
+    arr = np.ascontiguousarray(values, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{op.carries} (collective '{op.name}'): need a 1-D array of float64 values, "
+                         f"got shape {arr.shape}")
+    return arr
 
 
-def _tag(op: Collective) -> int:
-    # The same name gives the same tag on every rank; clear of the controller's 7301/7302, below MPI_TAG_UB.
-    return 10_000 + zlib.crc32(op.name.encode()) % 20_000
-
-
-def _grace(op: Collective) -> float:
-    """How much longer non-root ranks wait than the root, so the root's note naming the silent rank arrives."""
-    return 1.0 + 0.1 * op.deadline_s
-
-
-def _hvd_rank() -> int:
-    import horovod.torch as hvd
-
-    return hvd.rank()  # read live: an elastic reset changes it
-
-
-def _hvd_size() -> int:
-    import horovod.torch as hvd
-
-    return hvd.size()
-
-
-# The library's collectives outside the gradient allreduce: name, deadline (s), where issued.
-RUNLOG_CLOCK = Collective("dx.runlog.clock_origin", 600.0, "runs.runlog.RunLog(): the ranks' common clock origin")
-RUNLOG_EPOCH = Collective("dx.runlog.epoch_rows", 600.0, "runs.runlog.RunLog.end_epoch(): one row per rank")
-RUNLOG_FINISH = Collective("dx.runlog.finish", 600.0, "runs.runlog.RunLog.finish(): every rank's trace to rank 0")
-ELASTIC_LOADER = Collective("dx.elastic.loader", 300.0, "resilience.elastic: loader state on sync")
-ELASTIC_CONTROLLER = Collective("dx.elastic.controller", 300.0, "resilience.elastic: controller root on commit")
-ELASTIC_CONTROLLER_SYNC = Collective("dx.elastic.controller.sync", 300.0,
+# Every collective the library issues outside the gradient allreduce: name, deadline (s), what, where.
+# The controller's and the checkpointer's: their deadline is the controller's timeout_s (`within`).
+CONTROL_REPORTS = Collective("dx.control.reports", DEFAULT_TIMEOUT_S, "metrics",
+                             "control.controller.decide(): every rank's report to rank 0")
+CONTROL_DECISION = Collective("dx.control.decision", DEFAULT_TIMEOUT_S, "batch-size decision",
+                              "control.controller.decide(): rank 0's decision to every rank")
+PREEMPTION_VOTE = Collective("dx.checkpoint.vote", DEFAULT_TIMEOUT_S, "preemption flag",
+                             "resilience.checkpoint: every check_every steps, whether any rank was signalled")
+CHECKPOINT_RANK_STATE = Collective("dx.checkpoint.rank_state", DEFAULT_TIMEOUT_S, "per-rank checkpoint state",
+                                   "resilience.checkpoint.Checkpointer.save(): every rank's part to rank 0")
+CHECKPOINT_WRITTEN = Collective("dx.checkpoint.written", DEFAULT_TIMEOUT_S, "checkpoint written",
+                                "resilience.checkpoint.Checkpointer.save(): rank 0's outcome")
+CHECKPOINT_LIST = Collective("dx.checkpoint.list", DEFAULT_TIMEOUT_S, "checkpoint list",
+                             "resilience.checkpoint.Checkpointer.restore(): rank 0's candidates")
+CHECKPOINT_CHECKED = Collective("dx.checkpoint.checked", DEFAULT_TIMEOUT_S, "checkpoint check",
+                                "resilience.checkpoint.Checkpointer.restore(): every rank's verdict on a candidate")
+CHECKPOINT_APPLIED = Collective("dx.checkpoint.applied", DEFAULT_TIMEOUT_S, "checkpoint applied",
+                                "resilience.checkpoint.Checkpointer.restore(): every rank's outcome of applying it")
+CONTROL_COLLECTIVES: tuple[Collective, ...] = (CONTROL_REPORTS, CONTROL_DECISION, PREEMPTION_VOTE,
+                                               CHECKPOINT_RANK_STATE, CHECKPOINT_WRITTEN, CHECKPOINT_LIST,
+                                               CHECKPOINT_CHECKED, CHECKPOINT_APPLIED)
+# The rest, on `library_channel()`.
+RUNLOG_CLOCK = Collective("dx.runlog.clock_origin", 600.0, "clock origin",
+                          "runs.runlog.RunLog(): the ranks' common clock origin")
+RUNLOG_EPOCH = Collective("dx.runlog.epoch_rows", 600.0, "epoch rows", "runs.runlog.RunLog.end_epoch(): one row per rank")
+RUNLOG_FINISH = Collective("dx.runlog.finish", 600.0, "trace", "runs.runlog.RunLog.finish(): every rank's trace to rank 0")
+ELASTIC_LOADER = Collective("dx.elastic.loader", 300.0, "loader state", "resilience.elastic: loader state on sync")
+ELASTIC_CONTROLLER = Collective("dx.elastic.controller", 300.0, "controller state",
+                                "resilience.elastic: controller root on commit")
+ELASTIC_CONTROLLER_SYNC = Collective("dx.elastic.controller.sync", 300.0, "controller state",
                                      "resilience.elastic: controller state on sync")
-DBA_COUNTS = Collective("dx.dba_counts", 300.0, "dba.distributed.exchange_counts(): selected counts, every step")
-EXIT_BARRIER = Collective("dx.exit_barrier", 60.0, "comm: at interpreter exit, before Horovod shuts down (MPI only)")
+DBA_COUNTS = Collective("dx.dba_counts", 300.0, "selected counts",
+                        "dba.distributed.exchange_counts(): selected counts, every step")
+EXIT_BARRIER = Collective("dx.exit_barrier", 60.0, "exit barrier",
+                          "comm: at interpreter exit, before Horovod shuts down (MPI only)")
 LIBRARY_COLLECTIVES: tuple[Collective, ...] = (RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, ELASTIC_LOADER,
                                                ELASTIC_CONTROLLER, ELASTIC_CONTROLLER_SYNC, DBA_COUNTS,
                                                EXIT_BARRIER)

@@ -22,7 +22,7 @@ def report(rank, batch, per_sample, overhead=0.002, wait=0.0, alpha=0.001):
 
 def inp(sizes, per_sample=(1e-4, 2e-4), noise=math.nan, progress=0.0, max_batch=4096, alpha=0.001):
     reports = [report(r, b, s, alpha=alpha) for r, (b, s) in enumerate(zip(sizes, per_sample))]
-    ctx = GlobalContext(global_batch=sum(sizes), base_batch=64, noise_scale=noise, efficiency=1.0, loss_trend=0.0,
+    ctx = GlobalContext(global_batch=sum(sizes), initial_batch=64, noise_scale=noise, efficiency=1.0, loss_trend=0.0,
                         progress=progress, world_size=len(sizes))
     return DecisionInput(torch.zeros(len(sizes), 1), reports, ctx, list(sizes),
                          BatchBounds(len(sizes), 1, max_batch), None)

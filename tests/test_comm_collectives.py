@@ -73,7 +73,10 @@ def test_library_collectives_have_distinct_names_and_deadlines():
     names = [op.name for op in comm.LIBRARY_COLLECTIVES]
     assert len(names) == len(set(names)) == 8
     assert all(op.deadline_s > 0 and op.where for op in comm.LIBRARY_COLLECTIVES)
-    tags = [comm._tag(op) for op in comm.LIBRARY_COLLECTIVES]
+    every = comm.LIBRARY_COLLECTIVES + comm.CONTROL_COLLECTIVES
+    assert len({op.name for op in every}) == len(every)
+    assert all(op.deadline_s > 0 and op.what and op.where for op in every)
+    tags = [comm._tag(op) for op in every]
     assert len(set(tags)) == len(tags) and all(10_000 <= t < 30_000 for t in tags)
 
 

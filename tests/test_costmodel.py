@@ -167,7 +167,7 @@ def test_equalise_solves_the_arrival_exactly_as_a_full_bisection_would():
 
 
 def decision_input(sizes, base=None, noise=math.nan, max_batch=4096, costs=None):
-    ctx = GlobalContext(global_batch=sum(sizes), base_batch=base or sum(sizes), noise_scale=math.nan,
+    ctx = GlobalContext(global_batch=sum(sizes), initial_batch=base or sum(sizes), noise_scale=math.nan,
                         efficiency=1.0, loss_trend=0.0, progress=0.0, world_size=len(sizes))
     return DecisionInput(torch.zeros(len(sizes), 1), [], ctx, list(sizes), BatchBounds(len(sizes), 1, max_batch),
                          None, costs=costs, noise_lower=noise, noise_point=noise)

@@ -116,7 +116,7 @@ def test_adascale_gain_counts_every_micro_batch_over_the_tuned_base() -> None:
     sim = ClusterSimulator(spec(2), seed=5)
     sim.reset()
     cfg = ControllerConfig(policy="static")
-    plain, tuned = make_core(cfg, 2, sum(sim.sizes)), make_core(cfg, 2, sum(sim.sizes), lr_base_batch=256)
+    plain, tuned = make_core(cfg, 2, sum(sim.sizes)), make_core(cfg, 2, sum(sim.sizes), base_batch=256)
     for _ in range(4):
         a = plain.decide(sim.inputs, list(sim.sizes), sim.epoch)
         b = tuned.decide(sim.inputs, list(sim.sizes), sim.epoch, passes=3)
@@ -125,14 +125,17 @@ def test_adascale_gain_counts_every_micro_batch_over_the_tuned_base() -> None:
     assert 0 < phi < 1e6 and B != 256
     assert b.lr_gain == pytest.approx((phi / 256 + 1) / (phi / B + 1), rel=1e-9)
     assert a.lr_gain == pytest.approx((phi / sum(sim.spec.initial_batch) + 1) / (phi / sum(a.sizes) + 1), rel=1e-9)
-    assert tuned.state_dict()["lr_base_batch"] == 256
+    assert tuned.state_dict()["base_batch"] == 256
     again = make_core(cfg, 2, 1)
     again.load_state_dict(tuned.state_dict())
-    assert again.lr_base_batch == 256
+    assert again.base_batch == 256 and again.initial_batch == tuned.initial_batch
+    keyed = {k: v for k, v in tuned.state_dict().items() if k not in ("initial_batch", "base_batch")}
+    again.load_state_dict({**keyed, "base_batch": 40, "lr_base_batch": 128})  # the two-key layout
+    assert (again.initial_batch, again.base_batch) == (40, 128)
     with pytest.raises(ValueError, match="passes=0"):
         tuned.decide(sim.inputs, list(sim.sizes), sim.epoch, passes=0)
-    with pytest.raises(ValueError, match="lr_base_batch=0"):
-        make_core(cfg, 2, 8, lr_base_batch=0)
+    with pytest.raises(ValueError, match="base_batch=0"):
+        make_core(cfg, 2, 8, base_batch=0)
 
 
 def _plain(value: Any, path: str = "state") -> None:
@@ -192,7 +195,7 @@ def test_decisions_of_a_real_mpirun_job_replay_exactly(tmp_path: Path) -> None:
     decisions = dump["decisions"]
     assert len(dump["inputs"]) == len(decisions) >= 4
     cfg = ControllerConfig(policy="ppo", decide_every_steps=5, max_batch=40, min_batch=2, total_epochs=2)
-    core = make_core(cfg, 2, dump["base_batch"], dump["layer_names"])
+    core = make_core(cfg, 2, dump["initial_batch"], dump["layer_names"])
     for inputs, logged in zip(dump["inputs"], decisions):
         d = core.decide([RankInput.from_dict(i) for i in inputs], logged["previous_sizes"], logged["epoch"]).record()
         for key in ("decision", "sizes", "lr_gain", "reward", "loss", "noise_scale", "efficiency", "throughput",

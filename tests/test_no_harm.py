@@ -42,7 +42,7 @@ def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lamb
         model.record(b, t, sync, overhead_s=1e-3)
         step_s = float(sync.mean()) + 1e-3
         clock += step_s * len(b)
-        ctx = GlobalContext(global_batch=sum(sizes), base_batch=sum(base), noise_scale=noise, efficiency=1.0,
+        ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=noise, efficiency=1.0,
                             loss_trend=0.0, progress=k / decisions, world_size=len(a))
         reports = [report(r, s, len(b), step_s, loss(clock, sum(sizes))) for r, s in enumerate(sizes)]
         obs = torch.zeros(len(a) + 1, OBS_DIM)

@@ -240,6 +240,6 @@ def test_loader_budget_arguments_are_checked():
     with pytest.raises(ValueError, match="sort_window=8 sorts by length"):
         AdaptiveLoader(data, [5, 5], 0, sort_window=8)
     loader = AdaptiveLoader(data, [7, 9], 1, lengths=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], budget="tokens")
-    assert loader.epoch_size == 55 and loader.global_batch_size == 16
+    assert loader.epoch_size == 55 and loader.global_micro_batch == 16
     seen = [i for batch in loader for i in batch.tolist()]
     assert len(seen) == len(loader.tracker.records) or seen  # iterates

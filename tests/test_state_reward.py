@@ -27,7 +27,7 @@ def report(rank: int, batch: int, compute: float, wait: float, **kw) -> RankRepo
 
 
 def ctx(**kw) -> GlobalContext:
-    base = dict(global_batch=64, base_batch=64, noise_scale=128.0, efficiency=0.9, loss_trend=-0.05,
+    base = dict(global_batch=64, initial_batch=64, noise_scale=128.0, efficiency=0.9, loss_trend=-0.05,
                 progress=0.3, world_size=2)
     base.update(kw)
     return GlobalContext(**base)

@@ -242,10 +242,11 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     return PPOPolicy(learner, actions, learn=cfg.learn, proposal=cfg.policy_config)
 
 
-def make_core(cfg: ControllerConfig, world_size: int, base_batch: int,
-              layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None) -> DecisionCore:
+def make_core(cfg: ControllerConfig, world_size: int, initial_batch: int,
+              layer_names: Sequence[str] | None = None, base_batch: int | None = None) -> DecisionCore:
     """The decision core of a job configured by `cfg` (what the live controller builds on every rank);
-    `lr_base_batch`: the optimizer's ``base_batch_size`` (default `base_batch`)."""
-    return DecisionCore(world_size, base_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
+    `initial_batch`: the job's initial batch; `base_batch`: the optimizer's ``base_batch_size``
+    (default `initial_batch`)."""
+    return DecisionCore(world_size, initial_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        layer_names=layer_names, lr_base_batch=lr_base_batch, max_passes=cfg.max_passes)
+                        layer_names=layer_names, base_batch=base_batch, max_passes=cfg.max_passes)

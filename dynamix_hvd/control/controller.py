@@ -6,11 +6,12 @@ and every k steps inside long epochs):
 1. every rank condenses its step records, resource use, losses and gradient norms into a typed
    report (:class:`~dynamix_hvd.control.core.RankInput`) and encodes it as one float64 array
    (:mod:`dynamix_hvd.control.wire`);
-2. the arrays are gathered on rank 0 (``comm.ControlChannel.gather_array``: deadline, names a silent rank);
+2. the arrays are gathered on rank 0 (``ControlChannel.gather_arrays`` of `comm.CONTROL_REPORTS`: a
+   deadline, names a silent rank);
 3. rank 0 decodes them and hands them to the :class:`~dynamix_hvd.control.core.DecisionCore`, which
    updates the statistics, computes the reward earned by the previous decision, and asks the policy
    for new per-rank sizes and the AdaScale gain;
-4. the decision is broadcast as an array and every rank applies it to its loader and optimizer.
+4. the decision is broadcast as an array (`comm.CONTROL_DECISION`) and every rank applies it to its loader and optimizer.
 
 Ordering hazard: decisions run inside the loader's step-end callback, i.e. after a step's
 ``optimizer.step()`` and before the next batch is planned. Every rank reaches that point after the
@@ -35,7 +36,7 @@ from .core import LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
-from ..comm import ControlChannel, StallWatchdog, abort_world
+from ..comm import CONTROL_DECISION, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world
 from ..data.loader import AdaptiveLoader
 from ..data.metrics import StepRecord
 from ..data.resources import ResourceSampler
@@ -87,7 +88,7 @@ class DynamixController:
         self.cfg = batchnorm_floor(token_bounds(config or ControllerConfig(), loader), model, loader.batch_sizes)
         self.optimizer = check_optimizer(optimizer)
         self.loader = loader
-        self.channel = ControlChannel(self.cfg.timeout_s)
+        self.channel = ControlChannel()
         if self.channel.size != loader.world_size:
             raise ValueError(f"control plane has {self.channel.size} ranks but the loader plans "
                              f"{loader.world_size} (batch_sizes={list(loader.batch_sizes)})")
@@ -112,8 +113,8 @@ class DynamixController:
         # Every rank holds a core and a policy, so that any rank can take over as rank 0 after an
         # elastic reset; only rank 0's is consulted.
         self.core = make_core(self.cfg, loader.world_size,
-                              loader.global_batch_size * self.optimizer.backward_passes_per_step,
-                              self.optimizer.param_names, lr_base_batch=self.optimizer.base_batch_size)
+                              loader.global_micro_batch * self.optimizer.backward_passes_per_step,
+                              self.optimizer.param_names, base_batch=self.optimizer.base_batch_size)
         self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
         self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
@@ -138,7 +139,6 @@ class DynamixController:
 
     def rebind(self, rank: int, world_size: int) -> None:
         """Join a new world after an elastic reset (the loader is rebound by its own handler)."""
-        self.channel.rebind(rank, world_size)
         self.rank = rank
         if world_size != self.core.world_size:
             self.core.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch,
@@ -191,7 +191,7 @@ class DynamixController:
         self._steps_since = 0
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
         # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
-        rows = self.channel.gather_arrays(mine, what="metrics")
+        rows = self.channel.gather_arrays(mine, CONTROL_REPORTS.within(self.cfg.timeout_s))
         record, sent = None, None
         if rows is not None:
             t1 = time.perf_counter()
@@ -207,7 +207,8 @@ class DynamixController:
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
-            self.channel.broadcast_array(sent, wire.decision_length(world), what="batch-size decision"), world)
+            self.channel.broadcast_array(sent, wire.decision_length(world), CONTROL_DECISION.within(self.cfg.timeout_s)),
+            world)
         # Every rank has just received the decision, so they are as close together as they get: a
         # single-value allreduce now times the collective's latency (reported with the next interval).
         self._latency_probe_s = self.optimizer.time_small_allreduce()
@@ -293,7 +294,7 @@ class DynamixController:
             self.bounds.learned_max = [int(b) for b in state["learned_max"]]
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
-            self.core.lr_base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
+            self.core.base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's part of the open decision interval, as plain values (a checkpoint holds one per

@@ -179,13 +179,13 @@ def progress_fraction(epoch: int, total_epochs: int | None) -> float:
     return min(1.0, epoch / total_epochs) if total_epochs else 0.0
 
 
-def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], base_batch: int, noise_scale: float,
+def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], initial_batch: int, noise_scale: float,
                     efficiency: float, trend: float, progress: float, noise_point: float = math.nan,
                     noise_lower: float = math.nan, fit: dict[str, Any] | None = None, passes: int = 1
                     ) -> tuple[GlobalContext, torch.Tensor]:
     """The global context and the observation [R + 1, OBS_DIM] the policy sees (`fit`: `fit_record`;
     the global batch is `passes` micro-batches of `sizes`)."""
-    ctx = GlobalContext(global_batch=passes * sum(sizes), base_batch=base_batch, noise_scale=noise_scale,
+    ctx = GlobalContext(global_batch=passes * sum(sizes), initial_batch=initial_batch, noise_scale=noise_scale,
                         efficiency=efficiency, loss_trend=trend, progress=progress, world_size=len(sizes),
                         noise_point=noise_point, noise_lower=noise_lower)
     cost, net = fits_from_record(fit)
@@ -210,13 +210,13 @@ def fits_from_record(record: dict[str, Any] | None) -> tuple[CostFit | None, Net
 class DecisionCore:
     """Rank 0's decision state and step; see the module docstring."""
 
-    def __init__(self, world_size: int, base_batch: int, policy: BatchSizePolicy | None = None, *,
+    def __init__(self, world_size: int, initial_batch: int, policy: BatchSizePolicy | None = None, *,
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
-                 layer_names: Sequence[str] | None = None, lr_base_batch: int | None = None,
+                 layer_names: Sequence[str] | None = None, base_batch: int | None = None,
                  max_passes: int = 1, fit_first_interval: bool = False) -> None:
         validate.integer("DecisionCore world_size", world_size, 1)
-        validate.integer("DecisionCore base_batch", base_batch, 1)
+        validate.integer("DecisionCore initial_batch", initial_batch, 1)
         self.policy = policy
         self.reward_cfg = reward or RewardConfig()
         self.stats_cfg = stats or StatsConfig()
@@ -226,14 +226,15 @@ class DecisionCore:
         self.bounds = BatchBounds(world_size, min_batch, max_batch, max_passes=max_passes)
         self.stats = GradientStatistics(self.stats_cfg)
         self.costs = CostModel(world_size)
-        if lr_base_batch is not None:
-            validate.number("DecisionCore lr_base_batch", lr_base_batch, 1, what="a finite number >= 1 or None")
-        self.base_batch = base_batch
+        if base_batch is not None:
+            validate.number("DecisionCore base_batch", base_batch, 1, what="a finite number >= 1 or None")
+        self.initial_batch = initial_batch
+        """The initial batch: the global batch the job started with (E(B)'s reference, the growth floor)."""
         self.fit_first_interval = fit_first_interval
         """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
         self._fresh_processes = True  # the next interval is the first of these processes (start or restore)
-        self.lr_base_batch = float(lr_base_batch or base_batch)
-        """Samples per optimizer step the user's learning rate was tuned for: the AdaScale gain's base."""
+        self.base_batch = float(base_batch or initial_batch)
+        """The base batch: samples per optimizer step the learning rate was tuned for (AdaScale's base)."""
         self.ref_goodput = self.ref_tput = 0.0
         self.prev_loss = math.nan
         self.prev_sizes: list[int] | None = None
@@ -267,11 +268,11 @@ class DecisionCore:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
         cost, net = self.costs.fit(), self.costs.fit_network()
         fit = fit_record(cost, net)
-        ctx, obs = observe_reports(reports, sizes, self.base_batch, self.stats.noise_scale, efficiency, trend,
+        ctx, obs = observe_reports(reports, sizes, self.initial_batch, self.stats.noise_scale, efficiency, trend,
                                    progress_fraction(epoch, self.total_epochs), point, lower, fit, passes)
         tput = global_throughput(reports, passes)
         # E(B) of the reward, from the continuous estimate: 1 while phi is unknown
-        eff = float(statistical_efficiency(lower if self.reward_cfg.noise == "lower" else point, B, self.base_batch,
+        eff = float(statistical_efficiency(lower if self.reward_cfg.noise == "lower" else point, B, self.initial_batch,
                                            unknown="one"))
         if self.ref_goodput == 0.0:
             self.ref_goodput, self.ref_tput = tput * eff, tput
@@ -295,7 +296,7 @@ class DecisionCore:
 
     def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
-        optimizer step (`passes` micro-batches of the new sizes) over `lr_base_batch`."""
+        optimizer step (`passes` micro-batches of the new sizes) over `base_batch`."""
         if self.policy is None:
             raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
         validate.integer("DecisionCore.decide passes", passes, 1)
@@ -303,7 +304,7 @@ class DecisionCore:
         seen = self.observe(inputs, sizes, epoch, passes)
         out = self.policy.decide(self.policy_input(seen))
         new_passes = self.next_passes(out.passes, passes)
-        gain = float(self.stats.gain_at(new_passes * sum(out.sizes), self.lr_base_batch))
+        gain = float(self.stats.gain_at(new_passes * sum(out.sizes), self.base_batch))
         return Decision(index=index, epoch=epoch, sizes=out.sizes, previous_sizes=seen.sizes, passes=new_passes,
                         previous_passes=passes,
                         lr_gain=gain if math.isfinite(gain) and gain > 0 else 1.0,
@@ -374,7 +375,7 @@ class DecisionCore:
         return {"policy": None if self.policy is None else self.policy.state_dict(),
                 "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
-                "base_batch": self.base_batch, "lr_base_batch": self.lr_base_batch, "decisions": self.decisions,
+                "initial_batch": self.initial_batch, "base_batch": self.base_batch, "decisions": self.decisions,
                 "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict(),
                 "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes),
                 "passes": [self.passes, self.prev_passes, self.initial_passes]}
@@ -390,8 +391,13 @@ class DecisionCore:
         self.stats = GradientStatistics(self.stats_cfg)
         self.stats.load_state_dict(state["stats"])
         self.ref_goodput, self.ref_tput = float(state["ref_goodput"]), float(state["ref_tput"])
-        self.prev_loss, self.base_batch = float(state["prev_loss"]), int(state["base_batch"])
-        self.lr_base_batch = float(state.get("lr_base_batch", self.lr_base_batch))  # absent in older checkpoints
+        self.prev_loss = float(state["prev_loss"])
+        if "initial_batch" in state:
+            self.initial_batch = int(state["initial_batch"])
+            self.base_batch = float(state["base_batch"])
+        else:  # keys "base_batch" (the initial batch) and optionally "lr_base_batch" (the base batch)
+            self.initial_batch = int(state["base_batch"])
+            self.base_batch = float(state.get("lr_base_batch", self.base_batch))
         self.decisions = int(state["decisions"])
         self.passes, self.prev_passes, self.initial_passes = (int(p) for p in state.get("passes", (1, 1, 1)))
         costs = state.get("costs")  # absent in checkpoints from before the cost model

@@ -2,7 +2,7 @@
 
 The proposal grows B where its model predicts more progress per second (goodput). The model can be
 wrong where it matters most: the noise scale, AdaScale's gain under momentum or Adam, a throughput
-gain that the machine does not deliver. So once B has grown past the job's initial global batch the
+gain that the machine does not deliver. So once B has grown past the job's initial batch the
 measured training loss is compared with what the initial batch was making, in wall time:
 
 - reference: the last `window` decision intervals run at the initial batch, their mean training loss
@@ -55,13 +55,13 @@ class GrowthCheck:
         """The reference exists: growth may be tried."""
         return self.accepted or len(self.reference) >= min(self.window, 3)
 
-    def observe(self, reports: Sequence[RankReport], global_batch: int, base_batch: int) -> None:
+    def observe(self, reports: Sequence[RankReport], global_batch: int, initial_batch: int) -> None:
         """One interval's reports (the batch it ran with): advance the clock and judge."""
         seconds = float(np.median([r.step_s * r.steps for r in reports])) if reports else 0.0
         if math.isfinite(seconds) and seconds > 0:
             self.elapsed_s += seconds
         loss = _mean_loss(reports)
-        if global_batch <= base_batch:
+        if global_batch <= initial_batch:
             self.grown_for = self.verdicts = 0
             if math.isfinite(loss) and self.elapsed_s > 0:
                 self.reference = (self.reference + [(self.elapsed_s, loss)])[-self.window:]

@@ -6,7 +6,7 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   b_i = (T - a_i) / c_i with T such that sum b_i = B, each clipped to the rank's bounds (fast ranks
   fill up to the slow rank's arrival) and never below a fitted small-batch knee; rounded to integers that keep B, the leftover samples going to
   the ranks that arrive earliest with them;
-- **global batch**: the B in [initial global batch, memory bounds x `BatchBounds.max_passes`
+- **global batch**: the B in [initial batch, memory bounds x `BatchBounds.max_passes`
   micro-batches] that maximises predicted goodput B * E(B) / T_step(B) (with p micro-batches
   accumulated, T_step = p slowest arrivals + the allreduce after the last), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
@@ -72,7 +72,7 @@ class ProposalConfig:
     not differ by that much keep it, undithered (half the margin keeps a split once taken). 0: always
     equalise."""
     grow_margin: float = 0.10
-    """B grows past the current and the initial global batch only when the predicted goodput gain exceeds
+    """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
     `confident_growth`, without crediting any unidentified fixed cost."""
     confident_growth: bool = True
@@ -80,7 +80,7 @@ class ProposalConfig:
     (only measured fixed costs: the allreduce, the update, identified lines), so B grows only where a
     gain is measured, not guessed. False: AdaptDL's optimistic pinned fixed share."""
     check_growth: bool = True
-    """After B grew past the initial global batch, compare the training loss with what the initial
+    """After B grew past the initial batch, compare the training loss with what the initial
     batch was making (its recent loss against log time, extrapolated); where the larger batch falls
     behind by more than the static fit's scatter, return to the initial batch and never grow again in
     this job (see :class:`GrowthCheck`)."""
@@ -101,9 +101,9 @@ class ProposalConfig:
             validate.number(f"ProposalConfig.{name}", getattr(self, name), 0, below=1, what="a fraction in [0, 1)")
 
 
-def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
+def equalise(micro_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
              hi: np.ndarray) -> np.ndarray:
-    """Real-valued arrival-equalising shares [K, R] for global batches [K] (within sum(lo)..sum(hi)):
+    """Real-valued arrival-equalising shares [K, R] for global micro-batches [K] (within sum(lo)..sum(hi)):
     b_i = clip((T - a_i) / c_i, lo_i, hi_i) with the common arrival T solved exactly.
 
     The total f(T) = sum_i clip((T - a_i) / c_i, lo_i, hi_i) is piecewise linear and non-decreasing:
@@ -111,7 +111,7 @@ def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np
     the rank reaches its upper bound (T = a_i + c_i hi_i). Sorting the 2R kinks and summing the slope
     changes gives f at every kink in O(R log R); each B then lies on one segment (a binary search)
     and T follows by interpolation. (A bisection took ~60 array passes: most of a decision's time.)"""
-    B = np.atleast_1d(np.asarray(global_batch, dtype=np.float64))
+    B = np.atleast_1d(np.asarray(micro_batch, dtype=np.float64))
     lo_f, hi_f = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
     B = np.clip(B, lo_f.sum(), hi_f.sum())
     kinks = np.concatenate([fixed + per_sample * lo_f, fixed + per_sample * hi_f])
@@ -126,12 +126,12 @@ def equalise(global_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np
     return np.clip((T[:, None] - fixed) / per_sample, lo_f, hi_f)
 
 
-def round_split(shares: np.ndarray, global_batch: int, fixed: np.ndarray, per_sample: np.ndarray,
+def round_split(shares: np.ndarray, micro_batch: int, fixed: np.ndarray, per_sample: np.ndarray,
                 lo: np.ndarray, hi: np.ndarray) -> list[int]:
-    """Integer sizes summing to `global_batch` (when the bounds allow): floors of the shares, then one
+    """Integer local batches summing to `micro_batch` (when the bounds allow): floors of the shares, then one
     more sample at a time to the rank that arrives earliest with it."""
     sizes = np.clip(np.floor(shares + 1e-9), lo, hi).astype(np.int64)
-    _fill(sizes, int(global_batch), fixed, per_sample, lo, hi)
+    _fill(sizes, int(micro_batch), fixed, per_sample, lo, hi)
     return sizes.tolist()
 
 
@@ -166,7 +166,7 @@ class Proposal:
     noise_scale: float
     batch_min: int
     batch_max: int
-    """The global batches this decision allows (initial global batch or memory, trust region, no growth
+    """The global batches this decision allows (initial batch or memory, trust region, no growth
     on unidentified lines): what a refinement of the proposal must stay within."""
     passes: int = 1
     """Micro-batches per optimizer step (gradient accumulation past the memory bounds)."""
@@ -181,12 +181,12 @@ class Proposal:
 
 
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
-            base_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
+            initial_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
             may_grow: bool = True, split_confirmed: bool = True) -> Proposal:
     """The proposal for the next interval (see the module docstring); `index` drives the dither;
     `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
     `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
-    at most `base_batch` now and stays there (the growth check failed); `split_confirmed` False: the
+    at most `initial_batch` now and stays there (the growth check failed); `split_confirmed` False: the
     previous decision did not find the equalising split worth it, so a neutral split stays neutral
     (a difference in speed must show in two intervals running before the split leaves neutral).
 
@@ -215,12 +215,12 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if passes not in choices:
         choices.append(passes)
     limits = {p: micro_bounds(p) for p in choices}
-    B_lo = float(max(base_batch, passes * limits[passes][0].sum()))
+    B_lo = float(max(initial_batch, passes * limits[passes][0].sum()))
     if cfg.trust is not None and may_grow:
         B_lo = max(B_lo, B_cur / cfg.trust)
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
     if not may_grow:
-        B_hi = min(B_hi, float(base_batch))
+        B_hi = min(B_hi, float(initial_batch))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
 
     def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -230,7 +230,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth).max(1), p))
         total = p * shares.sum(1)
         # phi unknown (nothing measured): no gain from a larger batch
-        return total * statistical_efficiency(noise, total, base_batch, unknown="no_gain") / step, step, shares
+        return total * statistical_efficiency(noise, total, initial_batch, unknown="no_gain") / step, step, shares
 
     keep_hi = passes * float(limits[passes][1].sum())
     B_keep = int(round(min(max(B_cur, B_lo), keep_hi, B_hi)))
@@ -249,7 +249,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
             k = int(np.argmax(gp))
             if gp[k] > best[0] * (1 + 1e-9):  # ties: fewer micro-batches
                 best = (float(gp[k]), int(grid[k]), p)
-        growing = best[1] > max(B_keep, base_batch)
+        growing = best[1] > max(B_keep, initial_batch)
         margin = cfg.hysteresis + (cfg.grow_margin if growing else 0.0) if may_grow else 0.0  # banned: back at once
         if best[0] > (1 + margin) * keep_gp[0]:
             _, B_new, p_new = best
@@ -347,7 +347,7 @@ class ModelPolicy:
         if self.neutral is None or len(self.neutral) != len(inp.sizes):
             self.neutral = [float(b) for b in inp.sizes]
         if self.check is not None:
-            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.base_batch)
+            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch)
         may_grow = self.check is None or (self.check.ready and not self.check.banned)
         costs = self._costs(inp)
         fit = costs.fit()
@@ -357,7 +357,7 @@ class ModelPolicy:
         net = costs.fit_network()
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
-        self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.base_batch,
+        self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch,
                             self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow,
                             split_confirmed=self.last is not None and self.last.split_gain > self.cfg.split_margin)
         self.decisions += 1

@@ -32,10 +32,11 @@ from .proposal import ModelPolicy, ProposalConfig
 from .. import validate
 
 
-def split(global_batch: int, weights: Sequence[float], bounds: BatchBounds) -> list[int]:
-    """Split B in proportion to `weights`, within each rank's bounds (B may shrink to fit them)."""
+def split(micro_batch: int, weights: Sequence[float], bounds: BatchBounds) -> list[int]:
+    """Split a global micro-batch in proportion to `weights` into local batches, within each rank's
+    bounds (the total may shrink to fit them)."""
     world = len(weights)
-    total = max(int(round(global_batch)), world * bounds.min_batch)
+    total = max(int(round(micro_batch)), world * bounds.min_batch)
     total = min(total, sum(bounds.upper(r) for r in range(world)))
     scaled = [max(1, int(round(1000 * w / max(weights)))) for w in weights]
     sizes = list(split_proportional(total, scaled, min_each=bounds.min_batch))
@@ -58,7 +59,7 @@ class LinearRampConfig:
     end: int = 512
     """Global batch at the end of the ramp."""
     ramp: int = 10
-    """Decisions over which B grows linearly from the initial global batch to `end`."""
+    """Decisions over which B grows linearly from the initial batch to `end`."""
 
     def __post_init__(self) -> None:
         validate.integer("LinearRampConfig.end", self.end, 1)
@@ -227,7 +228,7 @@ class SpeedSplit(ModelPolicy):
 
 
 class Goodput(ModelPolicy):
-    """Pollux/AdaptDL: the B from the initial global batch up to the memory bounds that maximises
+    """Pollux/AdaptDL: the B from the initial batch up to the memory bounds that maximises
     predicted goodput (compute, network and overlap fitted jointly; alpha pinned to half the measured time
     while one size was seen; the point estimate of the noise scale), split by fitted cost; switch
     only for a predicted gain above `hysteresis`. No trust region and no dither, as AdaptDL."""

@@ -58,7 +58,7 @@ class GlobalContext:
     """Job-wide signals rank 0 adds to every rank's observation."""
 
     global_batch: int
-    base_batch: int
+    initial_batch: int
     noise_scale: float      # gradient noise scale B_simple (NaN before it is known; clipped definition)
     efficiency: float       # statistical efficiency of the current global batch (Pollux), 0..1
     loss_trend: float       # relative loss change per decision (negative = improving)
@@ -133,7 +133,7 @@ def job_features(ctx: GlobalContext, reports: Sequence[RankReport], fit: CostFit
         comm = _ratio(max(float(net.sync_time(arrival)) - arrival, 0.0), step)
     point, lower = ctx.noise_point, ctx.noise_lower
     known = math.isfinite(point) and point > 0
-    eff = (point + ctx.base_batch) / (point + ctx.global_batch) if known else 1.0
+    eff = (point + ctx.initial_batch) / (point + ctx.global_batch) if known else 1.0
     return [comm,
             _log2_clip(ctx.global_batch / point, -6.0, 6.0) if known else 0.0,
             1.0 if known else 0.0,

@@ -162,9 +162,10 @@ class AdaptiveLoader:
         return self._current
 
     @property
-    def global_batch_size(self) -> int:
-        """Nominal global batch B = sum of the per-rank sizes (what LR rules should see), in the
-        loader's unit (samples, or tokens with ``budget="tokens"``)."""
+    def global_micro_batch(self) -> int:
+        """The global micro-batch: the sum of the local batches, in the loader's unit (samples, or
+        tokens with ``budget="tokens"``); an optimizer step of p passes takes p of them (the global
+        batch)."""
         return sum(self._sizes)
 
     @property

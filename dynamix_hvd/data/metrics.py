@@ -29,7 +29,7 @@ class StepRecord:
     """Samples this rank processed in the step (b_i; with accumulation, over all its micro-batches);
     tokens when the loader plans by token budgets."""
     global_batch: int
-    """Samples (or tokens) all ranks processed in the step (B = sum of b_i)."""
+    """Samples (or tokens) all ranks processed in the step: the global batch B (sum of b_i over its micro-batches)."""
     data_wait_s: float
     """Time the training loop waited for the batch (loading, collation, transfer)."""
     compute_s: float = float("nan")

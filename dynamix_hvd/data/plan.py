@@ -1,20 +1,21 @@
-"""Epoch plans for unequal per-rank batch sizes. Pure maths: no MPI, no Horovod.
+"""Epoch plans for unequal local batch sizes. Pure maths: no MPI, no Horovod.
 
-Every rank builds the same plan from (dataset size, seed, epoch, batch sizes), so no communication is
-needed to agree on who reads which sample, and every rank knows every other rank's sample count for
-every step (the optimizer needs the global count B to weight gradients exactly).
+Every rank builds the same plan from (dataset size, seed, epoch, local batch sizes), so no
+communication is needed to agree on who reads which sample, and every rank knows every other rank's
+sample count for every micro-batch (the optimizer needs the global count to weight gradients exactly).
 
-Layout of an epoch: one permutation of the dataset, consumed front to back. A step with batch sizes
-b = (b_0, ..., b_{R-1}) takes the next B = sum(b) samples of the permutation and gives rank i the
-contiguous block of b_i samples after ranks 0..i-1. Changing b at a step boundary just plans the rest
-of the permutation with the new sizes, so nothing is lost or repeated.
+Layout of an epoch: one permutation of the dataset, consumed front to back. A planned step is one
+micro-batch: with local batches b = (b_0, ..., b_{R-1}) it takes the next M = sum(b) samples of the
+permutation (the global micro-batch) and gives rank i the contiguous block of b_i samples after ranks
+0..i-1. Changing b at a step boundary just plans the rest of the permutation with the new sizes, so
+nothing is lost or repeated. (An optimizer step of p passes takes p planned steps: B = p M.)
 
 The end of an epoch (`last_step`):
-- ``"partial"`` (default, exact coverage): when r = N mod B samples remain, they form one more step,
+- ``"partial"`` (default, exact coverage): when r = N mod M samples remain, they form one more step,
   split in proportion to b with at least one sample per rank. When r < R (fewer samples than ranks)
   they are folded into the previous step instead, so no rank ever gets an empty batch; that step is
-  then larger than B by fewer than R samples.
-- ``"drop"``: the r < B leftover samples are skipped this epoch (like ``drop_last``). Reshuffling
+  then larger than M by fewer than R samples.
+- ``"drop"``: the r < M leftover samples are skipped this epoch (like ``drop_last``). Reshuffling
   makes them different samples each epoch. Every step then has exactly the planned sizes.
 """
 from __future__ import annotations
@@ -116,17 +117,17 @@ def plan_steps(num_samples: int, cursor: int, batch_sizes: Sequence[int],
         raise ValueError(f"cursor {cursor} outside the epoch [0, {num_samples}]")
     if last_step not in ("partial", "drop"):
         raise ValueError(f"last_step={last_step!r}; choose 'partial' or 'drop'")
-    global_batch = sum(sizes)
+    micro_batch = sum(sizes)
     remaining = num_samples - cursor
-    full, rest = divmod(remaining, global_batch)
-    steps = [PlannedStep(cursor + k * global_batch, sizes) for k in range(full)]
+    full, rest = divmod(remaining, micro_batch)
+    steps = [PlannedStep(cursor + k * micro_batch, sizes) for k in range(full)]
     if rest == 0 or last_step == "drop":
         return steps
     if rest >= world:
-        steps.append(PlannedStep(cursor + full * global_batch, split_proportional(rest, sizes)))
+        steps.append(PlannedStep(cursor + full * micro_batch, split_proportional(rest, sizes)))
     elif steps:
         last = steps.pop()
-        steps.append(PlannedStep(last.start, split_proportional(global_batch + rest, sizes)))
+        steps.append(PlannedStep(last.start, split_proportional(micro_batch + rest, sizes)))
     else:
         raise ValueError(f"only {rest} samples left for {world} ranks; each rank needs at least one "
                          "(use a dataset with at least as many samples as ranks)")

@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma-separated local batch size per rank, e.g. 16,48 (env BATCH_SIZES); default 32 each")
     ap.add_argument("--samples", type=int, default=8192, help="generated training samples")
     ap.add_argument("--hidden", type=int, default=128, help="units of the hidden layer")
-    ap.add_argument("--lr", type=float, default=0.05, help="learning rate at the initial global batch")
+    ap.add_argument("--lr", type=float, default=0.05, help="learning rate at the initial batch")
     ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
                     help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
     ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),

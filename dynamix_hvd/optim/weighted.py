@@ -131,8 +131,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         adaptive: the optimizer normalises its update by the gradient's second moment (Adam, AdamW,
             RMSprop, Adagrad, ...), so ``adascale`` applies the square root of the gain. None (default):
             detected from the optimizer's class (`dynamix_hvd.optim.lr_scaling.is_adaptive`).
-        base_batch_size: global batch the learning rate was tuned for (default: the loader's first,
-            times ``backward_passes_per_step``).
+        base_batch_size: the base batch, the global batch the learning rate was tuned for (default:
+            the initial batch, the loader's first global micro-batch times ``backward_passes_per_step``).
         compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
         track_grad_norms: record local and global gradient squared norms per step (cheap; the
             gradient-noise statistics need them).
@@ -203,7 +203,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.max_grad_norm = max_grad_norm
         self.lr_rule = lr_rule
         self.backward_passes_per_step = backward_passes_per_step
-        self.base_batch_size = base_batch_size or loader.global_batch_size * backward_passes_per_step
+        self.base_batch_size = base_batch_size or loader.global_micro_batch * backward_passes_per_step
         self.lr_gain = 1.0  # AdaScale gain set by the controller (read by the adascale rule only)
         self.adaptive = is_adaptive(optimizer) if adaptive is None else validate.boolean("adaptive", adaptive)
         # warm-up ramp and progress (tau), plain state
@@ -605,7 +605,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     @contextmanager
     def _scaled_lr(self) -> Iterator[float]:
-        batch = self.loader.global_batch_size * self.backward_passes_per_step
+        batch = self.loader.global_micro_batch * self.backward_passes_per_step
         factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
                                        math.ceil(self.loader.epoch_size / batch))
         saved = [g["lr"] for g in self.param_groups]

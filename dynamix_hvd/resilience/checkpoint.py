@@ -47,7 +47,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..comm import ControlChannel, StallWatchdog, abort_world
+from ..comm import (CHECKPOINT_APPLIED, CHECKPOINT_CHECKED, CHECKPOINT_LIST, CHECKPOINT_RANK_STATE, CHECKPOINT_WRITTEN,
+                    DEFAULT_TIMEOUT_S, PREEMPTION_VOTE, Collective, ControlChannel, StallWatchdog, abort_world)
 from ..data.loader import AdaptiveLoader
 from ..data.plan import split_proportional
 from ..logs import get_logger
@@ -69,9 +70,10 @@ class CheckpointVersionError(CheckpointError):
     """A checkpoint was written in another format version."""
 
 
-def redistribute(global_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
-    """Per-rank sizes that keep the global batch when the number of ranks changes."""
-    return list(split_proportional(max(global_batch, world_size), list(weights or [1] * world_size)))
+def redistribute(micro_batch: int, world_size: int, weights: Sequence[int] | None = None) -> list[int]:
+    """Local batches that keep the global micro-batch (so the global batch) when the number of ranks
+    changes."""
+    return list(split_proportional(max(micro_batch, world_size), list(weights or [1] * world_size)))
 
 
 def non_plain_entry(value: Any, where: str = "state") -> str | None:
@@ -146,6 +148,8 @@ class Checkpointer:
         _check_writable(self.directory)
         self.model, self.optimizer, self.loader, self.controller = model, optimizer, loader, controller
         self.channel = channel or (controller.channel if controller is not None else ControlChannel())
+        self.timeout_s = float(controller.cfg.timeout_s if controller is not None else DEFAULT_TIMEOUT_S)
+        """The deadline of the checkpoint's collectives: the controller's ``timeout_s``."""
         self.check_every, self.exit_code, self.keep = check_every, exit_code, keep
         self.requested = False
         self._steps = 0
@@ -153,7 +157,7 @@ class Checkpointer:
         loader.step_end_callbacks.append(self._on_step_end)
         # Without a controller nobody else watches the gradient allreduce for a stopped rank (MPI only).
         self.watchdog = (StallWatchdog(self.channel, lambda: self.loader.tracker.sync_wait_started(),
-                                       self.channel.timeout_s)
+                                       self.timeout_s)
                          if controller is None and self.channel.backend == "mpi4py" else None)
 
     # --- signals -----------------------------------------------------------------------------------
@@ -191,7 +195,7 @@ class Checkpointer:
         if self._steps % self.check_every:
             return
         try:
-            stop = self.channel.any_true(self.requested, what="preemption flag")
+            stop = self.channel.any_true(self.requested, self._op(PREEMPTION_VOTE))
             path = self.save() if stop else None
         except Exception as exc:  # inside the loop: under MPI the other ranks would wait for this one
             if self.channel.backend != "mpi4py":
@@ -231,13 +235,13 @@ class Checkpointer:
         step = f"step-{self.loader.epoch:05d}-{self.loader.step:07d}"
         final = self.directory / step
         problem = None
-        ranks = self.channel.gather(self.rank_state(), what="per-rank checkpoint state")
+        ranks = self.channel.gather_object(self.rank_state(), self._op(CHECKPOINT_RANK_STATE))
         if self.channel.rank == 0:
             try:
                 self._write(step, final, ranks)
             except Exception as exc:  # disk full, permissions, not plain data...: nothing half-written stays
                 problem = f"{type(exc).__name__}: {exc}"
-        problem = self.channel.broadcast(problem, what="checkpoint written")  # others leave once it exists
+        problem = self.channel.broadcast_object(problem, self._op(CHECKPOINT_WRITTEN))  # others leave once it exists
         if problem is not None:
             raise CheckpointError(f"checkpoint {final} was not written: {problem} (its temporary files were removed)")
         return final
@@ -370,11 +374,13 @@ class Checkpointer:
             self.controller.load_state_dict(snap["controller"])
         self._load_rank_state(snap["rank"])
 
-    def _everyone(self, problem: str | None, what: str) -> list[str]:
+    def _op(self, op: Collective) -> Collective:
+        return op.within(self.timeout_s)
+
+    def _everyone(self, problem: str | None, op: Collective) -> list[str]:
         """Every rank's `problem` on every rank: one entry per distinct problem, prefixed with the
         ranks that had it when not all of them did (empty when no rank had one)."""
-        gathered = self.channel.gather(problem, what=what)
-        gathered = self.channel.broadcast(gathered, what=what)
+        gathered = self.channel.allgather_object(problem, self._op(op))
         distinct = list(dict.fromkeys(p for p in gathered if p is not None))
         if len(distinct) == 1 and all(p is not None for p in gathered):
             return distinct
@@ -393,7 +399,7 @@ class Checkpointer:
         rank is skipped with a warning naming the file and the reason, and the previous one is
         tried; with none usable, `CheckpointError` names every file tried and why."""
         local = [p.name for p in self._checkpoints()] if self.channel.rank == 0 else None
-        names = self.channel.broadcast(local, what="checkpoint list")
+        names = self.channel.broadcast_object(local, self._op(CHECKPOINT_LIST))
         errors = []
         for name in reversed(names):
             path = self.directory / name
@@ -403,7 +409,7 @@ class Checkpointer:
                 self._check(path, state)
             except (OSError, CheckpointError) as exc:
                 problem = str(exc)
-            problems = self._everyone(problem, "checkpoint check")
+            problems = self._everyone(problem, CHECKPOINT_CHECKED)
             if not problems:
                 snap = self._snapshot()
                 try:
@@ -412,7 +418,7 @@ class Checkpointer:
                     self._put_back(snap)
                     problem = (f"checkpoint {path / 'state.pt'} could not be applied ({type(exc).__name__}: "
                                f"{exc}); nothing was changed")
-                problems = self._everyone(problem, "checkpoint applied")
+                problems = self._everyone(problem, CHECKPOINT_APPLIED)
                 if problems and problem is None:  # applied here but not on another rank: undo it
                     self._put_back(snap)
             del state

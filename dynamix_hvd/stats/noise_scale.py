@@ -256,8 +256,9 @@ class StatsConfig:
     step's estimate is very noisy (~75% relative std with 3 ranks in the tests), so ~100 steps give
     ~10%; lower it only if the noise scale moves faster than that."""
     base_batch: Optional[int] = None
-    """B0 of the efficiency E(B) and of `snapshot`'s gain; None = first global batch seen. (The gain the
-    controller applies is over the optimizer's ``base_batch_size``, see `DecisionCore.lr_base_batch`.)"""
+    """B0 of the efficiency E(B) and of `snapshot`'s gain; None = the first global batch seen (the
+    initial batch). (The gain the controller applies is over the optimizer's ``base_batch_size``, see
+    `DecisionCore.base_batch`.)"""
     max_noise_scale: float = 1e12
     """Cap for B_noise when |G|^2 is not (yet) detectably positive."""
     loss_window: int = 50

@@ -110,7 +110,7 @@ def main() -> None:
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
         Path(args.out, "inputs.json").write_text(json.dumps({
             "inputs": [[i.to_dict() for i in inputs] for inputs in controller.inputs],
-            "decisions": controller.history, "base_batch": sum(8 + 4 * r for r in range(world)),
+            "decisions": controller.history, "initial_batch": sum(8 + 4 * r for r in range(world)),
             "layer_names": opt.param_names}))
 
 

@@ -71,7 +71,7 @@ def run(scenario: str, rank: int, world: int) -> dict[str, Any]:
     while not opt.progress_done(TOTAL):
         loader.set_epoch(epoch)
         for idx, x, y in loader:
-            before = {"tau": opt.scale_invariant_steps, "batch": loader.global_batch_size, "gain": opt.lr_gain,
+            before = {"tau": opt.scale_invariant_steps, "batch": loader.global_micro_batch, "gain": opt.lr_gain,
                       "base_lr": opt.param_groups[0]["lr"], "done": sched.done}
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
