@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batchnorm-floor", type=int, default=0,
                     help="ControllerConfig.batchnorm_min_batch (0: its default); 1 lets a BatchNorm model's "
                          "ranks go down to one sample")
+    ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
+                    help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
+                         "epochs of training progress, the loop the README recommends (plain Horovod: the same)")
     args = ap.parse_args(argv)
     job = JOBS[args.job]
     epochs = args.epochs = args.epochs or job.epochs
@@ -123,7 +126,13 @@ def main(argv: list[str] | None = None) -> None:
                     else (lambda: optimizer.scale_invariant_epochs))
     rec.start()
     slow.clock = rec.train_s
-    for epoch in range(epochs):
+    def more(epoch: int) -> bool:
+        if args.budget == "progress" and not args.plain_horovod:
+            return not optimizer.progress_done(epochs=epochs)                                       # dx
+        return epoch < epochs
+
+    epoch = 0
+    while more(epoch):
         loader.set_epoch(epoch)                                                                     # dx
         model.train()
         optimizer.zero_grad()
@@ -154,6 +163,9 @@ def main(argv: list[str] | None = None) -> None:
                 controller.record_loss(loss)                                                        # dx
             if rec.step_end(epoch, local_batches(loader, len(y))):
                 rec.evaluate(evaluate, epoch)
+            if args.budget == "progress" and not args.plain_horovod and optimizer.progress_done(epochs=epochs):
+                break                                                                               # dx
+        epoch += 1
     rec.finish(evaluate, extra={"stalls": slow.stalls, "thread_cpu_s": thread_cpu_seconds()})     # collective
     if controller is not None and hvd.rank() == 0:
         write_decisions(controller.history, args.out)
@@ -181,8 +193,10 @@ def write_decisions(history: list[dict], out: str) -> None:
 
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
             "efficiency", "throughput", "loss", "overhead_s")
+    network = ("net_s", "latency_s", "bus_bandwidth_Bps")
     info = ("split_gain", "neutral", "dithered", "switched", "may_grow", "predicted_goodput", "goodput_now")
     rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
+            | {k: ((h.get("fit") or {}).get("net") or {}).get(k) for k in network}
             | {"global_batch": h.get("passes", 1) * sum(h.get("sizes", []))} for h in history]
     pd.DataFrame(rows).to_csv(os.path.join(out, "decisions.csv"), index=False)
 
