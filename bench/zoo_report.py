@@ -64,14 +64,40 @@ def job_numbers(run_dir: Path) -> dict[str, Any]:
             "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
 
 
+def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame) -> dict[str, Any]:
+    """`job_numbers` from the results folder alone (its runs.csv row and evals.csv), for a run whose
+    run folder is gone: no per-step records, so no first-epoch time and no measured speeds (the limit
+    of a straggler condition is then unknown)."""
+    from bench.zoo import JOBS
+
+    job = JOBS[str(run["workload"]).removeprefix("zoo:")]
+    mine = evals[(evals.workload == run["workload"]) & (evals.condition == run["condition"])
+                 & (evals.arm == run["arm"]) & (evals.seed == run["seed"])]
+    once = mine.drop_duplicates("samples", keep="last")
+    ttt = smoothed_time(mine, job.target, job.higher_is_better)
+    progress = once.progress.tolist() if "progress" in once else [math.nan] * len(once)
+    return {"evals": list(zip(progress, once.value.tolist())),
+            "spread": float(once.value.tail(3).max() - once.value.tail(3).min()) if len(once) else math.nan,
+            "ttt_s": ttt if math.isfinite(ttt) else float(run["train_s"]), "miss": not math.isfinite(ttt),
+            "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "final": float(run["final"]),
+            "speeds": [1.0, 1.0], "compute_s": math.nan}
+
+
 def collect(results: Path) -> pd.DataFrame:
     runs = pd.read_csv(results / "runs.csv")
+    evals = pd.read_csv(results / "evals.csv") if (results / "evals.csv").exists() else None
     rows = []
     for r in runs[runs.status == "ok"].to_dict("records"):
+        key = {k: r[k] for k in ("workload", "condition", "arm", "seed")}
+        key["straggler"] = isinstance(r.get("slow_mode"), str) and bool(r["slow_mode"])
+        run_dir = Path(r["run_dir"])
         try:
-            rows.append({**{k: r[k] for k in ("workload", "condition", "arm", "seed")}, **job_numbers(Path(r["run_dir"]))})
+            if run_dir.exists() or evals is None:
+                rows.append({**key, **job_numbers(run_dir)})
+            else:
+                rows.append({**key, **numbers_from_results(r, evals)})
         except (OSError, KeyError, ValueError) as exc:
-            print(f"skipping {r['run_dir']}: {exc!r}", file=sys.stderr)
+            print(f"skipping {run_dir}: {exc!r}", file=sys.stderr)
     return pd.DataFrame(rows)
 
 
@@ -110,7 +136,7 @@ def headline(jobs: pd.DataFrame) -> str:
         none = jobs[(jobs.workload == w) & (jobs.condition == "none") & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
-        limit = pd.Series({s: _limit(none, s, p) if c != "none" else 1.0 for s, p in plain.iterrows()})
+        limit = pd.Series({s: _limit(none, s, p) if p.get("straggler", True) else 1.0 for s, p in plain.iterrows()})
         end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")
