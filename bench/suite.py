@@ -251,6 +251,12 @@ CONFIGS.update({
     "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm"],
                      "conditions": ["net10", "net100", "net-changing"],
                      "arms": ["plain", "ppo-progress"], "seeds": 3}],
+    # the same links with rank 1 3x slower; the plain runs without the straggler give each row's limit
+    # (~25 min)
+    "zoo-network-slow": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10-slow3x", "net100-slow3x"],
+                          "arms": ["plain", "ppo-progress"], "seeds": 3},
+                         {"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100"], "arms": ["plain"],
+                          "seeds": 3}],
     "zoo-network-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100", "net1g"],
                            "arms": ["plain", "ppo"], "seeds": 1}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],

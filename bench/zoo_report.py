@@ -12,7 +12,7 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   the end of epoch 0 (the start-up tax is there);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
-* attainable limit of a condition: the plain no-straggler run of the same seed with its forward +
+* attainable limit of a condition: the plain no-straggler run (same links) of the same seed with its forward +
   backward seconds scaled by R / sum of the ranks' relative speeds (the balanced split's compute on
   this machine; communication and the rest as measured), over the plain run's time under the
   condition; 1.00 without a straggler;
@@ -111,6 +111,20 @@ def _limit(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
     return ((T0 - C0) + C0 * len(plain.speeds) / sum(plain.speeds)) / float(plain.budget_s)
 
 
+def reference_condition(name: str) -> str:
+    """The condition with the same links and no straggler (whose plain run gives the limit)."""
+    from bench.suite import CONDITIONS
+
+    c = CONDITIONS.get(name)
+    if c is None:
+        return "none"
+    for other in CONDITIONS.values():
+        if (other.slow_rank < 0 and other.ranks == c.ranks and other.rate_mbit == c.rate_mbit
+                and other.rate_schedule == c.rate_schedule and other.delay_ms == c.delay_ms):
+            return other.name
+    return "none"
+
+
 def at_progress(evals: list[tuple[float, float]], progress: float) -> float:
     """The metric at the first evaluation at or past `progress` (the last one if none is)."""
     for p, value in evals:
@@ -133,7 +147,8 @@ def headline(jobs: pd.DataFrame) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, c), cell in jobs.groupby(["workload", "condition"], sort=False):
         plain = cell[cell.arm == PLAIN].set_index("seed")
-        none = jobs[(jobs.workload == w) & (jobs.condition == "none") & (jobs.arm == PLAIN)].set_index("seed")
+        ref = reference_condition(c)
+        none = jobs[(jobs.workload == w) & (jobs.condition == ref) & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
         limit = pd.Series({s: _limit(none, s, p) if p.get("straggler", True) else 1.0 for s, p in plain.iterrows()})

@@ -183,12 +183,38 @@ def test_onecycle_is_never_stepped_past_its_total_and_state_round_trips():
     for _ in range(4):
         opt.advance(24)  # 3 base steps each: 12 > 10
         sched.step()
-    assert sched.done == 10 and opt.scale_invariant_steps == 12
+    assert sched.done == 9 and opt.scale_invariant_steps == 12  # 9: OneCycleLR's floor
     state = sched.state_dict()
     opt2 = Counted()
     again = ProgressScheduler(torch.optim.lr_scheduler.OneCycleLR(opt2, max_lr=1.0, total_steps=10), opt2)
     again.load_state_dict(state)
-    assert again.done == 10 and again.get_last_lr() == sched.get_last_lr()
+    assert again.done == 9 and again.get_last_lr() == sched.get_last_lr()
+
+
+def test_onecycle_follows_progress_when_B_grows_and_shrinks_and_ends_on_its_floor():
+    # OneCycleLR built for 12 steps at the base batch 8; B then doubles, halves, and returns
+    reference = Counted()
+    plain = torch.optim.lr_scheduler.OneCycleLR(reference, max_lr=1.0, total_steps=12)
+    expected = [plain.get_last_lr()[0]]
+    for _ in range(11):  # to its floor
+        reference.step()
+        plain.step()
+        expected.append(plain.get_last_lr()[0])
+    opt = Counted()
+    sched = ProgressScheduler(torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=12), opt)
+    lrs = []
+    for b in [16] * 3 + [4] * 6 + [8] * 2 + [16] * 2:  # 6 + 3 + 2 base steps, then 4: 3 more than it has
+        opt.advance(b)
+        sched.step()
+        lrs.append((opt.scale_invariant_steps, sched.get_last_lr()[0]))
+    # at every point the LR is the one plain OneCycleLR has after as many base-batch steps
+    for tau, lr in lrs:
+        assert lr == pytest.approx(expected[min(int(tau + 1e-9), 11)]), (tau, lr)
+    # B halved: two optimizer steps per schedule step, the LR held in between
+    assert [lr for _, lr in lrs[3:9]] == pytest.approx([expected[6], expected[7], expected[7], expected[8],
+                                                        expected[8], expected[9]])
+    # never stepped past its floor (one more step leaves it, the next raises): the LR stays there
+    assert sched.done == 11 and lrs[-1][1] == pytest.approx(expected[-1]) and expected[-1] < 1e-4
 
 
 def test_sequential_warmup_and_lambda_schedulers_are_driven_by_tau():

@@ -12,7 +12,7 @@ import pytest
 
 from bench import suite
 from bench.zoo import EVALUATION, JOBS, TUNING, halves
-from bench.zoo_report import smoothed_time
+from bench.zoo_report import collect, headline, reference_condition, smoothed_time
 from launching import command, job_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +64,31 @@ def test_time_to_target_needs_the_median_of_three_evaluations():
     assert smoothed_time(evals, 0.99, higher=True) == float("inf")
     losses = evals.assign(value=[3.0, 1.0, 2.5, 1.9, 1.8, 1.7])
     assert smoothed_time(losses, 2.0, higher=False) == 4.0  # median(1.0, 2.5, 1.9) = 1.9
+
+
+def test_a_straggler_row_is_read_against_the_plain_run_on_the_same_links():
+    assert reference_condition("slow3x") == "none"
+    assert reference_condition("net10-slow3x") == "net10"
+    assert reference_condition("net100-slow3x") == "net100"
+    assert reference_condition("net10") == "net10"
+
+
+def test_the_report_reads_a_results_folder_whose_run_folders_are_gone(tmp_path):
+    runs, evals = [], []
+    for arm, seconds in (("plain-horovod", 10.0), ("ppo-progress", 5.0)):
+        runs.append({"workload": "zoo:mnist-cnn", "condition": "net10", "arm": arm, "seed": 0, "status": "ok",
+                     "run_dir": str(tmp_path / "gone" / arm), "slow_mode": "", "train_s": 3 * seconds,
+                     "final": 0.95})
+        for i, value in enumerate([0.5, 0.6, 0.95, 0.96]):  # the median of three is past the target at the 4th
+            evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1) / 2, "value": value,
+                          "progress": float(i + 1), "workload": "zoo:mnist-cnn", "condition": "net10",
+                          "arm": arm, "seed": 0})
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    pd.DataFrame(evals).to_csv(tmp_path / "evals.csv", index=False)
+    jobs = collect(tmp_path)
+    assert sorted(jobs.arm) == ["plain-horovod", "ppo-progress"] and set(jobs.ttt_s) == {20.0, 10.0}
+    row = next(line for line in headline(jobs).splitlines() if "ppo-progress" in line)
+    assert "| net10 | 1.00 | ppo-progress | 0.50 [0.00] |" in row, row
 
 
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():

@@ -87,9 +87,11 @@ class ProgressScheduler:
     (tau), ``per="epoch"`` once per base-batch-equivalent epoch. Call `step()` after every optimizer
     step (skipped ones included: they make no progress), never ``scheduler.step()`` yourself.
 
-    `limit`: never step `scheduler` more than this many times in all (default: OneCycleLR's
-    ``total_steps``, which refuses to go further; the last optimizer step may overshoot a budget by
-    up to its factor). ReduceLROnPlateau follows a metric, not progress, and is refused.
+    `limit`: never step `scheduler` more than this many times in all (default for OneCycleLR:
+    ``total_steps - 1``, the step at which it reaches its floor; one more step would move the LR off
+    the floor and the next raises, so optimizer steps past the schedule's end keep the floor). The
+    last optimizer step may overshoot a budget by up to its factor. ReduceLROnPlateau follows a
+    metric, not progress, and is refused.
     """
 
     def __init__(self, scheduler: LRScheduler, optimizer: ProgressOptimizer, *,
@@ -110,8 +112,8 @@ class ProgressScheduler:
                             "dynamix_hvd.WeightedDistributedOptimizer")
         if per not in ("step", "epoch"):
             raise ValueError(f"per={per!r}; choose 'step' (one scheduler step per base iteration) or 'epoch'")
-        if limit is None:
-            limit = getattr(scheduler, "total_steps", None)
+        if limit is None and getattr(scheduler, "total_steps", None) is not None:
+            limit = max(0, int(scheduler.total_steps) - 1)
         if limit is not None:
             validate.integer("limit", limit, 0, what="an integer >= 0 or None")
         self.scheduler, self.optimizer, self.per, self.limit = scheduler, optimizer, per, limit
