@@ -172,6 +172,9 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name == "ppo-progress":  # the default ending on training progress (zoo jobs: --budget progress)
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
                                   "--budget", "progress")))
+        elif name in ("ppo-progress-fullgain", "ppo-progress-sqrtgain"):  # the LR rule on Adam-type optimizers
+            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
+                                  "--budget", "progress", "--adaptive", "0" if name.endswith("fullgain") else "1")))
         elif name in ("ppo", "ppo-online"):
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
                                   "1" if name == "ppo-online" else "0")))
@@ -257,6 +260,11 @@ CONFIGS.update({
                           "arms": ["plain", "ppo-progress"], "seeds": 3},
                          {"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100"], "arms": ["plain"],
                           "seeds": 3}],
+    # the LR coupling on Adam-type optimizers where B grows: AdaScale's gain or its square root
+    "zoo-adaptive-lr": [{"workloads": ["zoo:mf-ratings"], "conditions": ["none"],
+                         "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 3},
+                        {"workloads": ["zoo:gru-charlm"], "conditions": ["net10"],
+                         "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 2}],
     "zoo-network-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100", "net1g"],
                            "arms": ["plain", "ppo"], "seeds": 1}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
