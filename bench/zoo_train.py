@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batchnorm-floor", type=int, default=0,
                     help="ControllerConfig.batchnorm_min_batch (0: its default); 1 lets a BatchNorm model's "
                          "ranks go down to one sample")
-    ap.add_argument("--adaptive", choices=["auto", "0", "1"], default="auto",
-                    help="WeightedDistributedOptimizer(adaptive=): auto (from the optimizer's class), 0 (the full "
-                         "AdaScale gain, as for SGD), 1 (its square root, the Adam-type rule)")
+    ap.add_argument("--adaptive", choices=["0", "1"], default="0",
+                    help="WeightedDistributedOptimizer(adaptive=): 0 (the AdaScale gain, the default), 1 (its "
+                         "square root, the square-root rule for Adam-type optimizers)")
     ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
                     help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
                          "epochs of training progress, the loop the README recommends (plain Horovod: the same)")
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                     max_grad_norm=job.clip or None,             # dx
                                                     base_batch_size=job.batch * hvd.size(),    # dx: the LR's batch
-                                                    adaptive=None if args.adaptive == "auto" else args.adaptive == "1")
+                                                    adaptive=args.adaptive == "1")
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
         if not args.no_controller:

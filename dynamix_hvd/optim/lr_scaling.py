@@ -6,12 +6,13 @@ When the global batch B moves away from the batch B0 the learning rate was tuned
   scaling while gradient noise dominates, none once the gradient signal does. The caller supplies the
   gain (the controller, from its gradient statistics); without one the factor is 1. It is the coupling
   under which the controller's efficiency model E(B) holds, so it is the default wherever B changes.
-  AdaScale's gain is derived for SGD; it is applied as it is to SGD with or without momentum (as in
-  AdaScale's own experiments: momentum multiplies the effective step by the same 1/(1 - mu) at every
-  B). For adaptive optimizers (Adam, AdamW, RMSprop, Adagrad, ...: `is_adaptive`) the factor is
-  sqrt(r): their update is normalised by the gradient's running second moment, so the square-root
-  scaling rule applies (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive Gradient
-  Algorithms": LR x sqrt(k) at batch k B keeps one step worth k steps); r = B/B0 gives the ``sqrt`` rule.
+  AdaScale's gain is derived for SGD; it is applied as it is to every optimizer: SGD with or without
+  momentum (as in AdaScale's own experiments: momentum multiplies the effective step by the same
+  1/(1 - mu) at every B) and Adam-type ones too. The square-root rule for adaptive optimizers
+  (Malladi et al. 2022: LR x sqrt(k) at batch k B, with the betas rescaled) gives sqrt(r) instead,
+  with ``adaptive=True``; where B grew on the workload zoo's Adam jobs it trained slower and ended
+  worse than the full gain (BENCHMARKS.md, "the learning rate on Adam-type optimizers"), so it is
+  not the default.
 - ``linear``:   B / B0 (Goyal et al. 2017): right for SGD (with momentum) while B stays below the
   gradient noise scale; above it, it overshoots.
 - ``sqrt``:     sqrt(B / B0): the square-root rule for Adam-type optimizers (Adam, AdamW, LAMB).
@@ -36,26 +37,10 @@ WARMUP_EPOCH_FRACTION = 0.03
 """Default warm-up after B grows: this fraction of an epoch's optimizer steps at the new B (at least 2)."""
 
 
-ADAPTIVE_OPTIMIZERS = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam",
-                       "Adafactor", "LAMB", "Lamb", "FusedAdam", "FusedLAMB")
-"""Optimizer class names (torch.optim's and common fused or third-party ones) that normalise the update
-by a running second moment of the gradient."""
-
-
-def is_adaptive(optimizer: Any) -> bool:
-    """Does `optimizer` normalise its update by the gradient's second moment (Adam-type)? By class name
-    along its MRO (so subclasses and wrappers that subclass count), else by Adam's ``betas`` setting."""
-    if any(cls.__name__ in ADAPTIVE_OPTIMIZERS for cls in type(optimizer).__mro__):
-        return True
-    if any(cls.__name__ == "SGD" for cls in type(optimizer).__mro__):
-        return False
-    return "betas" in getattr(optimizer, "defaults", {})
-
-
 def lr_factor(rule: str, global_batch: int, base_batch: int, gain: float | None = None,
               adaptive: bool = False) -> float:
-    """Multiplier for the base learning rate at global batch `global_batch` (`adaptive`: the optimizer
-    is Adam-type, so ``adascale`` applies the square root of the gain)."""
+    """Multiplier for the base learning rate at global batch `global_batch` (`adaptive`: ``adascale``
+    applies the square root of the gain, the square-root rule for Adam-type optimizers)."""
     if rule not in LR_RULES:
         raise ValueError(f"lr rule {rule!r} is not one of {', '.join(LR_RULES)}")
     if global_batch < 1 or base_batch < 1:
