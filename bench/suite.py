@@ -260,6 +260,10 @@ CONFIGS.update({
                           "arms": ["plain", "ppo-progress"], "seeds": 3},
                          {"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100"], "arms": ["plain"],
                           "seeds": 3}],
+    # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the default,
+    # each as its own mpirun job beside plain Horovod (~6 min)
+    "zoo-dataplane-cnn": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["none"], "arms": ["plain", "dataplane", "ppo"],
+                           "seeds": 3}],
     # the LR coupling on Adam-type optimizers where B grows: AdaScale's gain or its square root
     "zoo-adaptive-lr": [{"workloads": ["zoo:mf-ratings"], "conditions": ["none"],
                          "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 3},
