@@ -46,19 +46,24 @@ def smoothed_time(evals: pd.DataFrame, target: float, higher: bool, window: int 
     return float(hit.iloc[0]) if len(hit) else math.inf
 
 
-def job_numbers(run_dir: Path) -> dict[str, Any]:
-    res = json.loads((run_dir / "suite_result.json").read_text())
-    evals = pd.read_csv(run_dir / "suite_evals.csv")
-    steps = pd.read_csv(run_dir / "suite_steps.csv")
-    higher = res.get("metric", "accuracy") == "accuracy"
-    ttt = smoothed_time(evals, float(res["target"]), higher)
-    first = steps[steps.epoch == 0].groupby("rank").t_s.max().max() if (steps.epoch == 0).any() else math.nan
-    per_sample = (steps.compute_s / steps.local_batch.clip(lower=1)).groupby(steps["rank"]).median()
+def eval_numbers(evals: pd.DataFrame, target: float, higher: bool, train_s: float) -> dict[str, Any]:
+    """What a run's evaluations give: (progress, metric) pairs, the spread of the last three, the time
+    to target (the whole training time where it was missed)."""
     once = evals.drop_duplicates("samples", keep="last")
+    ttt = smoothed_time(evals, target, higher)
     progress = once.progress.tolist() if "progress" in once else [math.nan] * len(once)
     return {"evals": list(zip(progress, once.value.tolist())),
             "spread": float(once.value.tail(3).max() - once.value.tail(3).min()) if len(once) else math.nan,
-            "ttt_s": ttt if math.isfinite(ttt) else float(res["train_s"]), "miss": not math.isfinite(ttt),
+            "ttt_s": ttt if math.isfinite(ttt) else train_s, "miss": not math.isfinite(ttt)}
+
+
+def job_numbers(run_dir: Path) -> dict[str, Any]:
+    res = json.loads((run_dir / "suite_result.json").read_text())
+    steps = pd.read_csv(run_dir / "suite_steps.csv")
+    first = steps[steps.epoch == 0].groupby("rank").t_s.max().max() if (steps.epoch == 0).any() else math.nan
+    per_sample = (steps.compute_s / steps.local_batch.clip(lower=1)).groupby(steps["rank"]).median()
+    return {**eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), float(res["target"]),
+                           res.get("metric", "accuracy") == "accuracy", float(res["train_s"])),
             "budget_s": float(res["train_s"]), "first_epoch_s": float(first),
             "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
             "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
@@ -73,14 +78,9 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame) -> dict[str, 
     job = JOBS[str(run["workload"]).removeprefix("zoo:")]
     mine = evals[(evals.workload == run["workload"]) & (evals.condition == run["condition"])
                  & (evals.arm == run["arm"]) & (evals.seed == run["seed"])]
-    once = mine.drop_duplicates("samples", keep="last")
-    ttt = smoothed_time(mine, job.target, job.higher_is_better)
-    progress = once.progress.tolist() if "progress" in once else [math.nan] * len(once)
-    return {"evals": list(zip(progress, once.value.tolist())),
-            "spread": float(once.value.tail(3).max() - once.value.tail(3).min()) if len(once) else math.nan,
-            "ttt_s": ttt if math.isfinite(ttt) else float(run["train_s"]), "miss": not math.isfinite(ttt),
+    return {**eval_numbers(mine, job.target, job.higher_is_better, float(run["train_s"])),
             "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "final": float(run["final"]),
-            "speeds": [1.0, 1.0], "compute_s": math.nan}
+            "speeds": [], "compute_s": math.nan}
 
 
 def collect(results: Path) -> pd.DataFrame:
@@ -89,7 +89,6 @@ def collect(results: Path) -> pd.DataFrame:
     rows = []
     for r in runs[runs.status == "ok"].to_dict("records"):
         key = {k: r[k] for k in ("workload", "condition", "arm", "seed")}
-        key["straggler"] = isinstance(r.get("slow_mode"), str) and bool(r["slow_mode"])
         run_dir = Path(r["run_dir"])
         try:
             if run_dir.exists() or evals is None:
@@ -105,7 +104,7 @@ def _limit(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
     """The balanced split's time over plain Horovod's under a condition: the plain no-straggler run of
     the same seed with its forward+backward time scaled by R / sum of the measured relative speeds
     (communication and the rest unchanged)."""
-    if seed not in none.index:
+    if seed not in none.index or not plain.speeds:
         return math.nan
     T0, C0 = float(none.budget_s[seed]), float(none.compute_s[seed])
     return ((T0 - C0) + C0 * len(plain.speeds) / sum(plain.speeds)) / float(plain.budget_s)
@@ -151,7 +150,7 @@ def headline(jobs: pd.DataFrame) -> str:
         none = jobs[(jobs.workload == w) & (jobs.condition == ref) & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
-        limit = pd.Series({s: _limit(none, s, p) if p.get("straggler", True) else 1.0 for s, p in plain.iterrows()})
+        limit = pd.Series({s: _limit(none, s, p) if ref != c else 1.0 for s, p in plain.iterrows()})
         end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")

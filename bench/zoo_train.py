@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                     max_grad_norm=job.clip or None,             # dx
                                                     base_batch_size=job.batch * hvd.size(),    # dx: the LR's batch
-                                                    adaptive=args.adaptive == "1")
+                                                    adaptive=args.adaptive == "1")              # dx
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
         if not args.no_controller:
