@@ -15,6 +15,7 @@ from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, propose
 from dynamix_hvd.control.refine import PPOPolicy
+from dynamix_hvd.control.splitcheck import SplitCheck
 from dynamix_hvd.control.state import OBS_DIM, GlobalContext, RankReport
 
 
@@ -32,15 +33,16 @@ def report(rank, size, n, step_s, loss):
 
 
 def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
-        seed=0):
+        seed=0, step=None):
     """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
-    at the training seconds t its end."""
+    at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
+    whatever the per-rank lines say (a split that cannot shorten it)."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
         b, t, sync = steps(rng, sizes, a, c, net=net)
         model.record(b, t, sync, overhead_s=1e-3)
-        step_s = float(sync.mean()) + 1e-3
+        step_s = float(sync.mean()) + 1e-3 if step is None else step(sizes) * float(np.exp(rng.normal(0, 0.02)))
         clock += step_s * len(b)
         ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=noise, efficiency=1.0,
                             loss_trend=0.0, progress=k / decisions, world_size=len(a))
@@ -70,6 +72,53 @@ def test_a_real_straggler_is_split_from_the_second_decision():
     hist = run(ModelPolicy(), a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=6)
     assert hist[0] == [64, 64], "one interval is not evidence"
     assert all(s[0] > 1.8 * s[1] for s in hist[2:]), hist
+
+
+def test_a_real_straggler_split_passes_its_check_and_stays():
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=20)
+    assert all(s[0] > 1.8 * s[1] for s in hist[2:]), hist
+    assert policy.split_check.failures == 0 and policy.split_check.last["measured_gain"] > 0.3, policy.split_check.last
+
+
+def test_a_split_that_does_not_shorten_the_measured_step_is_undone_and_remembered():
+    """Rank 1's lines say 20% slower (a predicted split gain of ~7%), but the measured step does not
+    change with the split (the difference is in what each rank's timer sees, e.g. two ranks sharing
+    cores): the split is judged, undone, and not retried; a real 3x straggler later is still split."""
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.002, 0.002], c=[1e-4, 1.2e-4], step=lambda sizes: 0.0105)
+    split_at = next(k for k, s in enumerate(hist) if s != [64, 64])
+    back = next(k for k in range(split_at, len(hist)) if hist[k] == [64, 64])
+    assert back <= split_at + 3, hist
+    assert all(abs(s[0] - s[1]) <= 1 for s in hist[back:]), hist  # neutral (B may grow: the lines pay it)
+    check = policy.split_check
+    assert check.failures == 1 and check.last["measured_gain"] < 0.5 * check.last["predicted_gain"], check.last
+    assert 0.1 < policy.split_margin < 0.2, policy.split_margin
+    later = run(policy, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=8, seed=1)
+    assert later[-1][0] > 1.8 * later[-1][1], later
+
+
+def test_split_check_needs_the_same_batch_and_round_trips():
+    check = SplitCheck()
+    for k in range(3):
+        check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128, first_interval=k == 0)
+    assert check.reference == [0.010, 0.010]
+    check.start(0.2)
+    assert not check.observe([report(0, 80, 10, 0.010, 1.0)], False, 160), "another B: no verdict"
+    assert check.trial_gain == 0 and check.failures == 0
+    check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128)
+    check.start(0.2)
+    assert not check.observe([report(0, 80, 10, 0.0101, 1.0)], False, 128, predicted_gain=0.1)
+    assert check.observe([report(0, 80, 10, 0.0099, 1.0)], False, 128, predicted_gain=0.1), "no measured gain"
+    check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128)
+    check.start(0.2)
+    check.observe([report(0, 80, 10, 0.0096, 1.0)], False, 128, predicted_gain=0.05)
+    assert not check.observe([report(0, 80, 10, 0.0096, 1.0)], False, 128, predicted_gain=0.07), \
+        "4% measured against 6% predicted passes"
+    assert check.failures == 1
+    again = SplitCheck()
+    again.load_state_dict(check.state_dict())
+    assert again.state_dict() == check.state_dict() and again.margin == pytest.approx(0.4)
 
 
 def test_a_small_speed_difference_is_not_split():
@@ -134,7 +183,8 @@ def test_growth_check_state_round_trips():
 
 
 @pytest.mark.parametrize("kwargs", [dict(split_margin=1.5), dict(grow_margin=-0.1), dict(check_growth=1),
-                                    dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True)])
+                                    dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True),
+                                    dict(check_split="no")])
 def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):

@@ -26,7 +26,7 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,6 +34,7 @@ import numpy as np
 from .actions import BatchBounds
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
 from .growth import GrowthCheck
+from .splitcheck import SplitCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
@@ -85,6 +86,11 @@ class ProposalConfig:
     behind by more than the static fit's scatter, return to the initial batch and never grow again in
     this job (see :class:`GrowthCheck`)."""
 
+    check_split: bool = True
+    """After the split left neutral, compare the measured step with the neutral split's; where it did
+    not shorten by half the predicted gain, return to neutral and, for the rest of the job, split only
+    for twice the gain that failed (see :class:`SplitCheck`). Off where `split_margin` is 0."""
+
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
             raise ValueError(f"ProposalConfig.noise={self.noise!r}; choose 'lower' or 'point'")
@@ -93,7 +99,7 @@ class ProposalConfig:
         validate.integer("ProposalConfig.hold_unidentified", self.hold_unidentified, 0)
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
-        for name in ("confident_growth", "check_growth", "search_batch", "joint_fit"):
+        for name in ("confident_growth", "check_growth", "check_split", "search_batch", "joint_fit"):
             validate.boolean(f"ProposalConfig.{name}", getattr(self, name))
         if self.dither_decisions is not None:
             validate.integer("ProposalConfig.dither_decisions", self.dither_decisions, 0, what="an integer >= 0 or None")
@@ -182,13 +188,16 @@ class Proposal:
 
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
             initial_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
-            may_grow: bool = True, split_confirmed: bool = True) -> Proposal:
+            may_grow: bool = True, split_confirmed: bool = True, split_margin: float | None = None,
+            force_neutral: bool = False) -> Proposal:
     """The proposal for the next interval (see the module docstring); `index` drives the dither;
     `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
     `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
     at most `initial_batch` now and stays there (the growth check failed); `split_confirmed` False: the
     previous decision did not find the equalising split worth it, so a neutral split stays neutral
-    (a difference in speed must show in two intervals running before the split leaves neutral).
+    (a difference in speed must show in two intervals running before the split leaves neutral);
+    `split_margin` replaces `cfg.split_margin` (a margin raised by a failed split); `force_neutral`:
+    the neutral split now, whatever the prediction (a split just failed its check).
 
     Global batches count samples per optimizer step. With ``bounds.max_passes`` > 1 every count of
     micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
@@ -258,7 +267,9 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
     out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
-    even, split_gain = _neutral_split(cfg, fit, out, cur, micro, neutral, a_s, c_s, lo, hi, split_confirmed)
+    margin = cfg.split_margin if split_margin is None else split_margin
+    even, split_gain = _neutral_split(margin, fit, out, cur, micro, neutral, a_s, c_s, lo, hi, split_confirmed,
+                                      force_neutral)
     if even is not None:
         out = even
     dithered = False
@@ -281,22 +292,40 @@ def neutral_sizes(micro: int, neutral: Sequence[float] | None, fixed: np.ndarray
     return np.array(round_split(micro * w, micro, fixed, per_sample, lo, hi), dtype=np.int64)
 
 
-def _neutral_split(cfg: ProposalConfig, fit: CostFit, proposed: np.ndarray, current: np.ndarray, micro: int,
+def off_neutral(current: Sequence[int], neutral: Sequence[float] | None) -> bool:
+    """The sizes differ from the neutral shares of their sum by more than rounding (1 sample, or 2% of
+    the mean size)."""
+    cur = np.asarray(current, dtype=np.float64)
+    w = np.full(len(cur), 1.0 / len(cur)) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
+    total = max(float(cur.sum()), 1.0)
+    return bool(np.abs(cur - total * w).max() > max(1.0, 0.02 * total / len(cur)))
+
+
+def predicted_split_gain(fit: CostFit, net: NetworkFit, sizes: Sequence[int], neutral: Sequence[float] | None,
+                         passes: int = 1) -> float:
+    """The predicted step-time gain of `sizes` over the neutral split of their sum (the allreduce and
+    per-step costs included: what a measured step can show)."""
+    cur = np.asarray(sizes, dtype=np.float64)
+    w = np.full(len(cur), 1.0 / len(cur)) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
+    now = float(net.step_time(float(fit.arrival(cur, split=True).max()), passes))
+    even = float(net.step_time(float(fit.arrival(cur.sum() * w, split=True).max()), passes))
+    return 1.0 - now / even if even > 0 else 0.0
+
+
+def _neutral_split(split_margin: float, fit: CostFit, proposed: np.ndarray, current: np.ndarray, micro: int,
                    neutral: Sequence[float] | None, a_s: np.ndarray, c_s: np.ndarray, lo: np.ndarray,
-                   hi: np.ndarray, confirmed: bool = True) -> tuple[np.ndarray | None, float]:
+                   hi: np.ndarray, confirmed: bool = True, force: bool = False) -> tuple[np.ndarray | None, float]:
     """The neutral split when the equalising one does not pay (None: keep `proposed`), and the
     predicted step-time gain of `proposed` over it. The margin is halved while the current sizes are
     already off the neutral split, so a split once taken does not flap on timing noise."""
-    if len(proposed) < 2 or cfg.split_margin == 0:
+    if len(proposed) < 2 or (split_margin == 0 and not force):
         return None, 0.0
     even = neutral_sizes(micro, neutral, a_s, c_s, lo, hi)
     slow_even = float(fit.arrival(even, split=True).max())
     gain = 1.0 - float(fit.arrival(proposed, split=True).max()) / slow_even if slow_even > 0 else 0.0
-    total = max(int(current.sum()), 1)
-    off_neutral = bool(np.abs(current - neutral_sizes(total, neutral, a_s, c_s, np.minimum(lo, 1), np.maximum(hi, total))
-                              ).max() > max(1, 0.02 * total / len(current)))
-    margin = cfg.split_margin * (0.5 if off_neutral else 1.0)
-    keep_neutral = gain <= margin or (not off_neutral and not confirmed)
+    away = off_neutral(current, neutral)
+    margin = split_margin * (0.5 if away else 1.0)
+    keep_neutral = force or gain <= margin or (not away and not confirmed)
     return (even if keep_neutral else None), gain
 
 
@@ -329,6 +358,12 @@ class ModelPolicy:
         self.neutral: list[float] | None = None
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
         self.check = GrowthCheck() if self.cfg.check_growth else None
+        self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
+
+    @property
+    def split_margin(self) -> float:
+        """The proposal's split margin, raised by failed splits."""
+        return max(self.cfg.split_margin, self.split_check.margin if self.split_check is not None else 0.0)
 
     def _costs(self, inp: DecisionInput) -> CostModel:
         if inp.costs is not None:
@@ -357,13 +392,27 @@ class ModelPolicy:
         net = costs.fit_network()
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
-        self.last = propose(self.cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch,
+        ran_neutral = not off_neutral(inp.sizes, self.neutral)
+        split_failed = self.split_check is not None and self.split_check.observe(
+            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self.decisions == 0,
+            predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
+        # one change at a time: B holds while a split is judged (its step compares with the neutral one)
+        # and when a failed split is undone (back to exactly the neutral sizes it was judged against)
+        hold = split_failed or (self.split_check is not None and self.split_check.judging)
+        cfg = replace(self.cfg, search_batch=False) if hold else self.cfg
+        self.last = propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch,
                             self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow,
-                            split_confirmed=self.last is not None and self.last.split_gain > self.cfg.split_margin)
+                            split_confirmed=self.last is not None and self.last.split_gain > self.split_margin,
+                            split_margin=self.split_margin, force_neutral=split_failed)
         self.decisions += 1
+        if self.split_check is not None and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral):
+            self.split_check.start(self.last.split_gain)
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
                 "may_grow": may_grow}
+        if self.split_check is not None and (self.split_check.last or split_failed):
+            info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
+                                   "margin": self.split_margin, "failures": self.split_check.failures}
         if self.check is not None and self.check.last:
             info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
@@ -377,10 +426,13 @@ class ModelPolicy:
         self.last = None
         if self.check is not None:  # a reference from another world says nothing about this one
             self.check = GrowthCheck()
+        if self.split_check is not None:
+            self.split_check = SplitCheck()
 
     def state_dict(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "neutral": self.neutral,
-                "growth": None if self.check is None else self.check.state_dict()}
+                "growth": None if self.check is None else self.check.state_dict(),
+                "split": None if self.split_check is None else self.split_check.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decisions = int(state["decisions"])
@@ -388,6 +440,8 @@ class ModelPolicy:
         self.neutral = None if neutral is None else [float(x) for x in neutral]
         if self.check is not None and state.get("growth") is not None:
             self.check.load_state_dict(state["growth"])
+        if self.split_check is not None and state.get("split") is not None:
+            self.split_check.load_state_dict(state["split"])
 
 
 def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:

@@ -1,0 +1,115 @@
+"""The online check of an uneven split: did leaving the neutral split shorten the measured step?
+
+The proposal leaves the neutral split (the job's initial sizes scaled to B) when its fitted per-rank
+cost lines predict that an arrival-equalising split shortens the step by more than the split margin.
+Between ranks of equal speed a few percent of timing noise can produce such a prediction, and the
+uneven split then costs time instead of saving it. So the measured step is the judge, as the
+growth check judges a larger batch by the loss:
+
+- reference: the wall time per step of the last `window` intervals run at the neutral split, at the
+  global batch the split keeps (a different B is a different step and resets the reference);
+- verdict: the mean step of the first `judged` intervals at the split must be shorter than the
+  reference by at least `keep` of the gain the cost model predicts for the sizes that ran (the first
+  intervals may run a partial split: the trust region, the dither). Otherwise the split is undone
+  and, for the rest of the job, leaving neutral needs a predicted gain of `raise_by` times the one
+  that failed (at most `max_margin`), so a real straggler that appears later is still split.
+
+The proposal holds B while a split is judged; an interval at another B (memory, a failed growth)
+ends the trial without a verdict. Pure: no MPI, no Horovod.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .state import RankReport
+
+
+@dataclass
+class SplitCheck:
+    window: int = 2
+    """Intervals at the neutral split the reference step time is the mean of."""
+    judged: int = 2
+    """Intervals at the split whose mean step is judged."""
+    keep: float = 0.5
+    """Fraction of the predicted step-time gain the measured gain must reach."""
+    raise_by: float = 2.0
+    """After a failed split, the margin becomes this multiple of the predicted gain that failed."""
+    max_margin: float = 0.5
+    """Upper end of that margin (a 3x straggler predicts ~50%)."""
+    reference: list[float] = field(default_factory=list)
+    """Mean step seconds of the recent neutral intervals at `reference_batch`."""
+    reference_batch: int = 0
+    trial: list[float] = field(default_factory=list)
+    """Mean step seconds of the intervals run at the split being judged."""
+    trial_predicted: list[float] = field(default_factory=list)
+    """The cost model's predicted step-time gain of each of those intervals' sizes over neutral."""
+    trial_gain: float = 0.0
+    """Predicted step-time gain of the split being judged (0: no trial)."""
+    margin: float = 0.0
+    """Predicted gain a split must exceed from now on (0: the proposal's own margin)."""
+    failures: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, reports: Sequence[RankReport], neutral_ran: bool, global_batch: int,
+                first_interval: bool = False, predicted_gain: float = 0.0) -> bool:
+        """One interval's reports; `neutral_ran`: it ran at the neutral split; `global_batch`: samples per
+        step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
+        split. True when a split under trial has just failed (return to neutral now)."""
+        steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
+        if not steps:
+            return False
+        step = float(np.median(steps))
+        if neutral_ran:
+            self._end_trial()
+            if first_interval:  # start-up (imports, first allocations, warm-up) inflates it
+                return False
+            if global_batch != self.reference_batch:
+                self.reference, self.reference_batch = [], global_batch
+            self.reference = (self.reference + [step])[-self.window:]
+            return False
+        if self.trial_gain <= 0:
+            return False
+        if global_batch != self.reference_batch or not self.reference:
+            self._end_trial()  # another B: nothing to compare with
+            return False
+        self.trial.append(step)
+        self.trial_predicted.append(float(predicted_gain) if math.isfinite(predicted_gain) else 0.0)
+        if len(self.trial) < self.judged:
+            return False
+        ref, now, predicted = float(np.mean(self.reference)), float(np.mean(self.trial)), float(np.mean(self.trial_predicted))
+        measured = 1.0 - now / ref
+        self.last = {"reference_step_s": ref, "split_step_s": now, "measured_gain": measured,
+                     "predicted_gain": predicted, "split_gain": self.trial_gain}
+        failed = measured < self.keep * predicted
+        if failed:
+            self.failures += 1
+            self.margin = min(self.max_margin, max(self.margin, self.raise_by * self.trial_gain))
+        self._end_trial()
+        return failed
+
+    def _end_trial(self) -> None:
+        self.trial, self.trial_predicted, self.trial_gain = [], [], 0.0
+
+    @property
+    def judging(self) -> bool:
+        """A split is under trial (the proposal holds B until the verdict)."""
+        return self.trial_gain > 0
+
+    def start(self, split_gain: float) -> None:
+        """The decision just left the neutral split for one predicted to shorten the slowest arrival by
+        `split_gain` (what the proposal's margin is compared with): judge it."""
+        if self.trial_gain <= 0:
+            self._end_trial()
+            self.trial_gain = float(split_gain)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            if k in self.__dataclass_fields__:
+                setattr(self, k, v)
