@@ -47,7 +47,8 @@ def sample_input(rank: int, steps: int = 4, layers: int = 3) -> RankInput:
     series = StepSeries([16 + rank] * steps, [1.0 + k / 7 for k in range(steps)], [0.5 + k for k in range(steps)],
                         [math.nan if k == 1 else 2.0 - k / 3 for k in range(steps)], "cuda" if rank else "rss",
                         [0.01 * (rank + 1) + 1e-4 * k for k in range(steps)], [2e-4] * steps,
-                        [math.nan if rank == 2 else 1e-3 / (k + 1) for k in range(steps)], [1 + rank % 2] * steps)
+                        [math.nan if rank == 2 else 1e-3 / (k + 1) for k in range(steps)], [1 + rank % 2] * steps,
+                        [(16 + rank) * 150 * (k + 1) for k in range(steps)])
     means = LayerMeans([0.1 * (i + 1) for i in range(layers)], [0.01 * (i + 1) for i in range(layers)]) if layers else None
     return RankInput(report, series, means)
 
@@ -56,16 +57,17 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     for layers in (3, 0):
         inputs = [sample_input(r, layers=layers) for r in range(3)]
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 24 + 8 * 4 + 2 * layers)
+        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 24 + 9 * 4 + 2 * layers)
         back = wire.decode_reports(rows)
         assert all(same(a.to_dict(), b.to_dict()) for a, b in zip(inputs, back))
         assert all(type(b.report.peak_memory_bytes) is int and type(b.steps.local_batch[0]) is int for b in back)
     assert back[1].layers is None and back[1].steps.memory_kind == "cuda"
-    with pytest.raises(ValueError, match="does not match its 55 values"):
+    with pytest.raises(ValueError, match="does not match its 59 values"):
         wire.decode_report(rows[0][:-1])
     assert same(wire.padded_losses([1.0, 2.0], 4), [1.0, 2.0, math.nan, math.nan])
     assert wire.padded_losses([1.0, 2.0, 3.0], 2) == [1.0, 2.0]
     assert back[1].steps.micro_batches == [2] * 4 and back[0].steps.micro_batches == [1] * 4
+    assert back[1].steps.sq_tokens == [17 * 150 * (k + 1) for k in range(4)]
     sent = wire.encode_decision(7, 2, 1.375, [10, 20, 30], [8, 16, 32], passes=3, spacing=41)
     assert len(sent) == wire.decision_length(3) == 11
     assert wire.decode_decision(sent, 3) == {"decision": 7, "epoch": 2, "sizes": [10, 20, 30],

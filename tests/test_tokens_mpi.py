@@ -100,3 +100,16 @@ def test_token_budgets_give_ranks_their_tokens(results):
     assert controlled[-1][1] < min(controlled[-1][0], controlled[-1][2]), "the slow rank should get fewer tokens"
     given = results[2]["modes"]["given-accum-sgd"]["records"]
     assert all(r["global_tokens"] > r["local_tokens"] > 0 for r in given)
+
+
+@pytest.mark.parametrize("mode", ["budget-adamw", "budget-accum-adamw"])
+def test_step_records_carry_the_squared_lengths_of_the_ranks_samples(results, mode):
+    """With token budgets every step record carries the sum of its samples' squared lengths (over all
+    micro-batches of the step), which the cost model's per token x length term is fitted on."""
+    data = Sequences(SAMPLES)
+    for rank, r in enumerate(results):
+        steps, records = r["modes"][mode]["steps"], r["modes"][mode]["records"]
+        assert len(steps) == len(records)
+        for step, rec in zip(steps, records):
+            expected = sum(data.lengths[i] ** 2 for m in step["micro"] for i in m["indices"])
+            assert rec["local_sq_tokens"] == expected > 0, (rank, step, rec)

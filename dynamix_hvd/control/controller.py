@@ -260,7 +260,8 @@ class DynamixController:
                            memory_kind=records[-1].memory_kind if records else "rss",
                            compute_s=[r.compute_s for r in records], data_wait_s=[r.data_wait_s for r in records],
                            sync_wait_s=[r.sync_wait_s for r in records],
-                           micro_batches=[r.micro_batches for r in records])
+                           micro_batches=[r.micro_batches for r in records],
+                           sq_tokens=[r.local_sq_tokens for r in records])
         layers = self.optimizer.pop_layer_means()
         return RankInput(report, steps, None if layers is None else LayerMeans(*layers))
 

@@ -63,6 +63,9 @@ class StepSeries:
     """Allreduce wait of each step (s)."""
     micro_batches: list[int] = field(default_factory=list)
     """Micro-batches accumulated into each step (local_batch and the times cover all of them); empty: 1 each."""
+    sq_tokens: list[int] = field(default_factory=list)
+    """Sum of the squared lengths of each step's samples (token budgets; the attention term of the
+    cost model); empty or 0: not kept."""
 
     def __post_init__(self) -> None:
         n = len(self.local_batch)
@@ -74,7 +77,9 @@ class StepSeries:
         if any(isinstance(m, bool) or int(m) != m or m < 1 for m in self.micro_batches):
             raise ValueError(f"StepSeries.micro_batches={self.micro_batches!r}; each must be an integer >= 1")
         self.micro_batches = [int(m) for m in self.micro_batches]
-        for name in ("local_sq", "global_sq", "losses", *TIMED, "micro_batches"):
+        if n and not self.sq_tokens:
+            self.sq_tokens = [0] * n
+        for name in ("local_sq", "global_sq", "losses", *TIMED, "micro_batches", "sq_tokens"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"StepSeries.{name} has {len(getattr(self, name))} steps, local_batch has {n}")
         if self.memory_kind not in MEMORY_KINDS:
@@ -352,7 +357,9 @@ class DecisionCore:
                                 for i in inputs]).T
             wait = np.array([i.steps.sync_wait_s[:n] for i in inputs], dtype=np.float64).T
             passes = np.array(inputs[0].steps.micro_batches[:n], dtype=np.float64)  # the same on every rank
-            self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes)
+            sq = np.array([i.steps.sq_tokens[:n] for i in inputs], dtype=np.float64).T
+            self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes,
+                              sq_tokens=sq if (sq > 0).all() else None)
         elif all(r.compute_s > 0 for r in reports):
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))

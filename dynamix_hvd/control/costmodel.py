@@ -35,6 +35,16 @@ not fill takes as long as for k_i samples. The fit:
   the weighted median that fits each gamma, with a short half-life of its own (`net_half_life_steps`); gamma = 1 (no overlap, pessimistic) unless another fits
   clearly better, which needs arrival times that vary (by more than 20% among the recent points).
 
+With token budgets (variable-length data) `b` counts tokens, and attention adds a cost per token x
+length: steps also carry s = the sum of their samples' squared lengths, and the lines become
+arrival_i = a_i + c_i (b + eta s). eta, the job's attention cost per token and unit of length over
+its linear cost per token, is shared by the ranks (a slow rank is slower at both); it is estimated
+per rank by weighted least squares of the arrival on (1, b, s) and kept (the median of the ranks
+where it is significant: t-statistic >= `attention_t`) only where the data show it; the lines are
+then fitted on b + eta s and reported per token at the recent token-weighted mean length
+L = sum s / sum b, c_i (1 + eta L), so the proposal still works in tokens. Knees are not searched
+then.
+
 Every step's points are kept (subsampled to `points_per_interval` per interval, each carrying the
 weight of the steps it stands for), at most `capacity` of them.
 """
@@ -78,14 +88,18 @@ class CostConfig:
     nearly equal sizes and timing noise give a line that would mislead the split)."""
     knee_residual: float = 0.5
     """A knee is kept only if its fit leaves at most this fraction of the line's squared residuals (0: no knees)."""
+    attention_t: float = 3.0
+    """t-statistic the per token x length term needs (in a rank's least squares of the arrival on
+    tokens and squared lengths) to count; 0: never fitted."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
-                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1):
+                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1
+                and self.attention_t >= 0):
             raise ValueError(f"invalid CostConfig {self}: half_life_steps, net_half_life_steps, huber_k > 0; capacity >= 2; "
                              f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
-                             f"0 <= knee_residual < 1")
+                             f"0 <= knee_residual < 1; attention_t >= 0")
 
 
 @dataclass
@@ -107,6 +121,9 @@ class CostFit:
     mean_time: np.ndarray
     knee: np.ndarray | None = None
     """k_i: sizes below it cost as much as it (0: no knee); None: no knees."""
+    attention: float = 0.0
+    """eta: the per token x length cost over the per-token cost (0: none fitted); `per_sample_s`
+    already includes it at the recent mean length."""
 
     def __post_init__(self) -> None:
         if self.knee is None:
@@ -135,7 +152,8 @@ class CostFit:
     def summary(self) -> dict[str, list[float]]:
         return {"fixed_s": self.fixed_s.tolist(), "per_sample_s": self.per_sample_s.tolist(),
                 "identified": [bool(x) for x in self.identified], "per_sample_rel_se":
-                (self.per_sample_se / self.per_sample_s).tolist(), "knee": np.asarray(self.knee).tolist()}
+                (self.per_sample_se / self.per_sample_s).tolist(), "knee": np.asarray(self.knee).tolist(),
+                "attention": self.attention}
 
 
 @dataclass
@@ -190,6 +208,7 @@ class CostModel:
         self.cfg = config or CostConfig()
         R = world_size
         self._b = np.zeros((0, R))
+        self._s = np.zeros((0, R))  # sum of squared lengths per step (token budgets; 0: not kept)
         self._t = np.zeros((0, R))
         self._sync = np.zeros(0)
         self._arrival = np.zeros(0)
@@ -207,20 +226,25 @@ class CostModel:
         return len(self._at)
 
     def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
-               overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None) -> None:
+               overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None,
+               sq_tokens: np.ndarray | None = None) -> None:
         """Add one interval: `batches`, `arrival` [n, R] per step (arrival = data wait + compute),
         `sync_end` [n] the time from a step's start to the end of its allreduce (None: unknown, the
         network is then fitted from other intervals), `overhead_s` the time after it. `steps_each`: steps
         each row stands for (> 1 when only interval means are known). `passes` [n]: micro-batches
         accumulated into each step (None: 1); such a step is kept as its mean micro-batch (batch and
-        arrival over p), and its allreduce as following the last one. Non-finite or non-positive rows
-        are dropped."""
+        arrival over p), and its allreduce as following the last one. `sq_tokens` [n, R]: with token
+        budgets, the sum of each step's squared sample lengths (None: not kept). Non-finite or
+        non-positive rows are dropped."""
         b = np.asarray(batches, dtype=np.float64)
         t = np.asarray(arrival, dtype=np.float64)
         R = self.world_size
         if b.ndim != 2 or b.shape[1] != R or t.shape != b.shape:
             raise ValueError(f"record needs batches and arrival of shape [n, {R}], got {b.shape} and {t.shape}")
         n = len(b)
+        q = np.zeros_like(b) if sq_tokens is None else np.asarray(sq_tokens, dtype=np.float64)
+        if q.shape != b.shape:
+            raise ValueError(f"sq_tokens needs shape {b.shape}, got {q.shape}")
         s = np.full(n, np.nan) if sync_end is None else np.asarray(sync_end, dtype=np.float64)
         if s.shape != (n,):
             raise ValueError(f"sync_end needs shape ({n},), got {s.shape}")
@@ -228,7 +252,7 @@ class CostModel:
             p = np.asarray(passes, dtype=np.float64)
             if p.shape != (n,) or not (p >= 1).all():
                 raise ValueError(f"passes needs shape ({n},) with values >= 1, got {p}")
-            b, t = b / p[:, None], t / p[:, None]
+            b, t, q = b / p[:, None], t / p[:, None], q / p[:, None]
             s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
         self.steps += steps_each * n
@@ -242,6 +266,7 @@ class CostModel:
         over = overhead_s if math.isfinite(overhead_s) and overhead_s > 0 else 0.0
         cap = self.cfg.capacity
         self._b = np.concatenate([self._b, b[keep]])[-cap:]
+        self._s = np.concatenate([self._s, np.where(np.isfinite(q[keep]), q[keep], 0.0)])[-cap:]
         self._t = np.concatenate([self._t, t[keep]])[-cap:]
         self._arrival = np.concatenate([self._arrival, t[keep].max(1)])[-cap:]
         self._sync = np.concatenate([self._sync, s[keep]])[-cap:]
@@ -271,6 +296,16 @@ class CostModel:
 
     def _fit_lines(self) -> CostFit:
         b, w = self._b, self._weights()[:, None] * np.ones_like(self._b)
+        eta = self._attention(w) if self.cfg.attention_t > 0 and (self._s > 0).all() else 0.0
+        if eta > 0:
+            fit = self._irls(b + eta * self._s, w)[0]
+            sw = w.sum(0)
+            mean_tokens = (w * b).sum(0) / sw
+            length = (w * self._s).sum(0) / (w * b).sum(0)  # token-weighted mean length
+            per_token = 1.0 + eta * length
+            fit.per_sample_s, fit.per_sample_se = fit.per_sample_s * per_token, fit.per_sample_se * per_token
+            fit.mean_batch, fit.attention = mean_tokens, eta
+            return fit
         line = self._irls(b, w)
         knee = self._knees(line[-1]) if self.cfg.knee_residual > 0 else np.zeros(self.world_size)
         if not knee.any():
@@ -278,6 +313,27 @@ class CostModel:
         fit = self._irls(np.maximum(b, knee), w)[0]
         fit.knee = knee
         return fit
+
+    def _attention(self, w: np.ndarray) -> float:
+        """eta of the per token x length term (see the module docstring), 0 where no rank shows one."""
+        etas = []
+        for r in range(self.world_size):
+            X = np.stack([np.ones(len(self._b)), self._b[:, r], self._s[:, r]], 1)
+            sw = np.sqrt(w[:, r])
+            if (w[:, r] > 0).sum() < 6:
+                continue
+            coef, _, rank, _ = np.linalg.lstsq(X * sw[:, None], self._t[:, r] * sw, rcond=None)
+            if rank < 3:
+                continue  # lengths do not vary apart from token counts: nothing to separate
+            resid = (self._t[:, r] - X @ coef) * sw
+            n_eff = w[:, r].sum() ** 2 / (w[:, r] ** 2).sum()
+            sigma2 = float(resid @ resid) / w[:, r].sum() * n_eff / max(n_eff - 3, 1e-9)
+            cov = sigma2 * np.linalg.pinv((X * w[:, r, None]).T @ X / w[:, r].sum() * n_eff)
+            _, c, d = coef
+            if d > 0 and d >= self.cfg.attention_t * math.sqrt(max(cov[2, 2], 0.0)):
+                length = float((w[:, r] * self._s[:, r]).sum() / (w[:, r] * self._b[:, r]).sum())
+                etas.append(d / max(c, 0.05 * d * length))  # attention at most 95% of a token's cost
+        return float(np.median(etas)) if etas else 0.0
 
     def _knees(self, W: np.ndarray) -> np.ndarray:
         """Per rank, the knee (a recorded size) whose fit leaves at most `knee_residual` of the
@@ -374,11 +430,13 @@ class CostModel:
         self.payload_bytes = float(state.get("payload_bytes", 0.0))
         for k in _ARRAYS:
             arr = np.asarray(state.get(k, []), dtype=np.float64)
-            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "t") else arr.reshape(-1))
+            if k == "s" and arr.size == 0:  # state from before squared lengths were kept
+                arr = np.zeros(len(state.get("b", [])) * self.world_size)
+            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "s", "t") else arr.reshape(-1))
         self._fit = self._net = None
 
 
-_ARRAYS = ("b", "t", "sync", "arrival", "overhead", "at", "mult", "latency")
+_ARRAYS = ("b", "s", "t", "sync", "arrival", "overhead", "at", "mult", "latency")
 
 
 def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:

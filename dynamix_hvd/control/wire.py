@@ -4,7 +4,7 @@ Pure NumPy: no MPI, no Horovod. Every value is a float64, so integers (sizes, by
 floats (NaN included) survive the round trip exactly and decisions are the same as on typed objects.
 
 One rank's report for one decision (n steps in the interval, L parameters with layer means, or L = 0
-when the optimizer had none), ``report_length(n, L) = 24 + 8 n + 2 L`` values::
+when the optimizer had none), ``report_length(n, L) = 24 + 9 n + 2 L`` values::
 
     [0]            n                       steps in the interval
     [1]            L                       parameters with layer means (0: none)
@@ -18,6 +18,7 @@ when the optimizer had none), ``report_length(n, L) = 24 + 8 n + 2 L`` values::
     [.. +n]        data_wait_s per step
     [.. +n]        sync_wait_s per step
     [.. +n]        micro-batches per step  accumulated into each optimizer step (1: none)
+    [.. +n]        squared lengths         sum over the step's samples (token budgets; 0: not kept)
     [.. +L]        layer local_sq means
     [.. +L]        layer global_sq means
 
@@ -45,7 +46,7 @@ REPORT_FIELDS = tuple(f.name for f in fields(RankReport))
 _INT_FIELDS = frozenset(f.name for f in fields(RankReport) if f.type in (int, "int"))
 _HEADER = 3
 _FIXED = _HEADER + len(REPORT_FIELDS)
-_SERIES = ("local_batch", "local_sq", "global_sq", "losses", *TIMED, "micro_batches")
+_SERIES = ("local_batch", "local_sq", "global_sq", "losses", *TIMED, "micro_batches", "sq_tokens")
 
 
 def report_length(steps: int, layers: int) -> int:
@@ -88,7 +89,8 @@ def decode_report(row: np.ndarray) -> RankInput:
         values[k] = int(v) if k in _INT_FIELDS else v
     series = [row[_FIXED + i * n:_FIXED + (i + 1) * n].tolist() for i in range(len(_SERIES))]
     steps = StepSeries([int(b) for b in series[0]], series[1], series[2], series[3], MEMORY_KINDS[kind],
-                       *series[4:4 + len(TIMED)], micro_batches=[int(m) for m in series[-1]])
+                       *series[4:4 + len(TIMED)], micro_batches=[int(m) for m in series[-2]],
+                       sq_tokens=[int(q) for q in series[-1]])
     layers = None
     if L:
         at = _FIXED + len(_SERIES) * n

@@ -85,6 +85,7 @@ class AdaptiveLoader:
         self.budget: Budget = budget
         self.sort_window = sort_window
         self._order: tuple[int, torch.Tensor, list[int] | None] | None = None  # (epoch, order, token cumsum)
+        self._sq_cum: tuple[int, list[int]] | None = None  # (epoch, cumulative squared lengths in order)
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -209,6 +210,17 @@ class AdaptiveLoader:
         scripts use it mid-epoch, e.g. for LR warm-up by fraction of the epoch)."""
         return self._step + len(self.remaining_steps())
 
+    def _local_sq_tokens(self, order: torch.Tensor, step: PlannedStep) -> int:
+        """With token budgets, the sum of this rank's squared sample lengths in `step` (what attention
+        costs grow with; the cost model fits it beside the tokens); 0 otherwise."""
+        if self.budget != "tokens":
+            return 0
+        if self._sq_cum is None or self._sq_cum[0] != self.epoch:
+            assert self.lengths is not None
+            self._sq_cum = (self.epoch, token_cumsum(self.lengths[order] ** 2))
+        lo, hi = step.rank_range(self.rank)
+        return self._sq_cum[1][hi] - self._sq_cum[1][lo]
+
     def _indices(self, order: torch.Tensor, step: PlannedStep) -> list[int]:
         lo, hi = step.rank_range(self.rank)
         return order[lo:hi].tolist()
@@ -248,7 +260,7 @@ class AdaptiveLoader:
                 self._step += 1
                 units = self.units(planned)
                 self.tracker.batch_ready(self.epoch, self._step - 1, units[self.rank], sum(units),
-                                         planned.tokens)
+                                         planned.tokens, self._local_sq_tokens(order, planned))
                 self._ends_started = 0
                 yield batch
                 epoch_end = planned is steps[-1] and self._cursor == planned.end  # not rewound

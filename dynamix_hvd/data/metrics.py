@@ -62,6 +62,8 @@ class StepRecord:
     """Tokens this rank's samples hold (with per-sample lengths, or as given to the optimizer); 0: unknown."""
     global_tokens: int = 0
     """Tokens of all ranks' samples in the step; 0: unknown."""
+    local_sq_tokens: int = 0
+    """Sum of the squared lengths of this rank's samples (with token budgets; 0: not kept)."""
     micro_batches: int = 1
     """Loader steps (micro-batches) accumulated into this optimizer step; the times above cover all of
     them (data wait and compute summed, the allreduce after the last)."""
@@ -90,6 +92,7 @@ class StepTracker:
     _t_step: float = field(default=0.0, init=False)
     _t_sync: float = field(default=0.0, init=False)
     _events: tuple | None = field(default=None, init=False)
+    _sq_group: int = field(default=0, init=False)
     _group: list = field(default_factory=list, init=False)
     """(request, ready) times of the batches handed out since the last closed step (its micro-batches)."""
 
@@ -101,7 +104,7 @@ class StepTracker:
         self._t_request = time.perf_counter()
 
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int,
-                    tokens: tuple[int, ...] | None = None) -> None:
+                    tokens: tuple[int, ...] | None = None, sq_tokens: int = 0) -> None:
         self._t_batch = time.perf_counter()
         first = not self._group  # the first micro-batch of an optimizer step (every batch without accumulation)
         self._group.append((self._t_request, self._t_batch))  # a new list per step only at step_finished
@@ -118,6 +121,8 @@ class StepTracker:
                                 global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
         if tokens is not None:
             self._open.local_tokens, self._open.global_tokens = tokens[self.rank], sum(tokens)
+        self._sq_group = (0 if first else self._sq_group) + sq_tokens  # summed over the step's micro-batches
+        self._open.local_sq_tokens = self._sq_group
 
     # --- called by the optimizer ----------------------------------------------------------------
     def step_started(self) -> None:
