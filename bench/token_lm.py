@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
                   "train_s": train_s, "valid_tokens": float(totals[0]), "padded_tokens": float(totals[1]),
                   "padding": 1 - float(totals[0] / totals[1]), "useful_tokens_per_s": float(totals[0]) / train_s,
                   "evals": evals,
-                  "sizes": None if args.arm == "plain" else [h.get("sizes") for h in controller.history] if controller else None}
+                  "sizes": None if args.arm == "plain" else [h.get("sizes") for h in controller.history] if controller else None,
+                  # the cost model's per token x length term at each decision (0: not fitted)
+                  "attention": [(h.get("info") or {}).get("attention") for h in controller.history] if controller else None}
         Path(args.out).write_text(json.dumps(record))
 
 

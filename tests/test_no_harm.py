@@ -33,7 +33,7 @@ def report(rank, size, n, step_s, loss):
 
 
 def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
-        seed=0, step=None):
+        seed=0, step=None, lengths=False):
     """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
     at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
     whatever the per-rank lines say (a split that cannot shorten it)."""
@@ -41,7 +41,7 @@ def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lamb
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
         b, t, sync = steps(rng, sizes, a, c, net=net)
-        model.record(b, t, sync, overhead_s=1e-3)
+        model.record(b, t, sync, overhead_s=1e-3, sq_tokens=b * 150.0 if lengths else None)
         step_s = float(sync.mean()) + 1e-3 if step is None else step(sizes) * float(np.exp(rng.normal(0, 0.02)))
         clock += step_s * len(b)
         ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=noise, efficiency=1.0,
@@ -96,6 +96,15 @@ def test_a_split_that_does_not_shorten_the_measured_step_is_undone_and_remembere
     assert 0.1 < policy.split_margin < 0.2, policy.split_margin
     later = run(policy, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=8, seed=1)
     assert later[-1][0] > 1.8 * later[-1][1], later
+
+
+def test_no_split_check_with_token_budgets():
+    """With squared lengths in the cost model (token budgets, length bucketing) intervals' steps do not
+    compare, so a split is not judged by them (the same job as above keeps its split)."""
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.002, 0.002], c=[1e-4, 1.2e-4], step=lambda sizes: 0.0105, lengths=True)
+    assert policy.split_check.failures == 0 and not policy.split_check.last
+    assert sum(s != [64, 64] for s in hist) > len(hist) // 2, hist
 
 
 def test_split_check_needs_the_same_batch_and_round_trips():

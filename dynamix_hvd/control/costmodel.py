@@ -225,6 +225,12 @@ class CostModel:
     def points(self) -> int:
         return len(self._at)
 
+    @property
+    def lengths_known(self) -> bool:
+        """The points carry squared lengths (token budgets): a step's cost depends on its samples'
+        lengths, so intervals of one split differ by the lengths they drew."""
+        return self.points > 0 and bool((self._s > 0).all())
+
     def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
                overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None,
                sq_tokens: np.ndarray | None = None) -> None:

@@ -393,7 +393,9 @@ class ModelPolicy:
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
         ran_neutral = not off_neutral(inp.sizes, self.neutral)
-        split_failed = self.split_check is not None and self.split_check.observe(
+        # with token budgets and length bucketing an interval's step time follows the lengths it drew
+        # (up to 40% apart on the token benchmark), so steps of two intervals say nothing of the split
+        split_failed = self.split_check is not None and not costs.lengths_known and self.split_check.observe(
             inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self.decisions == 0,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
         # one change at a time: B holds while a split is judged (its step compares with the neutral one)
@@ -405,7 +407,7 @@ class ModelPolicy:
                             split_confirmed=self.last is not None and self.last.split_gain > self.split_margin,
                             split_margin=self.split_margin, force_neutral=split_failed)
         self.decisions += 1
-        if self.split_check is not None and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral):
+        if self.split_check is not None and not costs.lengths_known and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral):
             self.split_check.start(self.last.split_gain)
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",

@@ -14,7 +14,9 @@ growth check judges a larger batch by the loss:
   and, for the rest of the job, leaving neutral needs a predicted gain of `raise_by` times the one
   that failed (at most `max_margin`), so a real straggler that appears later is still split.
 
-The proposal holds B while a split is judged; an interval at another B (memory, a failed growth)
+Not used with token budgets (the cost model's points carry squared lengths): length bucketing makes
+an interval's step time follow the lengths it drew, so two intervals do not compare. The proposal
+holds B while a split is judged; an interval at another B (memory, a failed growth)
 ends the trial without a verdict. Pure: no MPI, no Horovod.
 """
 from __future__ import annotations
