@@ -37,6 +37,7 @@ import pandas as pd
 from bench.conditions import (Condition, NetworkNamespaces, RateSchedule, cleanup_stale, physical_limit,
                               plain_mpirun, slow_args)
 from bench.suite_report import measure, plot_cells, summarize, summary_markdown
+from bench.lab.scenarios import MISSPECIFIED
 from dynamix_hvd.tools.launchcheck import local_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,26 @@ def zoo_workloads() -> dict[str, Workload]:
 
 WORKLOADS.update(zoo_workloads())
 
+def periodic_schedule(every: float, length: float, during: float, after: float, until: float = 300.0) -> str:
+    """"SECONDS:VALUE,..." that is `during` for `length` seconds every `every` seconds (from `every` on)
+    and `after` in between, up to `until` seconds."""
+    points, t = [], every
+    while t < until:
+        points += [f"{t:g}:{during:g}", f"{t + length:g}:{after:g}"]
+        t += every
+    return ",".join(points)
+
+
+def _interference() -> dict[str, float]:
+    c = MISSPECIFIED["interference"]
+    return dict(every=c["interfere_every"], length=c["interfere_for"], during=c["interfere_factor"], after=1.0)
+
+
+def _bursts() -> dict[str, float]:
+    c = MISSPECIFIED["bursts"]
+    return dict(every=c["burst_every"], length=c["burst_for"], during=1000.0 / c["burst_factor"], after=1000.0)
+
+
 CONDITIONS = {
     "none": Condition("none", 2),
     "slow2x": Condition("slow2x", 2, slow_rank=1, slow_factor=2.0),
@@ -124,6 +145,11 @@ CONDITIONS = {
     "net10-slow3x": Condition("net10-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=10.0),
     "net100-slow3x": Condition("net100-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=100.0),
     "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
+    # where a fitted model is misspecified (bench.lab.scenarios.MISSPECIFIED, in seconds for jobs that
+    # decide about once a second): a co-located job on rank 1, another job's traffic on the link
+    "interference": Condition("interference", 2, slow_rank=1, slow_factor=1.0,
+                              slow_schedule=periodic_schedule(**_interference())),
+    "bursts": Condition("bursts", 2, rate_mbit=1000.0, rate_schedule=periodic_schedule(**_bursts())),
     # scaling rows: more ranks than cores, so the slowed rank sleeps (the output says so)
     "scale4-slow3x": Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep"),
 }

@@ -10,7 +10,7 @@ import pytest
 
 from dynamix_hvd.control.cadence import DecisionCadence
 from dynamix_hvd.control.policy import StaticPolicy
-from bench.lab.scenarios import (FAMILIES, PROFILE_DIR, ScenarioConfig, family_names, load_profile,
+from bench.lab.scenarios import (FAMILIES, MISSPECIFIED, PROFILE_DIR, ScenarioConfig, family_names, load_profile, misspecify,
                                       profile_names, sample_cluster)
 from bench.lab.simulator import ClusterSimulator
 
@@ -122,3 +122,53 @@ def test_a_real_profile_keeps_its_workload_on_a_drawn_cluster(name: str) -> None
     assert beta == pytest.approx(float(np.median(base.beta_s)), rel=0.25)
     phi = np.median([job.phi_start for job in jobs])
     assert phi == pytest.approx(base.phi_start, rel=0.3)
+
+
+def _compute_per_interval(spec_, intervals: int, sizes=(32, 32), seed: int = 0) -> np.ndarray:
+    """Each rank's mean compute per step in each of `intervals` intervals at fixed sizes: [n, R]."""
+    sim = ClusterSimulator(spec_, seed=seed)
+    out = [np.mean(sim.last_steps["compute"], axis=0)]
+    for _ in range(intervals - 1):
+        sim.step_sizes(list(sizes))
+        out.append(np.mean(sim.last_steps["compute"], axis=0))
+    return np.array(out)
+
+
+def test_misspecified_conditions_do_what_they_say() -> None:
+    """Interference slows one rank 3x for 2 intervals in 6; the moving straggler's 3x moves on every 4
+    decisions; bursts cut the bandwidth 10x for 2 intervals in 5; the biased noise estimate starts
+    4x too large and fades; "none" changes nothing."""
+    base = spec(2, beta_s=[1e-4, 1e-4], jitter=0.0, contention=0.0)
+    assert misspecify(base, "none").to_dict() == {**base.to_dict(), "name": "cluster/none"}
+    calm = _compute_per_interval(base, 24)
+    hit = _compute_per_interval(misspecify(base, "interference"), 24) / calm
+    slowed = hit.max(1) > 2.0
+    assert 0.2 < slowed.mean() < 0.5 and set(np.round(hit[slowed].max(1), 1)) <= {3.0, 2.0, 1.5, 2.5}, hit
+    assert not slowed[:5].any(), "the first slow-down starts after one period"
+    moving = _compute_per_interval(misspecify(base, "moving"), 12) / calm
+    slow_rank = moving.argmax(1)
+    assert (moving.max(1) > 2.9).all() and list(slow_rank) == [0] * 4 + [1] * 4 + [0] * 4, moving
+
+    def sync(spec_, n=15):
+        sim = ClusterSimulator(spec_, seed=0)
+        waits = [sim.last_steps["step_s"].mean()]
+        for _ in range(n - 1):
+            sim.step_sizes([32, 32])
+            waits.append(sim.last_steps["step_s"].mean())
+        return np.array(waits)
+
+    ratio = sync(misspecify(base, "bursts")) / sync(base)
+    assert 0.2 < (ratio > 1.3).mean() < 0.6 and ratio.min() > 0.9, ratio
+
+    def noise(spec_):
+        sim = ClusterSimulator(spec_, seed=1)
+        for _ in range(6):
+            sim.step_sizes([32, 32])
+        return sim.core.stats.noise_scale
+
+    assert noise(misspecify(base, "biased-noise")) > 2.0 * noise(base)
+    with pytest.raises(ValueError, match="unknown condition 'storm'"):
+        misspecify(base, "storm")
+    with pytest.raises(ValueError, match="interfere_rank=5"):
+        spec(2, interfere_rank=5)
+    assert set(MISSPECIFIED) >= {"stalls", "interference", "moving", "bursts", "biased-noise"}

@@ -243,3 +243,47 @@ def perturb_spec(spec: ClusterSpec, rng: np.random.Generator, scale: float = 0.3
                                               spec.steps_per_decision * 2]))
     d["target_progress"] = d["target_progress"] * d["steps_per_decision"] / spec.steps_per_decision
     return ClusterSpec.from_dict(d)
+
+
+#: Conditions where a model fitted on the recent past is misspecified, as overrides of a drawn job.
+#: Times are in decision intervals of the job (``steps_per_decision`` steps at its initial sizes), so
+#: one definition fits jobs of any step time; the live suite's conditions of the same names use the
+#: same numbers in seconds for jobs that decide about once a second (``bench/conditions.py``).
+MISSPECIFIED: dict[str, dict[str, float]] = {
+    "none": {},
+    # heavy-tailed transient stalls: 1% of rank-steps pause 2x a step or more (Pareto 1.2)
+    "stalls": {"stall_prob": 0.01, "stall_steps": 2.0, "stall_shape": 1.2},
+    # a co-located job: one rank (drawn afresh each time) 3x slower for 2 intervals every 6
+    "interference": {"interfere_every": 6.0, "interfere_for": 2.0, "interfere_factor": 3.0},
+    # a 3x straggler that moves on to the next rank every 4 decisions
+    "moving": {"straggler": 3.0, "move_every": 4},
+    # another job's traffic: 1/10 of the bandwidth for 2 intervals every 5
+    "bursts": {"burst_every": 5.0, "burst_for": 2.0, "burst_factor": 10.0},
+    # the noise scale measured 4x too large at the start, true from 30% of training on
+    "biased-noise": {"noise_bias": 4.0, "noise_bias_until": 0.3},
+}
+
+
+def misspecify(spec: ClusterSpec, condition: str) -> ClusterSpec:
+    """`spec` under one of :data:`MISSPECIFIED` (ValueError naming an unknown one)."""
+    if condition not in MISSPECIFIED:
+        raise ValueError(f"unknown condition {condition!r} (have: {sorted(MISSPECIFIED)})")
+    c = MISSPECIFIED[condition]
+    d = spec.to_dict()
+    init = np.asarray(spec.initial_batch, dtype=np.float64)
+    step = float(np.max(np.asarray(spec.alpha_s) + np.asarray(spec.beta_s) * init)) + spec.data_s + spec.optimizer_s
+    interval = step * spec.steps_per_decision
+    if "stall_prob" in c:
+        d.update(stall_prob=c["stall_prob"], stall_s=c["stall_steps"] * step, stall_shape=c["stall_shape"])
+    if "interfere_every" in c:
+        d.update(interfere_every_s=c["interfere_every"] * interval, interfere_s=c["interfere_for"] * interval,
+                 interfere_factor=c["interfere_factor"], interfere_rank=-1)
+    if "straggler" in c and spec.world_size > 1:
+        d.update(drift=[(0.0, 0, c["straggler"])], move_every=int(c["move_every"]))
+    if "burst_every" in c:
+        d.update(burst_every_s=c["burst_every"] * interval, burst_s=c["burst_for"] * interval,
+                 burst_factor=c["burst_factor"])
+    if "noise_bias" in c:
+        d.update(noise_bias=c["noise_bias"], noise_bias_until=c["noise_bias_until"])
+    d["name"] = f"{spec.name}/{condition}"
+    return ClusterSpec.from_dict(d)

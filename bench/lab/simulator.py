@@ -17,6 +17,11 @@ Models (all vectorised over ranks and steps; 1024 ranks are fine):
   transient stalls (``stall_prob`` per rank and step, Pareto-distributed above ``stall_s``: a garbage
   collection, a noisy neighbour); ``slow_i`` can drift mid-run (``drift``: at a progress fraction a
   rank slows by a factor, e.g. 2x);
+* where a fitted model is misspecified: a co-located job that slows one rank by ``interfere_factor``
+  for ``interfere_s`` every ``interfere_every_s`` seconds of training; ranks' slowness that moves on
+  by one rank every ``move_every`` decisions; bandwidth bursts (1/``burst_factor`` of the bandwidth for
+  ``burst_s`` every ``burst_every_s`` seconds); a noise estimate biased by ``noise_bias`` early in
+  training (fading until ``noise_bias_until``). :data:`bench.lab.scenarios.MISSPECIFIED` names them;
 * data loading: ``data_s + data_s_per_sample * b_i``;
 * ring allreduce: ``T_net = 2 (R-1) latency + 2 (R-1)/R * model_bytes / (bandwidth / (1 + load))``, where
   the background load (contention) fluctuates per interval and causes TCP retransmits;
@@ -110,6 +115,28 @@ class ClusterSpec:
     """Pareto shape of the stalls (smaller = heavier tail)."""
     drift: list[tuple[float, int, float]] = field(default_factory=list)
     """Speed changes: (progress fraction, rank, factor), e.g. (0.5, 3, 2.0) = rank 3 twice as slow from half-way."""
+    interfere_every_s: float = 0.0
+    """A co-located job slows one rank every this many seconds of training (0: never); a model fitted
+    on the recent past mistakes it for a change of speed."""
+    interfere_s: float = 0.0
+    """How long each such slow-down lasts (s)."""
+    interfere_factor: float = 1.0
+    """How many times slower the rank computes meanwhile."""
+    interfere_rank: int = -1
+    """The rank it hits (-1: one drawn afresh for each slow-down)."""
+    move_every: int = 0
+    """The ranks' slowness (``slow``, from stragglers and drift) moves on by one rank every this many
+    decisions (0: never): a straggler that moves between ranks."""
+    burst_every_s: float = 0.0
+    """Every this many seconds the link carries only 1/`burst_factor` of its bandwidth for `burst_s`
+    seconds (0: never): bandwidth bursts of another job."""
+    burst_s: float = 0.0
+    burst_factor: float = 1.0
+    noise_bias: float = 1.0
+    """The gradient noise the controller measures is this factor times the true one at the start,
+    fading linearly to the truth at progress fraction `noise_bias_until` (1: unbiased): an estimate
+    biased early in training."""
+    noise_bias_until: float = 0.0
     phi_start: float = 200.0
     """Gradient noise scale at the start of training (samples)."""
     phi_end: float = 2000.0
@@ -195,6 +222,15 @@ class ClusterSpec:
         if not (0.0 <= self.stall_prob < 1.0 and self.stall_s >= 0.0 and self.stall_shape > 0.0):
             raise ValueError(f"stall_prob={self.stall_prob} must be in [0, 1), stall_s={self.stall_s} >= 0, "
                              f"stall_shape={self.stall_shape} > 0")
+        for name in ("interfere_every_s", "interfere_s", "burst_every_s", "burst_s", "noise_bias_until"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be >= 0")
+        for name in ("interfere_factor", "burst_factor", "noise_bias"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be > 0")
+        if not (-1 <= self.interfere_rank < R and self.move_every >= 0):
+            raise ValueError(f"interfere_rank={self.interfere_rank} must be -1 or a rank < {R}; "
+                             f"move_every={self.move_every} must be >= 0")
         if isinstance(self.max_passes, bool) or not isinstance(self.max_passes, int) or self.max_passes < 1:
             raise ValueError(f"max_passes={self.max_passes!r} must be an integer >= 1")
         if min(self.knee) < 0:
@@ -248,6 +284,7 @@ class ClusterSimulator:
         self.actions = actions or ActionSpace()
         self.stats_cfg = stats or StatsConfig()
         self.rng = np.random.default_rng(seed)
+        self.seed = seed
         s = spec
         self.R = s.world_size
         self.alpha = np.asarray(s.alpha_s, dtype=np.float64)
@@ -358,6 +395,9 @@ class ClusterSimulator:
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
+        self._intervals = 0
+        self._step_guess = float(self.expected_step_time(np.asarray(self.sizes, dtype=np.float64)))
+        self._interfered = np.random.default_rng([self.seed, 7]).integers(0, self.R, 4096)  # rank per slow-down
         self._load = s.contention
         self.last_reward: Optional[torch.Tensor] = None
         self.done = False
@@ -405,6 +445,14 @@ class ClusterSimulator:
         # p micro-batches per step: p times the micro-batch's cost (their jitter averages over the p)
         compute = p * (self.alpha + self.beta * np.maximum(b_micro, self.knee)) * self.slow \
             * np.exp(rng.normal(0.0, s.jitter / math.sqrt(p), (k, R)))
+        # where each step falls on the training clock (the previous interval's pace): co-located jobs and
+        # bandwidth bursts are periodic in wall time
+        clock = self.wall_s + self._step_guess * np.arange(k)
+        if s.interfere_every_s > 0 and s.interfere_factor != 1.0:
+            n = np.floor(clock / s.interfere_every_s).astype(np.int64)
+            hit = (n >= 1) & (clock - n * s.interfere_every_s < s.interfere_s)
+            rank = np.full(k, s.interfere_rank) if s.interfere_rank >= 0 else self._interfered[n % len(self._interfered)]
+            compute = compute * np.where(hit[:, None] & (np.arange(R)[None, :] == rank[:, None]), s.interfere_factor, 1.0)
         if s.stall_prob > 0:
             stalled = rng.random((k, R)) < s.stall_prob
             pareto = np.minimum(50.0, (1.0 - rng.random((k, R))) ** (-1.0 / s.stall_shape))
@@ -412,6 +460,9 @@ class ClusterSimulator:
         data = p * (s.data_s + s.data_s_per_sample * b_micro) * np.exp(rng.normal(0.0, 0.1, (k, R)))
         arrival = data + compute
         net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
+        if s.burst_every_s > 0 and s.burst_factor != 1.0:
+            n = np.floor(clock / s.burst_every_s)
+            net = net * np.where((n >= 1) & (clock - n * s.burst_every_s < s.burst_s), s.burst_factor, 1.0)
         last = arrival.max(axis=1) / p  # the allreduce overlaps only the last micro-batch
         sync_end = arrival.max(axis=1) - last + (last ** s.gamma + net ** s.gamma) ** (1.0 / s.gamma)
         step_s = sync_end + s.optimizer_s
@@ -428,7 +479,10 @@ class ClusterSimulator:
         frac = np.minimum(1.0, prog / s.target_progress)
         phi_t = s.phi_start * (s.phi_end / s.phi_start) ** frac
         g2 = s.grad_sq_start * (s.grad_sq_end / s.grad_sq_start) ** frac
-        local_sq, global_sq = self._grad_norms(b, phi_t, g2)
+        bias = 1.0
+        if s.noise_bias != 1.0 and s.noise_bias_until > 0:  # what the controller measures, not the truth
+            bias = 1.0 + (s.noise_bias - 1.0) * np.maximum(0.0, 1.0 - frac / s.noise_bias_until)
+        local_sq, global_sq = self._grad_norms(b, phi_t * bias, g2)
         loss_true = (s.loss_end + (s.loss_start - s.loss_end) * np.exp(-s.loss_rate * frac)) * (1.0 + spike)
         losses = loss_true[:, None] * (1.0 + s.loss_noise * rng.normal(0.0, 1.0, (k, R)) / np.sqrt(b))
         batches = [int(x) for x in self.sizes]
@@ -445,6 +499,10 @@ class ClusterSimulator:
         self.progress += float(dprog.sum())
         self.samples_seen += float(B_t.sum())
         self._apply_drift()
+        self._intervals += 1
+        if s.move_every and self._intervals % s.move_every == 0:
+            self.slow = np.roll(self.slow, 1)
+        self._step_guess = float(step_s.mean())
         # reports, exactly the fields the controller's ranks send
         mem_used = self.mem_base + self.mem_ps * b_full
         mean_step = float(step_s.mean())
