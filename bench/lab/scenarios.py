@@ -271,10 +271,13 @@ def misspecify(spec: ClusterSpec, condition: str) -> ClusterSpec:
     c = MISSPECIFIED[condition]
     d = spec.to_dict()
     init = np.asarray(spec.initial_batch, dtype=np.float64)
-    step = float(np.max(np.asarray(spec.alpha_s) + np.asarray(spec.beta_s) * init)) + spec.data_s + spec.optimizer_s
+    R = spec.world_size
+    compute = float(np.max(np.asarray(spec.alpha_s) + np.asarray(spec.beta_s) * init))
+    net = 2 * (R - 1) * (spec.net_latency_s + spec.model_bytes / R / spec.bandwidth_Bps)
+    step = compute + spec.data_s + net + spec.optimizer_s
     interval = step * spec.steps_per_decision
     if "stall_prob" in c:
-        d.update(stall_prob=c["stall_prob"], stall_s=c["stall_steps"] * step, stall_shape=c["stall_shape"])
+        d.update(stall_prob=c["stall_prob"], stall_s=c["stall_steps"] * compute, stall_shape=c["stall_shape"])
     if "interfere_every" in c:
         d.update(interfere_every_s=c["interfere_every"] * interval, interfere_s=c["interfere_for"] * interval,
                  interfere_factor=c["interfere_factor"], interfere_rank=-1)
