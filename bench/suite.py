@@ -286,6 +286,10 @@ CONFIGS.update({
                           "arms": ["plain", "ppo-progress"], "seeds": 3},
                          {"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100"], "arms": ["plain"],
                           "seeds": 3}],
+    # where a fitted model is misspecified, live: the shipped PPO against the proposal alone (~10 min;
+    # the simulator's side: python -m bench.lab.misspecified)
+    "zoo-misspecified": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["interference", "bursts"],
+                          "arms": ["plain", "model", "ppo"], "seeds": 3}],
     # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the default,
     # each as its own mpirun job beside plain Horovod (~6 min)
     "zoo-dataplane-cnn": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["none"], "arms": ["plain", "dataplane", "ppo"],
