@@ -502,6 +502,9 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
                   "(`bench.lab.evaluate`): time-to-target / the best static batch's (the initial sizes "
                   "scaled x0.5, x1, x2, x4, best kept), geometric means; lower is better.", "",
                   *evaluation["table"], ""]
+    lines += ["Per condition where a fitted model is misspecified (stalls, a co-located job, a moving straggler, "
+              "bandwidth bursts, a biased noise estimate), against the proposal, the rules, static and the oracle: "
+              "`python -m bench.lab.misspecified` (BENCHMARKS.md, \"Does the learned policy beat the model?\").", ""]
     lines += ["## Limits", "",
               "- Trained only in simulation, and briefly (time-boxed); the simulator's models are approximations. "
               "Calibrate against a real log (`python -m bench.lab.calibrate`) and fine-tune for a target.",
