@@ -19,6 +19,10 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   rank, a fixed-cost-dominated rank) does not hold B for ever;
 - **dither**: while some rank's cost line is not identified (its recent sizes hardly vary), sizes
   alternate by +-`dither` around the proposal (B kept), so the next fit sees two sizes.
+- **no harm** (:class:`ModelPolicy`): the neutral split (the job's own) is kept unless the equalising
+  one is predicted to pay `split_margin`, and a split taken is judged by the measured step
+  (:mod:`dynamix_hvd.control.splitcheck`); B grows past the initial batch only on a confident
+  predicted gain, then judged by the loss (:mod:`dynamix_hvd.control.growth`).
 
 :class:`ModelPolicy` (policy "model") applies the proposal; the rules "goodput" and "speed-split"
 (:mod:`dynamix_hvd.control.rules`) are the same code with other settings.
@@ -284,11 +288,17 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
                     switched, dithered, float(noise), b_min, b_max, p_new, split_gain, even is not None)
 
 
+def neutral_shares(ranks: int, neutral: Sequence[float] | None) -> np.ndarray:
+    """Each rank's fraction of the neutral split (default equal)."""
+    if neutral is None:
+        return np.full(ranks, 1.0 / ranks)
+    return np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
+
+
 def neutral_sizes(micro: int, neutral: Sequence[float] | None, fixed: np.ndarray, per_sample: np.ndarray,
                   lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """`micro` samples split by the neutral shares (default equal), within the bounds."""
-    R = len(fixed)
-    w = np.full(R, 1.0 / R) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
+    w = neutral_shares(len(fixed), neutral)
     return np.array(round_split(micro * w, micro, fixed, per_sample, lo, hi), dtype=np.int64)
 
 
@@ -296,9 +306,8 @@ def off_neutral(current: Sequence[int], neutral: Sequence[float] | None) -> bool
     """The sizes differ from the neutral shares of their sum by more than rounding (1 sample, or 2% of
     the mean size)."""
     cur = np.asarray(current, dtype=np.float64)
-    w = np.full(len(cur), 1.0 / len(cur)) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
     total = max(float(cur.sum()), 1.0)
-    return bool(np.abs(cur - total * w).max() > max(1.0, 0.02 * total / len(cur)))
+    return bool(np.abs(cur - total * neutral_shares(len(cur), neutral)).max() > max(1.0, 0.02 * total / len(cur)))
 
 
 def predicted_split_gain(fit: CostFit, net: NetworkFit, sizes: Sequence[int], neutral: Sequence[float] | None,
@@ -306,9 +315,9 @@ def predicted_split_gain(fit: CostFit, net: NetworkFit, sizes: Sequence[int], ne
     """The predicted step-time gain of `sizes` over the neutral split of their sum (the allreduce and
     per-step costs included: what a measured step can show)."""
     cur = np.asarray(sizes, dtype=np.float64)
-    w = np.full(len(cur), 1.0 / len(cur)) if neutral is None else np.asarray(neutral, dtype=np.float64) / float(np.sum(neutral))
     now = float(net.step_time(float(fit.arrival(cur, split=True).max()), passes))
-    even = float(net.step_time(float(fit.arrival(cur.sum() * w, split=True).max()), passes))
+    even = float(net.step_time(float(fit.arrival(cur.sum() * neutral_shares(len(cur), neutral), split=True).max()),
+                               passes))
     return 1.0 - now / even if even > 0 else 0.0
 
 
