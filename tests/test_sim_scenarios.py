@@ -179,3 +179,17 @@ def test_misspecified_conditions_do_what_they_say() -> None:
     with pytest.raises(ValueError, match="interfere_rank=5"):
         spec(2, interfere_rank=5)
     assert set(MISSPECIFIED) >= {"stalls", "interference", "moving", "bursts", "biased-noise"}
+
+
+def test_misspecified_benchmark_runs_every_contender_and_tables_them(tmp_path) -> None:
+    """The per-condition comparison (bench.lab.misspecified) on one small job per half: every
+    contender reaches the target, the table has a row per condition and half (and per world size)."""
+    from bench.lab import misspecified
+
+    rows = misspecified.evaluate(["none", "moving"], jobs=1, seed=0, world_sizes=(2,))
+    assert len(rows) == 4 and all(math.isfinite(r[c]) and r[c] > 0 for r in rows for c in misspecified.CONTENDERS)
+    lines = misspecified.table(rows)
+    assert len(lines) == 2 + 4 and lines[2].startswith("| none | tuning (1) |")
+    assert misspecified.table(rows, by_world_size=True)[2].startswith("| none | 2 | tuning (1) |")
+    with pytest.raises(SystemExit):
+        misspecified.main(["--conditions", "storm", "--out", str(tmp_path)])
