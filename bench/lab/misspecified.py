@@ -86,9 +86,8 @@ def table(rows: list[dict[str, Any]], by_world_size: bool = False) -> list[str]:
         if not g:
             continue
         ratios = {c: gmean_ratio(g, c, "model") for c in others}
-        rules = {c: ratios[c] for c in ("ppo", "goodput", "speed-split", "static")}
-        rules["model"] = 1.0
-        best = min(rules, key=lambda c: rules[c])
+        rules = {"model": 1.0, **{c: ratios[c] for c in ("ppo", "goodput", "speed-split", "static")}}
+        best = min(rules, key=lambda c: rules[c])  # ties go to the proposal
         ranks = f"| {size} " if by_world_size else ""
         lines.append(f"| {condition} {ranks}| {half} ({len(g)}) | " + " | ".join(f"{ratios[c]:.3f}" for c in others)
                      + f" | {best} |")
