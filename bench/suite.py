@@ -146,7 +146,8 @@ CONDITIONS = {
     "net100-slow3x": Condition("net100-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=100.0),
     "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
     # where a fitted model is misspecified (bench.lab.scenarios.MISSPECIFIED, in seconds for jobs that
-    # decide about once a second): a co-located job on rank 1, another job's traffic on the link
+    # decide about once a second): a co-located job on rank 1 (training seconds), another job's traffic
+    # on the link (seconds from the job's launch, as every rate schedule)
     "interference": Condition("interference", 2, slow_rank=1, slow_factor=1.0,
                               slow_schedule=periodic_schedule(**_interference())),
     "bursts": Condition("bursts", 2, rate_mbit=1000.0, rate_schedule=periodic_schedule(**_bursts())),

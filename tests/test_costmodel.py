@@ -414,37 +414,41 @@ def test_joint_fit_recovers_overlap_between_the_staged_grid_points():
     assert out.info["fit"] == "joint" and out.info["gamma"] == pytest.approx(net.gamma)
 
 
-def token_steps(rng, budgets, a, c, d, steps=50, jitter=0.03):
-    """One interval of token-budget steps: each step's samples come from one length bucket (16-320
+def token_steps(rng, budgets, a, c, d, steps=50, jitter=0.03, lengths=(16, 320)):
+    """One interval of token-budget steps: each step's samples come from one length bucket (`lengths`
     tokens), so a rank's tokens b and squared lengths s = sum of len^2 vary apart; arrival a + c b + d s."""
     b = np.tile(np.asarray(budgets, dtype=float), (steps, 1)) * rng.uniform(0.93, 1.0, (steps, len(budgets)))
-    length = rng.uniform(16, 320, (steps, 1))
+    length = rng.uniform(*lengths, (steps, 1))
     s = b * length * rng.uniform(0.97, 1.03, b.shape)
     t = (a + c * b + d * s) * np.exp(rng.normal(0, jitter, b.shape))
     return b, t, t.max(1), s
 
 
-def test_token_budgets_fit_a_per_token_times_length_term_where_attention_costs():
+@pytest.mark.parametrize("lengths,budget", [((16, 320), 2732), ((256, 4096), 65536)])
+def test_token_budgets_fit_a_per_token_times_length_term_where_attention_costs(lengths, budget):
     """Attention about half of a token's cost at the mean length: with the squared lengths the lines
     are identified and recover the fixed costs and eta = d / c; the token-only line, whose residuals
-    carry every bucket's length, does not identify them."""
-    a, c, d = np.array([0.004, 0.008]), np.array([2e-6, 4e-6]), np.array([1.5e-8, 3e-8])
+    carry every bucket's length, does not identify them. Long contexts too (squared lengths ~1e9 per
+    step beside ~1e5 tokens: the least squares must survive the scales)."""
+    mean_length = sum(lengths) / 2
+    a, c = np.array([0.004, 0.008]), np.array([2e-6, 4e-6]) * 2732 / budget
+    d = c / mean_length
     fits = {}
     for attention_t in (3.0, 0.0):
         rng, model = np.random.default_rng(4), CostModel(2, CostConfig(attention_t=attention_t))
-        for budgets in ([2732, 1366], [2900, 1250], [2600, 1450], [2800, 1300]):
-            b, t, sync, s = token_steps(rng, budgets, a, c, d)
+        for shares in ([2, 1], [2.3, 1], [1.8, 1], [2.15, 1]):
+            budgets = [budget * 2 * x / sum(shares) for x in shares]
+            b, t, sync, s = token_steps(rng, budgets, a, c, d, lengths=lengths)
             model.record(b, t, sync, overhead_s=1e-3, sq_tokens=s if attention_t else None)
         fits[attention_t] = model.fit()
     fit, tokens_only = fits[3.0], fits[0.0]
-    mean_length = 168.0  # uniform 16-320
     print(f"eta {fit.attention:.4g} (true {d[0] / c[0]:.4g}); fixed {fit.fixed_s} vs token-only "
           f"{tokens_only.fixed_s} (true {a}); per-token rel se {fit.per_sample_se / fit.per_sample_s} vs "
           f"{tokens_only.per_sample_se / tokens_only.per_sample_s}")
     assert fit.attention == pytest.approx(d[0] / c[0], rel=0.2)
     assert fit.identified.all() and fit.fixed_s == pytest.approx(a, rel=0.25)
     assert fit.per_sample_s == pytest.approx(c + d * mean_length, rel=0.1)
-    assert fit.relative_speed(2000)[1] == pytest.approx(0.5, rel=0.1)
+    assert fit.relative_speed(budget)[1] == pytest.approx(0.5, rel=0.1)
     assert tokens_only.attention == 0.0
     assert (tokens_only.per_sample_se / tokens_only.per_sample_s > 3 * fit.per_sample_se / fit.per_sample_s).all()
 

@@ -73,10 +73,12 @@ def evaluate(conditions: list[str], jobs: int, seed: int, world_sizes: tuple[int
 
 def table(rows: list[dict[str, Any]], by_world_size: bool = False) -> list[str]:
     """Per condition and half (and world size): each contender's time over the proposal's (geometric
-    mean; < 1 faster)."""
+    mean; < 1 faster), and the fastest of the proposal, PPO, the rules and static (ties: the proposal).
+    A run that hit the decision limit first counts with its whole time (censored, as in
+    :mod:`bench.lab.evaluate`)."""
     others = [c for c in CONTENDERS if c != "model"]
     key = "| ranks " if by_world_size else ""
-    lines = [f"| condition {key}| families (jobs) | " + " | ".join(f"{c} / model" for c in others) + " | best rule |",
+    lines = [f"| condition {key}| families (jobs) | " + " | ".join(f"{c} / model" for c in others) + " | fastest |",
              "|" + "---|" * (len(others) + 3 + by_world_size)]
     sizes = sorted({r["world_size"] for r in rows}) if by_world_size else [None]
     cells = [(c, w, h) for c in dict.fromkeys(r["condition"] for r in rows) for w in sizes for h in HALVES]

@@ -126,7 +126,8 @@ class ClusterSpec:
     """The rank it hits (-1: one drawn afresh for each slow-down)."""
     move_every: int = 0
     """The ranks' slowness (``slow``, from stragglers and drift) moves on by one rank every this many
-    decisions (0: never): a straggler that moves between ranks."""
+    decision intervals, the first (before any decision) included (0: never): a straggler that moves
+    between ranks."""
     burst_every_s: float = 0.0
     """Every this many seconds the link carries only 1/`burst_factor` of its bandwidth for `burst_s`
     seconds (0: never): bandwidth bursts of another job."""
@@ -460,9 +461,11 @@ class ClusterSimulator:
         data = p * (s.data_s + s.data_s_per_sample * b_micro) * np.exp(rng.normal(0.0, 0.1, (k, R)))
         arrival = data + compute
         net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
-        if s.burst_every_s > 0 and s.burst_factor != 1.0:
+        if s.burst_every_s > 0 and s.burst_factor != 1.0 and R > 1:  # the bandwidth drops, not the latency
             n = np.floor(clock / s.burst_every_s)
-            net = net * np.where((n >= 1) & (clock - n * s.burst_every_s < s.burst_s), s.burst_factor, 1.0)
+            burst = (n >= 1) & (clock - n * s.burst_every_s < s.burst_s)
+            latency = 2 * (R - 1) * s.net_latency_s
+            net = net + np.where(burst, (s.burst_factor - 1.0) * max(self.net_time(self._load) - latency, 0.0), 0.0)
         last = arrival.max(axis=1) / p  # the allreduce overlaps only the last micro-batch
         sync_end = arrival.max(axis=1) - last + (last ** s.gamma + net ** s.gamma) ** (1.0 / s.gamma)
         step_s = sync_end + s.optimizer_s

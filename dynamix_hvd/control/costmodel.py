@@ -229,7 +229,7 @@ class CostModel:
     def lengths_known(self) -> bool:
         """The points carry squared lengths (token budgets): a step's cost depends on its samples'
         lengths, so intervals of one split differ by the lengths they drew."""
-        return self.points > 0 and bool((self._s > 0).all())
+        return self.points > 0 and bool((self._s[-1] > 0).all())  # the latest interval's points
 
     def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
                overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None,
@@ -328,15 +328,22 @@ class CostModel:
             sw = np.sqrt(w[:, r])
             if (w[:, r] > 0).sum() < 6:
                 continue
-            coef, _, rank, _ = np.linalg.lstsq(X * sw[:, None], self._t[:, r] * sw, rcond=None)
-            if rank < 3:
+            # columns of 1, ~1e3 and ~1e6 tokens: scaled to unit size so the solve and its covariance
+            # are not lost to conditioning (the SVD of the scaled design gives both)
+            scale = np.sqrt((w[:, r, None] * X ** 2).sum(0) / w[:, r].sum())
+            A = X / scale * sw[:, None]
+            U, sv, Vt = np.linalg.svd(A, full_matrices=False)
+            if sv[-1] <= 1e-8 * sv[0]:
                 continue  # lengths do not vary apart from token counts: nothing to separate
+            coef = (Vt.T @ ((U.T @ (self._t[:, r] * sw)) / sv)) / scale
             resid = (self._t[:, r] - X @ coef) * sw
             n_eff = w[:, r].sum() ** 2 / (w[:, r] ** 2).sum()
             sigma2 = float(resid @ resid) / w[:, r].sum() * n_eff / max(n_eff - 3, 1e-9)
-            cov = sigma2 * np.linalg.pinv((X * w[:, r, None]).T @ X / w[:, r].sum() * n_eff)
+            # (A^T A)^-1 in the scaled units, times the weights' effective-count normalisation
+            inv = (Vt.T / sv ** 2) @ Vt * w[:, r].sum() / n_eff
+            var_d = sigma2 * inv[2, 2] / scale[2] ** 2
             _, c, d = coef
-            if d > 0 and d >= self.cfg.attention_t * math.sqrt(max(cov[2, 2], 0.0)):
+            if d > 0 and d >= self.cfg.attention_t * math.sqrt(max(var_d, 0.0)):
                 length = float((w[:, r] * self._s[:, r]).sum() / (w[:, r] * self._b[:, r]).sum())
                 etas.append(d / max(c, 0.05 * d * length))  # attention at most 95% of a token's cost
         return float(np.median(etas)) if etas else 0.0

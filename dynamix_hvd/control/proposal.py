@@ -93,7 +93,8 @@ class ProposalConfig:
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
     not shorten by half the predicted gain, return to neutral and, for the rest of the job, split only
-    for twice the gain that failed (see :class:`SplitCheck`). Off where `split_margin` is 0."""
+    for twice the gain that failed, at most 25% (see :class:`SplitCheck`). Off where `split_margin`
+    is 0 and with token budgets."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -284,6 +285,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     step_new = np.atleast_1d(net.step_time(fit.arrival(out[None, :], split=cfg.confident_growth).max(1), p_new))
     b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep, B_new)
     b_max = max(int(math.floor(B_hi + 1e-9)), B_keep, B_new)
+    if not cfg.search_batch:  # B is kept: a refinement of the proposal (PPO's batch row) keeps it too
+        b_min = b_max = int(p_new * out.sum())
     return Proposal(out.tolist(), int(p_new * out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
                     switched, dithered, float(noise), b_min, b_max, p_new, split_gain, even is not None)
 
@@ -368,6 +371,8 @@ class ModelPolicy:
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
         self.check = GrowthCheck() if self.cfg.check_growth else None
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
+        self._fresh = True
+        """The next interval is this process's first (start-up costs): the split check skips it."""
 
     @property
     def split_margin(self) -> float:
@@ -404,20 +409,29 @@ class ModelPolicy:
         ran_neutral = not off_neutral(inp.sizes, self.neutral)
         # with token budgets and length bucketing an interval's step time follows the lengths it drew
         # (up to 40% apart on the token benchmark), so steps of two intervals say nothing of the split
-        split_failed = self.split_check is not None and not costs.lengths_known and self.split_check.observe(
-            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self.decisions == 0,
+        checking = self.split_check is not None and not costs.lengths_known
+        split_failed = checking and self.split_check.observe(
+            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._fresh,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
-        # one change at a time: B holds while a split is judged (its step compares with the neutral one)
-        # and when a failed split is undone (back to exactly the neutral sizes it was judged against)
-        hold = split_failed or (self.split_check is not None and self.split_check.judging)
-        cfg = replace(self.cfg, search_batch=False) if hold else self.cfg
-        self.last = propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch,
-                            self.noise(inp), self.decisions, inp.passes, self.neutral, may_grow,
-                            split_confirmed=self.last is not None and self.last.split_gain > self.split_margin,
-                            split_margin=self.split_margin, force_neutral=split_failed)
-        self.decisions += 1
-        if self.split_check is not None and not costs.lengths_known and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral):
+        self._fresh = False
+        confirmed = self.last is not None and self.last.split_gain > self.split_margin
+
+        def proposal(cfg: ProposalConfig) -> Proposal:
+            return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
+                           self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
+                           split_margin=self.split_margin, force_neutral=split_failed)
+
+        # one change at a time: B holds while a split is judged (its step compares with the neutral one),
+        # when a failed split is undone, and in the decision that leaves the neutral split
+        held = replace(self.cfg, search_batch=False)
+        self.last = proposal(held if split_failed or (checking and self.split_check.judging) else self.cfg)
+        leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
+        if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
+            self.last = proposal(held)
+            leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
+        if leaving:
             self.split_check.start(self.last.split_gain)
+        self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
                 "may_grow": may_grow}
@@ -439,6 +453,7 @@ class ModelPolicy:
             self.check = GrowthCheck()
         if self.split_check is not None:
             self.split_check = SplitCheck()
+        self._fresh = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "neutral": self.neutral,
@@ -453,6 +468,7 @@ class ModelPolicy:
             self.check.load_state_dict(state["growth"])
         if self.split_check is not None and state.get("split") is not None:
             self.split_check.load_state_dict(state["split"])
+        self._fresh = True  # restored into a fresh process: its first interval pays start-up costs
 
 
 def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:

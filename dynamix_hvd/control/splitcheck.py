@@ -11,8 +11,9 @@ growth check judges a larger batch by the loss:
 - verdict: the mean step of the first `judged` intervals at the split must be shorter than the
   reference by at least `keep` of the gain the cost model predicts for the sizes that ran (the first
   intervals may run a partial split: the trust region, the dither). Otherwise the split is undone
-  and, for the rest of the job, leaving neutral needs a predicted gain of `raise_by` times the one
-  that failed (at most `max_margin`), so a real straggler that appears later is still split.
+  and, for the rest of the job (a new world starts afresh), leaving neutral needs a predicted gain of
+  `raise_by` times the one that failed (at most `max_margin`), so a real straggler that appears later
+  is still split.
 
 Not used with token budgets (the cost model's points carry squared lengths): length bucketing makes
 an interval's step time follow the lengths it drew, so two intervals do not compare. The proposal
@@ -40,8 +41,8 @@ class SplitCheck:
     """Fraction of the predicted step-time gain the measured gain must reach."""
     raise_by: float = 2.0
     """After a failed split, the margin becomes this multiple of the predicted gain that failed."""
-    max_margin: float = 0.5
-    """Upper end of that margin (a 3x straggler predicts ~50%)."""
+    max_margin: float = 0.25
+    """Upper end of that margin (a 2x straggler predicts ~33%, a 3x one ~50%: both are still split)."""
     reference: list[float] = field(default_factory=list)
     """Mean step seconds of the recent neutral intervals at `reference_batch`."""
     reference_batch: int = 0
@@ -62,13 +63,11 @@ class SplitCheck:
         step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
         split. True when a split under trial has just failed (return to neutral now)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
-        if not steps:
+        if not steps or first_interval:  # a process's first interval: start-up costs inflate it
             return False
         step = float(np.median(steps))
         if neutral_ran:
             self._end_trial()
-            if first_interval:  # start-up (imports, first allocations, warm-up) inflates it
-                return False
             if global_batch != self.reference_batch:
                 self.reference, self.reference_batch = [], global_batch
             self.reference = (self.reference + [step])[-self.window:]
@@ -109,9 +108,13 @@ class SplitCheck:
             self.trial_gain = float(split_gain)
 
     def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The check's state (not its settings: a restored job uses the settings it is given)."""
+        return {k: v for k, v in asdict(self).items() if k in _STATE}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
-            if k in self.__dataclass_fields__:
+            if k in _STATE:
                 setattr(self, k, v)
+
+
+_STATE = ("reference", "reference_batch", "trial", "trial_predicted", "trial_gain", "margin", "failures", "last")

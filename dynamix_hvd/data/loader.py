@@ -293,7 +293,7 @@ class AdaptiveLoader:
                              f"count {self.budget} (budget=)")
         self.seed = state["seed"]
         self.epoch = state["epoch"]
-        self._order = None
+        self._order = self._sq_cum = None
         self._cursor = state["cursor"]
         self._step = state["step"]
         if batch_sizes is not None:
