@@ -84,8 +84,8 @@ class AdaptiveLoader:
         self.lengths = None if lengths is None else validate_lengths(lengths, self.num_samples)
         self.budget: Budget = budget
         self.sort_window = sort_window
-        self._order: tuple[int, torch.Tensor, list[int] | None] | None = None  # (epoch, order, token cumsum)
-        self._sq_cum: tuple[int, list[int]] | None = None  # (epoch, cumulative squared lengths in order)
+        # (epoch, order, token cumsum, squared-length cumsum with token budgets)
+        self._order: tuple[int, torch.Tensor, list[int] | None, list[int] | None] | None = None
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -186,14 +186,17 @@ class AdaptiveLoader:
 
     # --- iteration -----------------------------------------------------------------------------------
     def _epoch_order(self) -> tuple[torch.Tensor, list[int] | None]:
-        """The epoch's sample order and, with lengths, its cumulative token counts (cached per epoch)."""
+        """The epoch's sample order and, with lengths, its cumulative token counts (cached per epoch,
+        with the cumulative squared lengths where budgets count tokens)."""
         if self._order is None or self._order[0] != self.epoch:
             order = epoch_permutation(self.num_samples, self.seed, self.epoch, self.shuffle)
-            cum = None
+            cum = sq_cum = None
             if self.lengths is not None:
                 order = sortish_order(order, self.lengths, self.sort_window, self.seed, self.epoch)
                 cum = token_cumsum(self.lengths[order])
-            self._order = (self.epoch, order, cum)
+                if self.budget == "tokens":
+                    sq_cum = token_cumsum(self.lengths[order] ** 2)
+            self._order = (self.epoch, order, cum, sq_cum)
         return self._order[1], self._order[2]
 
     def remaining_steps(self) -> list[PlannedStep]:
@@ -210,16 +213,14 @@ class AdaptiveLoader:
         scripts use it mid-epoch, e.g. for LR warm-up by fraction of the epoch)."""
         return self._step + len(self.remaining_steps())
 
-    def _local_sq_tokens(self, order: torch.Tensor, step: PlannedStep) -> int:
+    def _local_sq_tokens(self, step: PlannedStep) -> int:
         """With token budgets, the sum of this rank's squared sample lengths in `step` (what attention
         costs grow with; the cost model fits it beside the tokens); 0 otherwise."""
-        if self.budget != "tokens":
+        sq_cum = self._order[3] if self._order is not None else None
+        if sq_cum is None:
             return 0
-        if self._sq_cum is None or self._sq_cum[0] != self.epoch:
-            assert self.lengths is not None
-            self._sq_cum = (self.epoch, token_cumsum(self.lengths[order] ** 2))
         lo, hi = step.rank_range(self.rank)
-        return self._sq_cum[1][hi] - self._sq_cum[1][lo]
+        return sq_cum[hi] - sq_cum[lo]
 
     def _indices(self, order: torch.Tensor, step: PlannedStep) -> list[int]:
         lo, hi = step.rank_range(self.rank)
@@ -260,7 +261,7 @@ class AdaptiveLoader:
                 self._step += 1
                 units = self.units(planned)
                 self.tracker.batch_ready(self.epoch, self._step - 1, units[self.rank], sum(units),
-                                         planned.tokens, self._local_sq_tokens(order, planned))
+                                         planned.tokens, self._local_sq_tokens(planned))
                 self._ends_started = 0
                 yield batch
                 epoch_end = planned is steps[-1] and self._cursor == planned.end  # not rewound
@@ -293,7 +294,7 @@ class AdaptiveLoader:
                              f"count {self.budget} (budget=)")
         self.seed = state["seed"]
         self.epoch = state["epoch"]
-        self._order = self._sq_cum = None
+        self._order = None
         self._cursor = state["cursor"]
         self._step = state["step"]
         if batch_sizes is not None:
