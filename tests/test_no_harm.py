@@ -75,8 +75,7 @@ def test_a_real_straggler_is_split_from_the_second_decision():
 
 
 def test_a_real_straggler_split_passes_its_check_and_stays():
-    """B is held in the decision that leaves the neutral split and while the split is judged (without
-    the hold it grew to 237 in the decision after the split here)."""
+    """B is held in the decision that leaves the neutral split and while the split is judged."""
     policy = ModelPolicy()
     hist = run(policy, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=20)
     assert all(s[0] > 1.8 * s[1] for s in hist[2:]), hist

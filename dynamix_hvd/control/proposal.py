@@ -407,8 +407,8 @@ class ModelPolicy:
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
         ran_neutral = not off_neutral(inp.sizes, self.neutral)
-        # with token budgets and length bucketing an interval's step time follows the lengths it drew
-        # (up to 40% apart on the token benchmark), so steps of two intervals say nothing of the split
+        # with token budgets and length bucketing an interval's step time follows the lengths it drew,
+        # so the steps of two intervals say nothing of the split
         checking = self.split_check is not None and not costs.lengths_known
         split_failed = checking and self.split_check.observe(
             inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._fresh,
