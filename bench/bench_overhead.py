@@ -104,9 +104,7 @@ class Setup:
                                                        dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=period),
                                                                            decide_every_steps=0))
             elif variant == "default":  # as bench.zoo_train's default arm builds it
-                cfg = dx.ControllerConfig(policy="ppo", policy_file="default", learn=False,
-                                          total_epochs=job.epochs if job is not None else 10,
-                                          ppo={"seed": 0, "rollout_length": 8})
+                cfg = dx.ControllerConfig(total_epochs=job.epochs if job is not None else 10)
                 self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)
 
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs

@@ -153,6 +153,8 @@ CONDITIONS = {
     "bursts": Condition("bursts", 2, rate_mbit=1000.0, rate_schedule=periodic_schedule(**_bursts())),
     # scaling rows: more ranks than cores, so the slowed rank sleeps (the output says so)
     "scale4-slow3x": Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep"),
+    "scale8-slow3x": Condition("scale8-slow3x", 8, slow_rank=7, slow_factor=3.0, slow_mode="sleep"),
+    "scale16-slow3x": Condition("scale16-slow3x", 16, slow_rank=15, slow_factor=3.0, slow_mode="sleep"),
 }
 
 
@@ -291,6 +293,14 @@ CONFIGS.update({
     # the simulator's side: python -m bench.lab.misspecified)
     "zoo-misspecified": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["interference", "bursts"],
                           "arms": ["plain", "model", "ppo"], "seeds": 3}],
+    # the same on an evaluation job with the slow rank the learned policy should handle best (1x, then
+    # 3x, then 1.5x) and with interference (~20 min)
+    "zoo-misspecified-gru": [{"workloads": ["zoo:gru-charlm"], "conditions": ["slow-varying", "interference"],
+                              "arms": ["plain", "model", "ppo"], "seeds": 3}],
+    # functional runs at 8 and 16 ranks on this machine's cores (the slow rank sleeps): decisions reach
+    # every rank, nobody starves; decision latency per world size in decisions.csv (overhead_s)
+    "scale-functional": [{"workloads": ["cnn-quick"], "conditions": ["scale8-slow3x", "scale16-slow3x"],
+                          "arms": ["model"], "seeds": 1}],
     # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the default,
     # each as its own mpirun job beside plain Horovod (~6 min)
     "zoo-dataplane-cnn": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["none"], "arms": ["plain", "dataplane", "ppo"],

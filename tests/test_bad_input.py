@@ -340,7 +340,9 @@ def test_nested_configs_named_in_the_error():
                            (dict(advanced=AdvancedConfig), "advanced="),
                            (dict(policy="goodput", policy_config=ProposalConfig()),
                             "policy_config=ProposalConfig("),
-                           (dict(reward=RewardConfig(switch_weight=True)), "reward.switch_weight=True")):
+                           (dict(reward=RewardConfig(switch_weight=True)), "reward.switch_weight=True"),
+                           (dict(learn=True), "learn=True applies to policy 'ppo' only, and policy='model'"),
+                           (dict(policy="goodput", ppo={"seed": 1}), "ppo={'seed': 1} applies to policy 'ppo' only")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             ControllerConfig(**kwargs)
     with pytest.raises(ValueError, match=re.escape("AdvancedConfig.multipliers=5")):

@@ -24,7 +24,7 @@ from dynamix_hvd.control.config import ControllerConfig, make_policy
 from dynamix_hvd.control.policy_store import default_policy_dir, load_policy
 assert Path(dynamix_hvd.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), dynamix_hvd.__file__
 learner, meta = load_policy("default", ActionSpace())
-policy = make_policy(ControllerConfig())
+policy = make_policy(ControllerConfig(policy="ppo"))
 assert policy.learner.config == learner.config
 print("package", dynamix_hvd.__file__)
 print("policy dir", default_policy_dir())

@@ -24,8 +24,8 @@ from dynamix_hvd.stats.noise_scale import StatsConfig
 def test_missing_default_policy_is_an_error_saying_how_to_fix_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DYNAMIX_POLICY_DIR", str(tmp_path))
     with pytest.raises(PolicyError, match="default policy cannot be used.*not found.*DYNAMIX_POLICY_DIR.*policy_file=None"):
-        make_policy(ControllerConfig())
-    assert make_policy(ControllerConfig(policy_file=None, learn=True)).learner.num_updates == 0
+        make_policy(ControllerConfig(policy="ppo"))
+    assert make_policy(ControllerConfig(policy="ppo", policy_file=None, learn=True)).learner.num_updates == 0
 
 
 def test_unreadable_default_policy_is_an_error(tmp_path, monkeypatch):
@@ -34,12 +34,12 @@ def test_unreadable_default_policy_is_an_error(tmp_path, monkeypatch):
     (tmp_path / f"{DEFAULT_POLICY}.pt").write_bytes(b"not a policy")
     monkeypatch.setenv("DYNAMIX_POLICY_DIR", str(tmp_path))
     with pytest.raises(PolicyError, match="default policy cannot be used.*checksum.*Reinstall"):
-        make_policy(ControllerConfig())
+        make_policy(ControllerConfig(policy="ppo"))
 
 
 def test_default_controller_config_keeps_the_stored_ppo_config():
     stored, _ = load_policy(DEFAULT_POLICY, ActionSpace())
-    policy = make_policy(ControllerConfig())
+    policy = make_policy(ControllerConfig(policy="ppo"))
     assert policy.learner.config == stored.config
     assert policy.learner.generator.get_state().equal(stored.generator.get_state())
 
@@ -48,7 +48,7 @@ def test_default_controller_config_keeps_the_stored_ppo_config():
                                  {"seed": 7, "ent_coef": 0.02, "learning_rate": 1e-4}])  # a field equal to the stored one
 def test_user_ppo_fields_override_the_stored_ones(ppo):
     stored, _ = load_policy(DEFAULT_POLICY, ActionSpace())
-    learner = make_policy(ControllerConfig(ppo=ppo)).learner
+    learner = make_policy(ControllerConfig(policy="ppo", ppo=ppo)).learner
     assert learner.config == dataclasses.replace(stored.config, seed=7, ent_coef=0.02)
     fresh = load_policy(DEFAULT_POLICY, ActionSpace())[0]
     fresh.generator.manual_seed(7)
@@ -60,27 +60,27 @@ def test_a_named_ppo_field_applies_even_at_a_default_value():
     (gamma 0.99, rollout_length 32) override the stored 0.9 and 16 when named, and only then."""
     stored, _ = load_policy(DEFAULT_POLICY, ActionSpace())
     assert (stored.config.gamma, stored.config.rollout_length) != (PPOConfig().gamma, PPOConfig().rollout_length)
-    named = make_policy(ControllerConfig(ppo={"gamma": PPOConfig().gamma, "rollout_length": 32})).learner
+    named = make_policy(ControllerConfig(policy="ppo", ppo={"gamma": PPOConfig().gamma, "rollout_length": 32})).learner
     assert named.config == dataclasses.replace(stored.config, gamma=PPOConfig().gamma, rollout_length=32)
-    assert make_policy(ControllerConfig(ppo={})).learner.config == stored.config
+    assert make_policy(ControllerConfig(policy="ppo", ppo={})).learner.config == stored.config
 
 
 def test_fresh_policy_settings_are_fresh_ppo_then_the_named_fields():
-    assert make_policy(ControllerConfig(policy_file=None, learn=True)).learner.config == FRESH_PPO
-    learner = make_policy(ControllerConfig(policy_file=None, learn=True, ppo={"gamma": 0.5, "hidden_sizes": [32]})).learner
+    assert make_policy(ControllerConfig(policy="ppo", policy_file=None, learn=True)).learner.config == FRESH_PPO
+    learner = make_policy(ControllerConfig(policy="ppo", policy_file=None, learn=True, ppo={"gamma": 0.5, "hidden_sizes": [32]})).learner
     assert learner.config == dataclasses.replace(FRESH_PPO, gamma=0.5, hidden_sizes=(32,))
 
 
 def test_learning_rate_override_reaches_the_adam_optimizer():
-    learner = make_policy(ControllerConfig(ppo={"learning_rate": 2e-3}, learn=True)).learner
+    learner = make_policy(ControllerConfig(policy="ppo", ppo={"learning_rate": 2e-3}, learn=True)).learner
     assert learner.config.learning_rate == 2e-3
     assert [g["lr"] for g in learner.optimizer.param_groups] == [2e-3]
 
 
 def test_network_shape_conflict_is_refused_by_name():
     with pytest.raises(PolicyError, match=r"hidden_sizes=\(32,\) \(stored \(64, 64\)\)"):
-        make_policy(ControllerConfig(ppo={"hidden_sizes": (32,)}))
-    assert make_policy(ControllerConfig(ppo={"hidden_sizes": [64, 64]})).learner.config.hidden_sizes == (64, 64)
+        make_policy(ControllerConfig(policy="ppo", ppo={"hidden_sizes": (32,)}))
+    assert make_policy(ControllerConfig(policy="ppo", ppo={"hidden_sizes": [64, 64]})).learner.config.hidden_sizes == (64, 64)
 
 
 def test_load_policy_reports_what_it_overrode():
@@ -92,7 +92,7 @@ def test_load_policy_reports_what_it_overrode():
                                          ({"hidden_sizes": ()}, "ppo.*hidden_sizes"), ([("seed", 1)], "ppo=")])
 def test_bad_ppo_settings_are_refused_at_construction(ppo, needle):
     with pytest.raises(ValueError, match=needle):
-        ControllerConfig(ppo=ppo)
+        ControllerConfig(policy="ppo", ppo=ppo)
 
 
 # --- the policy's typed config ------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_policy_configs_reach_the_policy():
     assert (ramp.end, ramp.ramp) == (96, 2)
     assert make_policy(ControllerConfig(policy="goodput", policy_config=GoodputConfig(candidates=8))).cfg.candidates == 8
     assert make_policy(ControllerConfig(policy="model", policy_config=ProposalConfig(trust=3.0))).cfg.trust == 3.0
-    ppo = make_policy(ControllerConfig(policy_config=ProposalConfig(trust=3.0)))
+    ppo = make_policy(ControllerConfig(policy="ppo", policy_config=ProposalConfig(trust=3.0)))
     assert ppo.model.cfg.trust == 3.0
 
 

@@ -35,8 +35,8 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                     help="how the LR follows the global batch: adascale (default; the "
                          "controller's AdaScale gain, under which its efficiency model holds), linear "
                          "(B/B0: SGD while B stays below the noise scale), sqrt (sqrt(B/B0): Adam-type), none")
-    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
-                    help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
+    ap.add_argument("--policy", default=os.environ.get("POLICY", "model"), choices=POLICY_NAMES,
+                    help="batch-size policy: model (default), ppo (DYNAMIX), static or a classic rule (env POLICY)")
     ap.add_argument("--policy-config", default="{}",
                     help="JSON fields of the policy's typed config (ControllerConfig.policy_config), e.g. "
                          "'{\"end\": 512}' for linear-ramp (LinearRampConfig), '{\"trust\": 4}' for model or ppo "
@@ -94,7 +94,7 @@ def controller_config(args: argparse.Namespace) -> dx.ControllerConfig:
         policy_file=None if args.policy_file == "none" else args.policy_file,
         learn=bool(args.learn), total_epochs=args.epochs, max_batch=args.max_batch, max_passes=args.max_passes,
         decide_every_steps=None if args.decide_every is None or args.decide_every < 0 else args.decide_every,
-        ppo={"seed": args.seed, "rollout_length": 8})
+        ppo={"seed": args.seed, "rollout_length": 8} if args.policy == "ppo" else {})
 
 
 # --- what the benchmark suite (bench/suite.py) needs from every example ------------------------------

@@ -87,10 +87,11 @@ class ControllerConfig:
     whatever its value; a named field that shapes the stored network (``hidden_sizes``) and differs
     from it is refused by name."""
 
-    policy: str = "ppo"
-    """Decision maker: "ppo" (DYNAMIX: a shared PPO actor refining the model-based proposal, see
-    `dynamix_hvd.control.refine`), "static", "model" (the cost-model proposal of
-    `dynamix_hvd.control.proposal`), or a classic rule of `dynamix_hvd.control.rules` (linear-ramp,
+    policy: str = "model"
+    """Decision maker: "model" (the default: the cost-model proposal of `dynamix_hvd.control.proposal`,
+    holding decisions that would flip back), "ppo" (DYNAMIX: a shared PPO actor refining that proposal,
+    see `dynamix_hvd.control.refine`; deployed, the shipped policy decides as "model" does, see
+    policies/default.md), "static", or a classic rule of `dynamix_hvd.control.rules` (linear-ramp,
     adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_config: PolicySettings | None = None
     """The chosen policy's settings, typed per policy (:data:`POLICY_CONFIGS`): a ProposalConfig for
@@ -176,6 +177,10 @@ class ControllerConfig:
                         what="a share of training time in [0, 1) (0: no limit)")
         validate.number("ControllerConfig.timeout_s", self.timeout_s, above=0, what="a positive number of seconds")
         self.ppo = checked_ppo(self.ppo)
+        if self.policy != "ppo" and (self.learn or self.ppo):
+            given = "learn=True" if self.learn else f"ppo={self.ppo!r}"
+            raise ValueError(f"ControllerConfig.{given} applies to policy 'ppo' only, and policy={self.policy!r}; "
+                             "set policy='ppo' to use the learned policy")
         for name, kind in (("reward", RewardConfig), ("stats", StatsConfig), ("advanced", AdvancedConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"ControllerConfig.{name}={getattr(self, name)!r}; it must be a {kind.__name__}")
@@ -230,7 +235,7 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     if cfg.policy == "static":
         return StaticPolicy()
     if cfg.policy == "model":
-        return ModelPolicy(cfg.policy_config)
+        return ModelPolicy(cfg.policy_config, hold_flips=True)
     if cfg.policy in BASELINES:
         return make_baseline(cfg.policy, cfg.policy_config)
     actions = ActionSpace(cfg.advanced.multipliers)

@@ -40,8 +40,8 @@ FIXED_PPO_FIELDS = ("hidden_sizes",)
 """PPOConfig fields a stored policy fixes (they shape its network); all others can be overridden."""
 _DEFAULT_FIX = ("Reinstall dynamix_hvd (its wheel and sdist ship policies/ as package data), set "
                 f"${POLICY_DIR_ENV} to a folder holding {DEFAULT_POLICY}.pt and {DEFAULT_POLICY}.json, pass "
-                "ControllerConfig(policy_file=PATH), or start an untrained policy on purpose with "
-                "ControllerConfig(policy_file=None, learn=True).")
+                "ControllerConfig(policy=\"ppo\", policy_file=PATH), or start an untrained policy on purpose with "
+                "ControllerConfig(policy=\"ppo\", policy_file=None, learn=True).")
 
 
 class PolicyError(ValueError):

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .actions import BatchBounds
+from .flipguard import FlipGuard
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
 from .growth import GrowthCheck
 from .splitcheck import SplitCheck
@@ -355,14 +356,17 @@ def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per
 
 
 class ModelPolicy:
-    """Policy "model": the proposal, applied as is. Fits come from the decision core's per-step cost
-    model (`DecisionInput.costs`); handed none (a DecisionInput built by hand), it fits its own from
-    the reports' interval means."""
+    """Policy "model": the proposal, applied as is, except that with ``hold_flips`` a decision that
+    would return to the sizes of two decisions ago is held (:class:`FlipGuard`). Fits come from the
+    decision core's per-step cost model (`DecisionInput.costs`); handed none (a DecisionInput built by
+    hand), it fits its own from the reports' interval means."""
 
     name = "model"
 
-    def __init__(self, config: ProposalConfig | None = None, costs: CostConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: ProposalConfig | None = None, costs: CostConfig | None = None, *,
+                 hold_flips: bool = False, **kwargs: Any) -> None:
         self.cfg = config or ProposalConfig(**kwargs)
+        self.guard = FlipGuard() if hold_flips else None
         self.costs_cfg = costs or CostConfig()
         self.decisions = 0
         self._own: CostModel | None = None
@@ -393,6 +397,16 @@ class ModelPolicy:
         return value if math.isfinite(value) else inp.ctx.noise_scale
 
     def decide(self, inp: DecisionInput) -> DecisionOutput:
+        out = self.propose(inp)
+        if self.guard is None:
+            return out
+        passes = out.passes if out.passes is not None else inp.passes
+        sizes, passes, held = self.guard.hold(out.sizes, passes, inp.sizes, inp.passes,
+                                              bool(out.info.get("dithered")))
+        return DecisionOutput(sizes, {**out.info, "held": held}, passes if held else out.passes)
+
+    def propose(self, inp: DecisionInput) -> DecisionOutput:
+        """This decision's proposal (what policy "ppo" refines)."""
         if self.neutral is None or len(self.neutral) != len(inp.sizes):
             self.neutral = [float(b) for b in inp.sizes]
         if self.check is not None:
@@ -453,12 +467,15 @@ class ModelPolicy:
             self.check = GrowthCheck()
         if self.split_check is not None:
             self.split_check = SplitCheck()
+        if self.guard is not None:
+            self.guard = FlipGuard()
         self._fresh = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "neutral": self.neutral,
                 "growth": None if self.check is None else self.check.state_dict(),
-                "split": None if self.split_check is None else self.split_check.state_dict()}
+                "split": None if self.split_check is None else self.split_check.state_dict(),
+                "guard": None if self.guard is None else [list(h) for h in self.guard.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.decisions = int(state["decisions"])
@@ -468,6 +485,8 @@ class ModelPolicy:
             self.check.load_state_dict(state["growth"])
         if self.split_check is not None and state.get("split") is not None:
             self.split_check.load_state_dict(state["split"])
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.history = [[int(b) for b in h] for h in state["guard"]]
         self._fresh = True  # restored into a fresh process: its first interval pays start-up costs
 
 

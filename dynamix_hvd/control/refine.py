@@ -12,8 +12,8 @@ The critic reads only the features all rows share (a pooled view of the ranks an
 one value per decision, one shared reward (:mod:`dynamix_hvd.control.reward`).
 
 Deployed (``learn=False``) the action is the actor's mode, except where that would flip back to the
-sizes of two decisions ago, or near them (A, B, A', ...): then the sizes are held (see :class:`FlipGuard`). Proposals
-that dither on purpose (an unidentified cost line) are never held.
+sizes of two decisions ago, or near them (A, B, A', ...): then the sizes are held
+(:class:`~dynamix_hvd.control.flipguard.FlipGuard`, as policy "model" does).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from .actions import ActionSpace, compose
+from .flipguard import FlipGuard
 from .policy import DecisionInput, DecisionOutput
 from .proposal import ModelPolicy, ProposalConfig
 from .ppo import PPOConfig, PPOLearner
@@ -34,34 +35,12 @@ def make_learner(actions: ActionSpace, config: PPOConfig | None = None) -> PPOLe
                       neutral_action=actions.keep)
 
 
-def near(a: Sequence[int], b: Sequence[int], rel: float = 0.02) -> bool:
-    """Every rank's sizes within max(1 sample, `rel` of the larger) of each other (symmetric)."""
-    return len(a) == len(b) and all(abs(x - y) <= max(1.0, rel * max(x, y)) for x, y in zip(a, b))
-
-
-class FlipGuard:
-    """Holds the sizes when a new decision would return to the sizes of two decisions ago, or near
-    them (within a sample or 2%) when those were not themselves near the current ones."""
-
-    def __init__(self) -> None:
-        self.history: list[list[int]] = []
-
-    def __call__(self, sizes: list[int], current: Sequence[int], exempt: bool) -> tuple[list[int], bool]:
-        current = list(current)
-        back = len(self.history) >= 2 and (sizes == self.history[-2] or (
-            near(sizes, self.history[-2]) and not near(self.history[-2], current)))
-        flip = not exempt and back and sizes != current and self.history[-1] == current
-        out = current if flip else sizes
-        self.history = (self.history + [out])[-2:]
-        return out, flip
-
-
 def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
            actions: Sequence[int]) -> tuple[list[int], dict[str, Any]]:
     """The proposal for `inp` corrected by `actions` (R + 1 of them), B kept within the global batches
     the proposal allows; with no cost fit yet the current sizes stand in for the proposal and B stays.
     The sizes are per micro-batch; ``info["passes"]`` is the proposal's micro-batches per step."""
-    out = model.decide(inp)
+    out = model.propose(inp)
     last = model.last  # None: no proposal this decision
     p = last.passes if last is not None else inp.passes
     # the allowed global batches count samples per step; the actions act on one micro-batch
@@ -101,11 +80,8 @@ class PPOPolicy:
         self._last_obs = inp.obs
         sizes, info = refine(self.model, self.actions, inp, actions.tolist())
         held, passes = False, info["passes"]
-        if not self.learn:  # the guard compares samples per step (a flip may be in the passes alone)
-            _, held = self.guard([passes * b for b in sizes], [inp.passes * b for b in inp.sizes],
-                                        bool(info.get("dithered")))
-            if held:
-                sizes, passes = list(inp.sizes), inp.passes
+        if not self.learn:
+            sizes, passes, held = self.guard.hold(sizes, passes, inp.sizes, inp.passes, bool(info.get("dithered")))
         return DecisionOutput(sizes, {**info, "actions": actions.tolist(), "held": held,
                                       "value": round(float(values.mean()), 4)}, passes)
 

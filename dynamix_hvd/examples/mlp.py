@@ -31,8 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=8192, help="generated training samples")
     ap.add_argument("--hidden", type=int, default=128, help="units of the hidden layer")
     ap.add_argument("--lr", type=float, default=0.05, help="learning rate at the initial batch")
-    ap.add_argument("--policy", default=os.environ.get("POLICY", "ppo"), choices=POLICY_NAMES,
-                    help="batch-size policy: ppo (DYNAMIX), static or a classic rule (env POLICY)")
+    ap.add_argument("--policy", default=os.environ.get("POLICY", "model"), choices=POLICY_NAMES,
+                    help="batch-size policy: model (default), ppo (DYNAMIX), static or a classic rule (env POLICY)")
     ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
                     help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
     ap.add_argument("--decide-every", type=int, default=-1,
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     config = dx.ControllerConfig(                                             # dx
         policy=args.policy, policy_file=None if args.policy_file == "none" else args.policy_file,
         total_epochs=args.epochs, decide_every_steps=None if args.decide_every < 0 else args.decide_every,
-        ppo={"seed": args.seed, "rollout_length": 8})
+        ppo={"seed": args.seed, "rollout_length": 8} if args.policy == "ppo" else {})
     controller = dx.DynamixController(loader, optimizer, config, model=model)  # dx
     run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp", **vars(args)},  # dx
                  progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))  # dx

@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default=None, help="local batch size per rank, e.g. 16,48 (default 32 each)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--samples", type=int, default=8192, help="generated training samples (default 8192)")
-    p.add_argument("--policy", default="ppo", choices=POLICY_NAMES,
-                   help="batch-size policy: ppo (DYNAMIX, default), static or a classic rule")
+    p.add_argument("--policy", default="model", choices=POLICY_NAMES,
+                   help="batch-size policy: model (the cost-model proposal, default), ppo (DYNAMIX's learned "
+                        "refinement of it), static or a classic rule")
     p.add_argument("--policy-file", default=None, help="PPO policy to start from: name in policies/ or path")
     p.add_argument("--out", default="runs/mlp", help="run directory for records and report (default runs/mlp)")
     p.add_argument("--script", default=None,

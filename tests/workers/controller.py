@@ -57,7 +57,7 @@ def main() -> None:
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
-                              ppo={"rollout_length": 4, "seed": 3}, decision_budget=args.decision_budget,
+                              ppo={"rollout_length": 4, "seed": 3} if args.policy == "ppo" else {}, decision_budget=args.decision_budget,
                               advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs,
                                                          target_decisions=args.target_decisions))
     controller = dx.DynamixController(loader, opt, cfg)
