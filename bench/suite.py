@@ -89,6 +89,11 @@ WORKLOADS = {
                     args=("--samples", "16384", "--hidden", "1024", "--depth", "2", "--no-report",
                           "--progress", "off"),
                     rule_kwargs=rule_kwargs(64, 256, 20)),
+    # functional runs at 8-16 ranks on 2 cores: a narrow CNN, 8 samples per rank (35 steps an epoch at 16 ranks), a decision
+    # every 4 steps (what it checks is that decisions reach every rank, not the time)
+    "cnn-scale": Workload("cnn-scale", "bench.jobs.cnn_train", "accuracy", 0.5, 4, 500, 60.0, 90.0,
+                          args=("--width", "16", "--train-samples", "4500", "--eval-every", "1000000000",
+                                "--no-report", "--progress", "off", "--decide-every", "4"), default_batch=8),
     # --quick: the CNN cut to seconds (checks the harness, not the numbers)
     "cnn-quick": Workload("cnn-quick", "bench.jobs.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 15.0,
                           args=("--train-samples", "1000", "--eval-every", "1000000000", "--no-report",
@@ -299,7 +304,7 @@ CONFIGS.update({
                               "arms": ["plain", "model", "ppo"], "seeds": 3}],
     # functional runs at 8 and 16 ranks on this machine's cores (the slow rank sleeps): decisions reach
     # every rank, nobody starves; decision latency per world size in decisions.csv (overhead_s)
-    "scale-functional": [{"workloads": ["cnn-quick"], "conditions": ["scale8-slow3x", "scale16-slow3x"],
+    "scale-functional": [{"workloads": ["cnn-scale"], "conditions": ["scale8-slow3x", "scale16-slow3x"],
                           "arms": ["model"], "seeds": 1}],
     # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the default,
     # each as its own mpirun job beside plain Horovod (~6 min)
