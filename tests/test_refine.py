@@ -101,3 +101,23 @@ def test_flip_guard_holds_a_b_a_but_not_a_dither() -> None:
         other(new, cur, True)
     assert other([10, 20], [12, 18], True) == ([10, 20], False), "a dither is exempt"
     assert np.isfinite(flips([[1], [2], [1]]))
+
+
+def test_shipped_policy_deployed_decides_as_the_default_model_policy() -> None:
+    """The default policy ("model": the proposal with the flip guard) makes the shipped PPO policy's
+    deployed decisions, decision for decision, on equal ranks, a straggler and a changing one: the
+    measurements taken with the deployed PPO policy hold for the default."""
+    from dynamix_hvd.control.config import ControllerConfig, make_policy
+
+    specs = (straggler(2, 1.0), straggler(2, 3.0), straggler(4, 2.0), straggler(3, 3.0, noise_bias=4.0))
+    for spec in specs:
+        shipped = make_policy(ControllerConfig(policy="ppo"))
+        default = make_policy(ControllerConfig())
+        assert default.name == "model" and default.guard is not None
+        a, b = ClusterSimulator(spec, seed=3), ClusterSimulator(spec, seed=3)
+        a.reset(), b.reset()
+        for _ in range(30):
+            da, db = shipped.decide(a.decision_input()), default.decide(b.decision_input())
+            assert (da.sizes, da.passes) == (db.sizes, db.passes), (spec.initial_batch, da.info, db.info)
+            assert da.info["held"] == db.info.get("held", False)
+            a.step_sizes(da.sizes), b.step_sizes(db.sizes)

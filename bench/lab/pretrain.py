@@ -514,7 +514,9 @@ def write_card(path: Path, cfg: PretrainConfig, command: str, curve: Sequence[di
         lines.insert(-1, f"- The kept weights' deployed mode scores exactly the proposal's reward on the validation jobs "
                      f"(it picks the neutral correction there); the updates whose mode moved scored "
                      f"{min(evals):+.3f}..{max(e for e in evals if e != first) if len(set(evals)) > 1 else first:+.3f}: "
-                     "in the simulator the refinement does not yet improve on the proposal.")
+                     "in the simulator the refinement does not yet improve on the proposal. So a shipped policy "
+                     "like this one is not the default: `ControllerConfig()` runs the proposal (policy \"model\"), "
+                     "which makes the same decisions without the network; select it with `policy=\"ppo\"`.")
     path.write_text("\n".join(lines))
 
 
