@@ -1,10 +1,12 @@
-"""Decision overhead of the controller (gather + PPO decide + broadcast) at 2, 4, 8 and 16 ranks.
+"""Decision overhead of the controller (gather + decide + broadcast) at 2, 4, 8 and 16 ranks, with the
+shipped PPO policy deployed (the proposal plus the policy network's forward pass: an upper bound for
+the default proposal).
 
     python -m bench.bench_decision_overhead [--ranks 2,4,8,16] [--decisions 40] [--quick]
 
 Runs real mpirun jobs on this machine (oversubscribed when ranks > cores). A decision is timed on
 every rank; the figure per decision is the slowest rank's time (the job moves on only when the last
-rank has the decision). Includes online PPO updates (one every 16 decisions). The epoch share uses
+rank has the decision). The epoch share uses
 the example MLP epoch (8192 samples, local batch 16) at the measured step time of the same job.
 
 Bytes per decision (`decision_bytes`): every rank sends rank 0 one float64 report of F + 7k + 2L

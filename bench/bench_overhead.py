@@ -12,7 +12,7 @@ its optimizer, clipping and loss; ``--batch`` defaults to the job's):
 * ``controller``: the same plus a ``DynamixController`` deciding at every epoch's end
   (``decide_every_steps=0``: reports, gathers, statistics, reward) with ``policy="static"``, so the sizes stay
   fixed and every variant runs the same steps;
-* ``default``: the controller as a user turns it on (the zoo's default arm: the shipped policy, decisions
+* ``default``: the controller as a user turns it on (``ControllerConfig`` defaults: the cost-model proposal, decisions
   inside epochs on the default cadence, ``model=`` given); it may move the sizes, which the summary
   reports (a move on equal ranks is itself harm);
 * ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.

@@ -71,6 +71,7 @@ class Soak:
     gap: tuple[float, float]
     timeout_s: float
     overrun_s: float = 600.0  # a lane still running this long after its time is stuck: killed, reported
+    reference_timeout_s: float = 900.0  # the uninterrupted reference run's limit
     faults: list[Fault] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -332,7 +333,7 @@ class MpirunLane(Lane):
         argv = [sys.executable, str(WORKER), "--out", str(ref), "--ckpt", str(ref / "ckpt"), "--epochs",
                 str(final["epochs"]), "--save-every", "0", "--step-sleep", "0", "--replay", str(replay)]
         proc = subprocess.run(command("mpirun", 2, argv), env=_env(), capture_output=True, text=True,
-                              timeout=4 * self.soak.overrun_s)
+                              timeout=self.soak.reference_timeout_s)
         if proc.returncode != 0:
             soak.problems.append(f"mpirun: the reference run failed ({proc.returncode}): {proc.stdout[-2000:]}")
             return
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     before = _snapshot()
     seconds = 60.0 if args.quick else args.minutes * 60
     soak = Soak(out, random.Random(seed), (3.0, 6.0) if args.quick else (20.0, 60.0), timeout_s=8.0,
-                overrun_s=90.0 if args.quick else 600.0)
+                overrun_s=180.0 if args.quick else 600.0, reference_timeout_s=240.0 if args.quick else 900.0)
     soak.say(f"seed {seed}; output in {out}")
     t0 = time.monotonic()
     lanes = [MpirunLane(soak, 0.6 * seconds, args.quick), ElasticLane(soak, 0.3 * seconds, args.quick)]

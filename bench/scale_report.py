@@ -12,6 +12,9 @@ ran). Per job it prints a row; it exits 1 if a check fails:
 * every decision's sizes were run by the ranks at some later step (sizes at an epoch's last, partial
   step aside);
 * no rank starved: every rank trained on at least one sample in every step.
+
+One micro-batch per step is assumed (``max_passes=1``, the default): with accumulation a recorded step
+is a micro-batch and the global batch counts every micro-batch of the optimizer step.
 """
 from __future__ import annotations
 
@@ -29,13 +32,13 @@ def check(run: Path) -> tuple[dict, list[str]]:
     per_rank = {int(p.stem.removeprefix("steps_rank")): list(csv.DictReader(p.open()))
                 for p in run.glob("steps_rank*.csv")}
     world = len(per_rank)
-    problems: list[str] = []
+    problems: list[str] = [] if per_rank else ["no per-rank step records (steps_rank*.csv) in the job directory"]
     steps: dict[tuple[int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
     for rank, rows in per_rank.items():
         for r in rows:
             steps[(int(r["epoch"]), int(r["step"]))][rank] = (int(r["local_batch"]), int(r["global_batch"]))
     counts = sorted({len(rows) for rows in per_rank.values()})
-    if len(counts) != 1:
+    if len(counts) > 1:
         problems.append(f"ranks recorded different numbers of steps: {counts}")
     ran: list[list[int]] = []
     for key in sorted(steps):

@@ -196,14 +196,14 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
         elif name in RULES:
             kw = ("--policy-config", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
             out.append(Arm(name, ("--policy", name, *kw)))
-        elif name == "ppo-bn1":  # the default without the BatchNorm floor: ranks may go down to one sample
+        elif name == "ppo-bn1":  # the shipped policy without the BatchNorm floor: ranks may go down to one sample
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
                                   "--batchnorm-floor", "1")))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
         elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
             out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"hold_unidentified": 0}))))
-        elif name == "ppo-progress":  # the default ending on training progress (zoo jobs: --budget progress)
+        elif name == "ppo-progress":  # the shipped policy ending on training progress (zoo jobs: --budget progress)
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
                                   "--budget", "progress")))
         elif name in ("ppo-progress-fullgain", "ppo-progress-sqrtgain"):  # the LR rule on Adam-type optimizers
@@ -238,7 +238,7 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # a live check of a newly trained shipped policy on the 3x row, beside the proposal alone (~28 min)
     "policy-check": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "ppo"],
                       "seeds": 3}],
-    # the controller issue's three goal rows with the shipped default (ppo, greedy) against both
+    # the three goal rows with the shipped policy (ppo, greedy) against both
     # references, 5 seeds each, in one run (~110 min)
     "headline-final": [{"workloads": ["cnn"], "conditions": ["slow3x", "slow2x", "none"],
                         "arms": ["plain", "static-32", "ppo"], "seeds": 5}],
@@ -260,8 +260,9 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
 }
 ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
 ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:charlm-transformer", "zoo:bag-code"]
-# the workload zoo's headline: its evaluation half, with and without stragglers, the default against
-# plain Horovod and the best fixed split (3 seeds; `bench.zoo_report` reads it)
+# the workload zoo's headline: its evaluation half, with and without stragglers, the shipped PPO policy
+# deployed (which decides as the default proposal does) against plain Horovod and the best fixed split
+# (3 seeds; `bench.zoo_report` reads it)
 CONFIGS.update({
     "zoo-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["slow3x"], "arms": ["plain", "split", "ppo"],
                    "seeds": 1}],
@@ -269,12 +270,12 @@ CONFIGS.update({
                       "arms": ["plain", "split", "ppo"], "seeds": 3}],
     "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
-    # no harm: the default against plain Horovod on equal-speed ranks (3 seeds, ~20 min)
-    "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "ppo"], "seeds": 3}],
+    # no harm: the default (the proposal) against plain Horovod on equal-speed ranks (3 seeds, ~12 min)
+    "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3}],
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
     "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
                       "seeds": 1}],
-    # what the BatchNorm floor costs or saves: the ResNet with a straggler, default with and without it
+    # what the BatchNorm floor costs or saves: the ResNet with a straggler, the shipped policy with and without it
     "zoo-batchnorm": [{"workloads": ["zoo:resnet-bn"], "conditions": ["slow3x"], "arms": ["plain", "ppo", "ppo-bn1"],
                        "seeds": 2}],
     # measured critical batch against the noise-scale estimate: static sizes (the controller deciding
@@ -284,7 +285,7 @@ CONFIGS.update({
                      for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
     # slow and changing links (every rank in its own network namespace, tbf-shaped): where a larger
     # batch pays for the allreduce, and where it must not be grown
-    # (the default ends on training progress, so its final metric is at equal progress; ~45 min)
+    # (the adaptive arm ends on training progress, so its final metric is at equal progress; ~45 min)
     "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm"],
                      "conditions": ["net10", "net100", "net-changing"],
                      "arms": ["plain", "ppo-progress"], "seeds": 3}],
@@ -298,15 +299,15 @@ CONFIGS.update({
     # the simulator's side: python -m bench.lab.misspecified)
     "zoo-misspecified": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["interference", "bursts"],
                           "arms": ["plain", "model", "ppo"], "seeds": 3}],
-    # the same on an evaluation job with the slow rank the learned policy should handle best (1x, then
-    # 3x, then 1.5x) and with interference (~20 min)
+    # the same on an evaluation job (~8 min): interference, and a slow rank that goes 1x, 3x (from 20 s),
+    # 1.5x (from 60 s), which in these ~10 s-to-target jobs mostly comes after the target
     "zoo-misspecified-gru": [{"workloads": ["zoo:gru-charlm"], "conditions": ["slow-varying", "interference"],
                               "arms": ["plain", "model", "ppo"], "seeds": 3}],
     # functional runs at 8 and 16 ranks on this machine's cores (the slow rank sleeps): decisions reach
-    # every rank, nobody starves; decision latency per world size in decisions.csv (overhead_s)
+    # every rank, nobody starves; decision latency per world size (python -m bench.scale_report)
     "scale-functional": [{"workloads": ["cnn-scale"], "conditions": ["scale8-slow3x", "scale16-slow3x"],
-                          "arms": ["model"], "seeds": 1}],
-    # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the default,
+                          "arms": ["plain", "model"], "seeds": 1}],
+    # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the shipped policy,
     # each as its own mpirun job beside plain Horovod (~6 min)
     "zoo-dataplane-cnn": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["none"], "arms": ["plain", "dataplane", "ppo"],
                            "seeds": 3}],

@@ -146,7 +146,7 @@ BAD_PPO = {
 BAD_WEIGHT = st.one_of(NOT_A_NUMBER, NONFINITE, st.floats(max_value=-1e-9, allow_nan=False), st.integers(max_value=-1))
 BAD_CONTROLLER = {
     "policy": st.one_of(st.text(max_size=8).filter(lambda t: t not in POLICY_NAMES), st.none(), st.integers()),
-    # a config of another policy's type (policy "ppo" takes a ProposalConfig), or not a config at all
+    # a config of another policy's type (policies "model" and "ppo" take a ProposalConfig), or not a config at all
     "policy_config": st.one_of(st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2), st.just({}),
                                st.sampled_from(sorted(RULE_CONFIGS)).map(lambda name: RULE_CONFIGS[name]()),
                                st.builds(RewardConfig)),

@@ -72,7 +72,7 @@ def test_run_job_runs_the_demo_by_default():
     proc = wrapper("run_job.sh", DRY_RUN="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [l for l in proc.stderr.splitlines() if "bench.jobs.cnn_train" in l]
-    assert len(lines) == 2 and "--plain-horovod" in lines[0] and "--policy ppo" in lines[1], proc.stderr
+    assert len(lines) == 2 and "--plain-horovod" in lines[0] and "--policy model" in lines[1], proc.stderr
     assert all("--slow-factor 3.0" in l for l in lines)
 
 

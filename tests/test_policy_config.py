@@ -37,7 +37,7 @@ def test_unreadable_default_policy_is_an_error(tmp_path, monkeypatch):
         make_policy(ControllerConfig(policy="ppo"))
 
 
-def test_default_controller_config_keeps_the_stored_ppo_config():
+def test_ppo_controller_config_keeps_the_stored_ppo_config():
     stored, _ = load_policy(DEFAULT_POLICY, ActionSpace())
     policy = make_policy(ControllerConfig(policy="ppo"))
     assert policy.learner.config == stored.config

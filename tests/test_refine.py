@@ -121,3 +121,26 @@ def test_shipped_policy_deployed_decides_as_the_default_model_policy() -> None:
             assert (da.sizes, da.passes) == (db.sizes, db.passes), (spec.initial_batch, da.info, db.info)
             assert da.info["held"] == db.info.get("held", False)
             a.step_sizes(da.sizes), b.step_sizes(db.sizes)
+
+
+def test_the_default_policy_state_round_trips_and_loads_a_deployed_ppo_checkpoint() -> None:
+    """The guarded proposal's state (decisions, neutral split, checks, the guard's last two sizes) comes
+    back exactly, and a checkpoint of the deployed PPO policy (the default before the proposal) resumes
+    as the default: the restored policy decides on as the PPO policy would have."""
+    from dynamix_hvd.control.config import ControllerConfig, make_policy
+
+    spec = straggler(3, 3.0)
+    for source in (lambda: make_policy(ControllerConfig()), lambda: make_policy(ControllerConfig(policy="ppo"))):
+        first, sim = source(), ClusterSimulator(spec, seed=4)
+        sim.reset()
+        for _ in range(12):
+            sim.step_sizes(first.decide(sim.decision_input()).sizes)
+        restored = make_policy(ControllerConfig())
+        restored.load_state_dict(first.state_dict())
+        assert restored.guard.history == (first.guard.history), "the guard's history is restored"
+        assert restored.decisions == (first.model if hasattr(first, "model") else first).decisions
+        for _ in range(10):  # the same inputs: the same decisions from here on
+            inp = sim.decision_input()
+            a, b = first.decide(inp), restored.decide(inp)
+            assert a.sizes == b.sizes, (a.info, b.info)
+            sim.step_sizes(a.sizes)

@@ -43,7 +43,7 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
                          "(ProposalConfig)")
     ap.add_argument("--policy-file", default=os.environ.get("POLICY_FILE", "default"),
                     help="PPO policy to start from: name in policies/ or path; 'none' = fresh (env POLICY_FILE)")
-    ap.add_argument("--learn", type=int, default=0, help="1: keep training the policy online; 0: act greedily")
+    ap.add_argument("--learn", type=int, default=0, help="policy ppo: 1 keeps training the policy online; 0 acts greedily")
     ap.add_argument("--decide-every", type=int, default=decide_every,
                     help="decide every k steps (0: at the end of every epoch only; -1 or the default: at "
                          "every epoch end and inside epochs, so that the run gets about 32 decisions, the "

@@ -90,8 +90,8 @@ class ControllerConfig:
     policy: str = "model"
     """Decision maker: "model" (the default: the cost-model proposal of `dynamix_hvd.control.proposal`,
     holding decisions that would flip back), "ppo" (DYNAMIX: a shared PPO actor refining that proposal,
-    see `dynamix_hvd.control.refine`; deployed, the shipped policy decides as "model" does, see
-    policies/default.md), "static", or a classic rule of `dynamix_hvd.control.rules` (linear-ramp,
+    see `dynamix_hvd.control.refine`; deployed, the shipped policy decides as "model" does on the
+    simulated clusters of tests/test_refine.py; policies/default.md compares them), "static", or a classic rule of `dynamix_hvd.control.rules` (linear-ramp,
     adabatch, increase-batch, noise-scale, goodput, speed-split)."""
     policy_config: PolicySettings | None = None
     """The chosen policy's settings, typed per policy (:data:`POLICY_CONFIGS`): a ProposalConfig for
@@ -99,8 +99,9 @@ class ControllerConfig:
     NoiseScaleConfig, GoodputConfig, SpeedSplitConfig; "static" takes none. None: the policy's
     defaults. A config of another policy's type is an error."""
     policy_file: str | None = DEFAULT_POLICY
-    """PPO weights to start from: a name in policies/ or a path; None starts from a fresh policy. The
-    shipped default (pretrained in the simulator, see policies/default.md) is used unless told otherwise."""
+    """Policy "ppo": the weights to start from, a name in policies/ or a path; None starts from a fresh
+    policy. The shipped policy (pretrained in the simulator, see policies/default.md) is used unless told
+    otherwise. Other policies ignore it."""
     learn: bool = False
     """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see

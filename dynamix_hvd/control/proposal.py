@@ -400,6 +400,7 @@ class ModelPolicy:
         out = self.propose(inp)
         if self.guard is None:
             return out
+        # a held proposal stays in self.last (and a split trial it started ends at the next neutral interval)
         passes = out.passes if out.passes is not None else inp.passes
         sizes, passes, held = self.guard.hold(out.sizes, passes, inp.sizes, inp.passes,
                                               bool(out.info.get("dithered")))
@@ -478,6 +479,8 @@ class ModelPolicy:
                 "guard": None if self.guard is None else [list(h) for h in self.guard.history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "learner" in state:  # a deployed PPO policy's state: its proposal's and its guard's are this state
+            state = {**state["model"], "guard": state.get("guard") if self.guard is not None else None}
         self.decisions = int(state["decisions"])
         neutral = state.get("neutral")  # absent in checkpoints from before the neutral split
         self.neutral = None if neutral is None else [float(x) for x in neutral]
