@@ -91,8 +91,9 @@ class ControllerConfig:
     """Decision maker: "model" (the default: the cost-model proposal of `dynamix_hvd.control.proposal`,
     holding decisions that would flip back), "ppo" (DYNAMIX: a shared PPO actor refining that proposal,
     see `dynamix_hvd.control.refine`; deployed, the shipped policy decides as "model" does on the
-    simulated clusters of tests/test_refine.py; policies/default.md compares them), "static", or a classic rule of `dynamix_hvd.control.rules` (linear-ramp,
-    adabatch, increase-batch, noise-scale, goodput, speed-split)."""
+    simulated clusters of tests/test_refine.py; policies/default.md compares them), "static", or a
+    classic rule of `dynamix_hvd.control.rules` (linear-ramp, adabatch, increase-batch, noise-scale,
+    goodput, speed-split)."""
     policy_config: PolicySettings | None = None
     """The chosen policy's settings, typed per policy (:data:`POLICY_CONFIGS`): a ProposalConfig for
     "ppo" and "model", LinearRampConfig for "linear-ramp", AdaBatchConfig, IncreaseBatchConfig,
@@ -103,7 +104,8 @@ class ControllerConfig:
     policy. The shipped policy (pretrained in the simulator, see policies/default.md) is used unless told
     otherwise. Other policies ignore it."""
     learn: bool = False
-    """Keep training the PPO policy online from this job's transitions (sampled actions, PPO updates).
+    """Policy "ppo" only: keep training the PPO policy online from this job's transitions (sampled
+    actions, PPO updates).
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     total_epochs: int | None = None
