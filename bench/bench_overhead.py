@@ -24,12 +24,14 @@ caches); then ``--repeats`` rounds, each ``--chunk`` steps of every variant in r
 chunk timed between two barriers. Short chunks interleave the variants finely, so the machine's slow
 drifts hit them alike. Printed per variant: the median ms per step; the **paired ratio** to
 ``horovod`` (per round, this variant's chunk over horovod's chunk of the same round; the median over
-rounds with a 90% bootstrap interval: the figure to read); the ratio of the totals (every chunk,
+rounds with a 90% bootstrap interval: the figure to read); the **CPU ratio**, the same pairing of rank
+0's training-thread CPU seconds (``time.thread_time``: the work a variant adds, without the machine's
+scheduling noise; Horovod's wait for the allreduce polls and so counts as CPU too, so with ``--np 1``,
+where nothing waits, it is the data plane's own work); the ratio of the totals (every chunk,
 decisions at epoch ends included; noisier); the first-epoch extra; and where the time goes (rank 0's
 mean ms per step in the data wait, forward+backward, ``step()`` (allreduce wait included) and the
 controller's per-step calls; decisions fall in the data wait of the step after an epoch's end; and
-the CPU time of the training thread, which excludes waiting and most of the machine's noise: the
-steadiest measure of the work a variant adds). Time it on a quiet machine, one rank per core.
+the CPU time of the training thread). Time it on a quiet machine, one rank per core.
 
 ``--profile`` instead runs one process (``hvd.init()`` alone): per variant, the calls per step that
 read a tensor back to the host (``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``), by
@@ -205,12 +207,16 @@ def worker(args: argparse.Namespace) -> None:
     runs = {v: setups[v].run() for v in variants}
     barrier = torch.zeros(1)
 
+    cpu: dict[str, list[float]] = {v: [] for v in variants}  # training-thread CPU seconds per timed chunk
+
     def timed(v: str, steps: int) -> float:
         hvd.allreduce(barrier, name="bench.barrier")
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             next(runs[v])
+        c = time.thread_time() - c
         hvd.allreduce(barrier, name="bench.barrier")
+        cpu[v].append(c)
         return time.perf_counter() - t
 
     # Process warm-up (MPI connections, Horovod's first negotiations, allocator, thread pools) belongs to
@@ -221,6 +227,8 @@ def worker(args: argparse.Namespace) -> None:
     first = {v: timed(v, args.steps) for v in variants}  # the first epoch: compilation, caches
     for s in setups.values():
         s.phases, s.steps, s.samples = dict.fromkeys(PHASES, 0.0), 0, 0
+    for c in cpu.values():
+        c.clear()
     times: dict[str, list[float]] = {v: [] for v in variants}
     for rep in range(args.repeats):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -233,6 +241,7 @@ def worker(args: argparse.Namespace) -> None:
     per_step = {v: statistics.median(t) / args.chunk for v, t in times.items()}
     extra = {v: first[v] - args.steps * per_step[v] for v in variants}
     paired = {v: [a / b for a, b in zip(times[v], times["horovod"])] for v in variants}
+    paired_cpu = {v: [a / b for a, b in zip(cpu[v], cpu["horovod"])] for v in variants}
     phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
     samples = {v: setups[v].samples / max(setups[v].steps, 1) for v in variants}
     result = {"np": hvd.size(), "job": args.job, "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
@@ -241,17 +250,21 @@ def worker(args: argparse.Namespace) -> None:
               "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
               "paired_ratio": {v: statistics.median(r) for v, r in paired.items()},
               "paired_ratio_90ci": {v: bootstrap_median_ci(r) for v, r in paired.items()},
+              "paired_cpu_ratio": {v: statistics.median(r) for v, r in paired_cpu.items()},
+              "paired_cpu_ratio_90ci": {v: bootstrap_median_ci(r) for v, r in paired_cpu.items()},
               "ratio_of_totals": {v: sum(times[v]) / sum(times["horovod"]) for v in variants},
               "first_epoch_extra_s": {v: extra[v] - extra["horovod"] for v in variants},
               "rank0_ms_per_step": phases}
     print(f"{args.job or 'pytorch_mnist CNN'}: "
           f"{hvd.size()} ranks, {args.batch} samples per rank and step, epochs of {args.steps} steps; "
           f"{args.repeats} rounds of {args.chunk} steps of every variant")
-    print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'ratio of totals':>17}{'1st-epoch extra_s':>19}"
-          f"{'rank-0 samples/step':>21}")
+    print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'CPU ratio [90% CI]':>24}{'ratio of totals':>17}"
+          f"{'1st-epoch extra_s':>19}{'rank-0 samples/step':>21}")
     for v in variants:
         lo, hi = result["paired_ratio_90ci"][v]
+        clo, chi = result["paired_cpu_ratio_90ci"][v]
         print(f"{v:<22}{1e3 * per_step[v]:>9.2f}{result['paired_ratio'][v]:>10.3f} [{lo:.3f}, {hi:.3f}]"
+              f"{result['paired_cpu_ratio'][v]:>10.3f} [{clo:.3f}, {chi:.3f}]"
               f"{result['ratio_of_totals'][v]:>17.3f}{result['first_epoch_extra_s'][v]:>19.3f}{samples[v]:>21.2f}")
     print("where the time goes, rank 0, mean ms per step:")
     print(f"{'':<22}" + "".join(f"{k:>18}" for k in PHASES))

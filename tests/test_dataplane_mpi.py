@@ -24,6 +24,7 @@ TOLERANCE = 1e-6
 CASES = [  # (launcher, ranks, first epoch's sizes)
     ("mpirun", 2, "5,11"),
     ("mpirun", 3, "3,7,12"),
+    ("mpirun", 3, "6,6,6"),  # equal sizes until the change: one factor for all ranks, applied after the sum
     ("horovodrun", 2, "3,7"),
     ("horovodrun-gloo", 3, "3,7,12"),
 ]

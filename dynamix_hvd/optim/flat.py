@@ -41,6 +41,9 @@ class FlatGradients:
         # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
         # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
         # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
+        # where each view's data starts in its buffer (None: a view of no elements)
+        self._home_ptrs: list[int | None] = [buf.data_ptr() + start * buf.element_size() if v.numel() else None
+                                             for v, (buf, start) in zip(self.views, self._homes)]
         cuda = self.buffers[0].device.type == "cuda"
         self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
         self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
@@ -63,12 +66,14 @@ class FlatGradients:
         (fp16) ends with ``p.grad.set_(decompressed)``, which gives the view object (that is
         ``p.grad``) the decompressed tensor's storage. Such a view is set back onto its place in the
         buffer, its values copied along, so the view objects (which the norms hold) stay valid."""
-        for p, view, (buf, start) in zip(self.params, self.views, self._homes):
-            if view.numel() and view.data_ptr() != buf.data_ptr() + start * buf.element_size():
+        for p, view, (buf, start), home in zip(self.params, self.views, self._homes, self._home_ptrs):
+            g = p.grad
+            if g is view and (home is None or view.data_ptr() == home):
+                continue  # the usual case, checked first: p.grad is its view, in place
+            if home is not None and view.data_ptr() != home:
                 moved = view.detach()  # shares the storage the view was moved to
                 view.set_(buf.untyped_storage(), buf.storage_offset() + start, p.shape)
                 view.copy_(moved)
-            g = p.grad
             if g is None or g.data_ptr() != view.data_ptr():
                 if g is not None:
                     view.copy_(g)
@@ -91,7 +96,9 @@ class FlatGradients:
 
 def sq_norm(grad: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm as a 0-d tensor on the gradient's device: in the gradient's precision (a float64
-    cast would copy the whole gradient), 16-bit gradients accumulated in float32 (they could overflow)."""
+    cast would copy the whole gradient) as one dot product, 16-bit gradients accumulated in float32
+    (they could overflow)."""
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    return torch.linalg.vector_norm(grad).square()
+    flat = grad.reshape(-1)
+    return torch.dot(flat, flat)

@@ -230,7 +230,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._index_of = {v.data_ptr(): i for i, v in enumerate(self.flat.views) if v.numel()}
         self._hooks: list[Any] = []   # the per-micro-batch weighting hooks, while accumulating
         self._preweighted = False     # set_local_gradients() weighed this step's gradients itself
-        self._step_scale = (None, 1.0, 1.0)  # (planned step, gradient factor, norm factor) of this step
+        # (planned step, gradient factor, norm factor, factor applied after the allreduce) of this step
+        self._step_scale: tuple[Any, float, float, bool] = (None, 1.0, 1.0, False)
         self._oom_samples = 0  # > 0: this rank ran out of memory in this step with that many samples
         self.oom_handler: Callable[[list[int], list[int]], list[int]] = halve_failed_ranks
         self.last_status = "ok"
@@ -238,6 +239,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._synced: dict[str, Any] | None = None  # what synchronize() found, until step() uses it
         self._should_synchronize = True
         self._compression = compression if compression is not None else hvd.Compression.none
+        self._exact_wire = self._compression is hvd.Compression.none  # gradients travel uncompressed
         self._allreduce_bytes: int | None = None
         # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
         self._engine = hvd.DistributedOptimizer(
@@ -259,14 +261,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if index is None:
             raise RuntimeError("a gradient reached the allreduce outside its flat buffer (was p.grad replaced "
                                "between zero_grad() and step()?); the weighting cannot place it")
-        planned, scale, _ = self._step_scale
+        planned, scale, _, after = self._step_scale
         step = self.loader.current_step
         if step is not planned:
-            planned, scale, _ = self._start_micro_step(step)
+            planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
             # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
             self._local_parts[index] = sq_norm(grad)
-        grad.mul_(scale)
+        if not after:
+            grad.mul_(scale)
 
     def _update_hooks(self) -> None:
         """Per-parameter hooks exist only while accumulating (micro-batches must be weighted one by one)."""
@@ -277,10 +280,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _make_weight_hook(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
         def weight(grad: torch.Tensor) -> torch.Tensor:
-            planned, scale, _ = self._step_scale
+            planned, scale, _, _ = self._step_scale
             step = self.loader.current_step
             if step is not planned:
-                planned, scale, _ = self._start_micro_step(step)
+                planned, scale, _, _ = self._start_micro_step(step)
             # Accumulation: sums now, divided by the group's global count in synchronize().
             out = grad * scale
             if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
@@ -289,8 +292,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             return out
         return weight
 
-    def _start_micro_step(self, step: Any) -> tuple[Any, float, float]:
-        """First gradient of a loader step: its gradient factor and norm factor, computed once."""
+    def _start_micro_step(self, step: Any) -> tuple[Any, float, float, bool]:
+        """First gradient of a loader step: its gradient factor and norm factor, computed once, and
+        whether the factor is the same on every rank (equal counts, or a summed loss), so that one
+        multiply of each flat buffer after the allreduce replaces one per parameter before it (not under
+        a lossy compression such as fp16, where weighing first keeps the sum in range)."""
         if not self._micro:
             self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
         self._micro.append(step)
@@ -304,7 +310,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             scale = float(local) if mean else 1.0
             if self.backward_passes_per_step > 1:
                 unit = 1.0  # the hooks measure the accumulated sum: synchronize() divides by local_n**2
-        self._step_scale = (step, scale, unit)
+        after = False
+        if self.backward_passes_per_step == 1 and self._exact_wire and not isinstance(global_, _PendingCount):
+            units = step.counts if self.loss_unit == "samples" else step.tokens
+            after = not mean or (units is not None and min(units) == max(units))
+        self._step_scale = (step, scale, unit, after)
         return self._step_scale
 
     def _counts(self, step: Any) -> tuple[int, Any]:
@@ -383,7 +393,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _clear_local(self) -> None:
         self._local_parts = [None] * len(self._params)
-        self._step_scale = (None, 1.0, 1.0)
+        self._step_scale = (None, 1.0, 1.0, False)
         self._preweighted = False
 
     # --- torch.optim.Optimizer surface -------------------------------------------------------------
@@ -504,6 +514,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 self._weigh(view)
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
+        step, scale, _, after = self._step_scale
+        if after and step is not None:  # the factor every rank shares, applied once to the sum
+            for buf in self.flat.buffers:
+                buf.mul_(scale)
         tracker.synchronized()
         local_n = global_n = 0
         local_sq = self._local_sq()

@@ -24,6 +24,8 @@ CONFIGS = {
                       {"lr_rule": "linear", "base_batch_size": 8}),
     "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2), {}),
     "adamw_clip": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), {"max_grad_norm": 0.05}),
+    # the loss summed over the local batch (the update is still the mean over all samples)
+    "sgd_sum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), {"loss_reduction": "sum"}),
 }
 
 
@@ -89,7 +91,7 @@ def main() -> None:
                 opt.zero_grad()
                 if rank == args.slow_rank:
                     time.sleep(args.slow_s)
-                loss = nn.functional.cross_entropy(model(x), y)
+                loss = nn.functional.cross_entropy(model(x), y, reduction=kwargs.get("loss_reduction", "mean"))
                 loss.backward()
                 opt.step()
                 steps.append({"epoch": epoch, "step": step, "indices": idx.tolist(),
