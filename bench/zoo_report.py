@@ -75,7 +75,7 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame) -> dict[str, 
     of a straggler condition is then unknown)."""
     from bench.zoo import JOBS
 
-    job = JOBS[str(run["workload"]).removeprefix("zoo:")]
+    job = JOBS[str(run["workload"]).removeprefix("zoo:").split(":")[0]]  # zoo:JOB or zoo:JOB:long
     mine = evals[(evals.workload == run["workload"]) & (evals.condition == run["condition"])
                  & (evals.arm == run["arm"]) & (evals.seed == run["seed"])]
     return {**eval_numbers(mine, job.target, job.higher_is_better, float(run["train_s"])),
