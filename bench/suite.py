@@ -280,10 +280,13 @@ CONFIGS.update({
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
     # no harm: the default (the proposal) against plain Horovod on equal-speed ranks (3 seeds, ~12 min)
     "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3}],
-    # no harm where whole jobs of 13-37 s were too noisy: the two shortest-step jobs trained about a
-    # minute each (~16 min)
-    "zoo-noharm-long": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
-                         "arms": ["plain", "model"], "seeds": 3}],
+    # the two shortest-step evaluation jobs trained about a minute each, where whole jobs of 13-37 s
+    # were too noisy and too short for the first decisions: no harm on equal ranks, and rank 1 3x
+    # slower beside the best fixed split (~45 min)
+    "zoo-long": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
+                  "arms": ["plain", "model"], "seeds": 3},
+                 {"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["slow3x"],
+                  "arms": ["plain", "split", "model"], "seeds": 3}],
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
     "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
                       "seeds": 1}],

@@ -9,7 +9,8 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   job's target (one lucky evaluation cannot decide it); a run that never gets there counts with its
   whole training time and is marked ``miss``;
 * budget time: training seconds for the job's whole epoch budget; first epoch: training seconds to
-  the end of epoch 0 (the start-up tax is there);
+  the end of epoch 0 (the start-up tax is there), and beside it, in brackets, how much longer it took
+  than the run's median later epoch (the tax in the run's own units: run-to-run speed drift cancels);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
 * attainable limit of a condition: the plain no-straggler run (same links) of the same seed with its forward +
@@ -21,6 +22,11 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   reached plain Horovod's at its end (the arm's last evaluation where it never did);
 * spread: the range (max - min) of the last three evaluations, the arm's median over seeds beside
   plain Horovod's (a stability measure: a batch too large for its learning rate swings);
+* at plain's machine speed (rows without a straggler): the budget ratio with each run's time scaled
+  by plain Horovod's forward+backward seconds per sample over its own, both over the steps at the
+  job's batch (identical work), so that the machine's speed drifting between runs (up to 20% here)
+  cancels; it assumes the whole step slows with the compute, and it hides a slowdown of the compute
+  itself (the helper threads' CPU time, recorded per run, says whether there could be one);
 * every ratio is the median over seeds of per-seed paired ratios, with the interquartile range.
 """
 from __future__ import annotations
@@ -57,19 +63,31 @@ def eval_numbers(evals: pd.DataFrame, target: float, higher: bool, train_s: floa
             "ttt_s": ttt if math.isfinite(ttt) else train_s, "miss": not math.isfinite(ttt)}
 
 
-def job_numbers(run_dir: Path) -> dict[str, Any]:
+def job_numbers(run_dir: Path, target: float | None = None) -> dict[str, Any]:
     res = json.loads((run_dir / "suite_result.json").read_text())
+    if target is not None:
+        res["target"] = target
     steps = pd.read_csv(run_dir / "suite_steps.csv")
-    first = steps[steps.epoch == 0].groupby("rank").t_s.max().max() if (steps.epoch == 0).any() else math.nan
+    ends = steps.groupby("epoch").t_s.max().sort_index()  # each epoch's end, the last rank's
+    first = float(ends.iloc[0]) if 0 in ends.index else math.nan
+    later = ends.diff().iloc[1:]
+    # the start-up tax in this run's own units: the first epoch over a steady one of the same run
+    # (the machine's speed drifts between runs by more than the tax, so a raw first epoch hides it)
+    excess = first - float(later.median()) if len(later) and math.isfinite(first) else math.nan
     per_sample = (steps.compute_s / steps.local_batch.clip(lower=1)).groupby(steps["rank"]).median()
+    # the machine's speed in this run: forward+backward seconds per sample over the steps run at the
+    # job's own batch (the first step's), identical work in every arm
+    own = steps[steps.local_batch == steps.sort_values("step").local_batch.iloc[0]] if len(steps) else steps
+    speed = float((own.compute_s / own.local_batch.clip(lower=1)).median()) if len(own) else math.nan
     return {**eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), float(res["target"]),
                            res.get("metric", "accuracy") == "accuracy", float(res["train_s"])),
-            "budget_s": float(res["train_s"]), "first_epoch_s": float(first),
+            "budget_s": float(res["train_s"]), "first_epoch_s": first, "first_excess_s": excess,
+            "compute_per_sample_s": speed,
             "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
             "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
 
 
-def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame) -> dict[str, Any]:
+def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float | None = None) -> dict[str, Any]:
     """`job_numbers` from the results folder alone (its runs.csv row and evals.csv), for a run whose
     run folder is gone: no per-step records, so no first-epoch time and no measured speeds (the limit
     of a straggler condition is then unknown)."""
@@ -78,12 +96,16 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame) -> dict[str, 
     job = JOBS[str(run["workload"]).removeprefix("zoo:").split(":")[0]]  # zoo:JOB or zoo:JOB:long
     mine = evals[(evals.workload == run["workload"]) & (evals.condition == run["condition"])
                  & (evals.arm == run["arm"]) & (evals.seed == run["seed"])]
-    return {**eval_numbers(mine, job.target, job.higher_is_better, float(run["train_s"])),
-            "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "final": float(run["final"]),
+    return {**eval_numbers(mine, job.target if target is None else target, job.higher_is_better, float(run["train_s"])),
+            "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "first_excess_s": math.nan,
+            "compute_per_sample_s": math.nan,
+            "final": float(run["final"]),
             "speeds": [], "compute_s": math.nan}
 
 
-def collect(results: Path) -> pd.DataFrame:
+def collect(results: Path, targets: dict[str, float] | None = None) -> pd.DataFrame:
+    """One row per finished job; `targets` replaces the target of the workloads it names."""
+    targets = targets or {}
     runs = pd.read_csv(results / "runs.csv")
     evals = pd.read_csv(results / "evals.csv") if (results / "evals.csv").exists() else None
     rows = []
@@ -92,9 +114,9 @@ def collect(results: Path) -> pd.DataFrame:
         run_dir = Path(r["run_dir"])
         try:
             if run_dir.exists() or evals is None:
-                rows.append({**key, **job_numbers(run_dir)})
+                rows.append({**key, **job_numbers(run_dir, targets.get(r["workload"]))})
             else:
-                rows.append({**key, **numbers_from_results(r, evals)})
+                rows.append({**key, **numbers_from_results(r, evals, targets.get(r["workload"]))})
         except (OSError, KeyError, ValueError) as exc:
             print(f"skipping {run_dir}: {exc!r}", file=sys.stderr)
     return pd.DataFrame(rows)
@@ -142,8 +164,9 @@ def _med_iqr(values: pd.Series) -> str:
 def headline(jobs: pd.DataFrame) -> str:
     """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
     lines = ["| job | condition | limit | arm | time to target / plain [IQR] | / limit | budget time / plain "
-             "| first epoch s | final (plain) | final at equal progress | spread of last 3 (plain) | misses |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
+             "| spread of last 3 (plain) | misses |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, c), cell in jobs.groupby(["workload", "condition"], sort=False):
         plain = cell[cell.arm == PLAIN].set_index("seed")
         ref = reference_condition(c)
@@ -156,10 +179,14 @@ def headline(jobs: pd.DataFrame) -> str:
             g = g.set_index("seed")
             ratio = (g.ttt_s / plain.ttt_s).dropna()
             budget = (g.budget_s / plain.budget_s).dropna()
+            # without a straggler: the budget ratio with the run's time rescaled by the machine speed
+            # its own steps at the job's batch measured against plain Horovod's (identical work)
+            adjusted = (budget * plain.compute_per_sample_s / g.compute_per_sample_s).dropna() if ref == c else None
             equal = pd.Series([at_progress(e, end.get(s, math.nan)) for s, e in g.evals.items()], dtype=float)
             lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} | {arm} | {_med_iqr(ratio)} | "
                          f"{(ratio / limit.reindex(ratio.index)).median():.2f} | {_med_iqr(budget)} | "
-                         f"{g.first_epoch_s.median():.2f} | {g.final.median():.4f} ({plain.final.median():.4f}) | "
+                         f"{'-' if adjusted is None else _med_iqr(adjusted)} | "
+                         f"{g.first_epoch_s.median():.2f} ({g.first_excess_s.median():+.2f}) | {g.final.median():.4f} ({plain.final.median():.4f}) | "
                          f"{equal.median():.4f} | {g.spread.median():.4f} ({plain.spread.median():.4f}) | "
                          f"{int(g.miss.sum())}/{len(g)} |")
     return "\n".join(lines)
@@ -210,20 +237,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", help="a suite results directory (bench/results/NAME)")
     ap.add_argument("--critical", action="store_true",
                     help="the critical-batch table of a zoo-critical run instead of the headline")
+    ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
+                    help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
+                         "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
     args = ap.parse_args(argv)
+    targets = {}
+    for item in args.target:
+        name, _, value = item.partition("=")
+        try:
+            targets[name] = float(value)
+        except ValueError:
+            ap.error(f"--target {item!r}: give WORKLOAD=VALUE with a number, e.g. zoo:lstm-rows:long=0.96")
     results = Path(args.results)
     if args.critical:
         text = f"# {results.name}: measured critical batch against the noise-scale estimate\n\n" + critical_batch(results)
         (results / "critical.md").write_text(text + "\n")
         print(text)
         return 0
-    jobs = collect(results)
+    jobs = collect(results, targets)
     if jobs.empty:
         print(f"no finished jobs in {results / 'runs.csv'}")
         return 1
     machine = json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {}
     text = (f"# {results.name}\n\n`{machine.get('command', '?')}`; {machine.get('date', '?')}; {machine.get('cpu', '?')}, "
-            f"{machine.get('cores', '?')} cores; commit {str(machine.get('git_commit', '?'))[:12]}\n\n"
+            f"{machine.get('cores', '?')} cores; commit {str(machine.get('git_commit', '?'))[:12]}"
+            + "".join(f"; target of {w}: {v:g}" for w, v in targets.items()) + "\n\n"
             + headline(jobs) + "\n")
     (results / "zoo.md").write_text(text)
     print(text)

@@ -55,7 +55,7 @@ def reference_params(config: str, steps: list[list[dict]]) -> dict[str, torch.Te
     return {n: p.detach().flatten() for n, p in model.named_parameters()}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-np{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-np{c[1]}-{c[2].replace(',', '.')}")
 def job(request, tmp_path_factory):
     launcher, ranks, sizes = request.param
     out = tmp_path_factory.mktemp(f"{launcher}{ranks}")

@@ -302,3 +302,19 @@ def test_flat_gradients_take_back_a_view_whose_storage_was_replaced():
     assert flat.sq_norms().tolist() == pytest.approx([55.0, 16.0], rel=1e-6)
     flat.zero()
     assert flat.sq_norms().tolist() == [0.0, 0.0] and float(params[0].grad.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.complex64])
+def test_a_local_gradients_squared_norm_is_its_sum_of_squared_magnitudes(dtype):
+    from dynamix_hvd.optim.flat import sq_norm
+
+    g = torch.Generator().manual_seed(3)
+    grad = torch.randn(37, 11, generator=g).to(dtype) if not dtype.is_complex else torch.randn(
+        37, 11, generator=g, dtype=dtype)
+    for tensor in (grad, grad.t(), grad[:0]):  # contiguous, a transposed view, no elements
+        got = sq_norm(tensor)
+        assert got.dim() == 0 and not got.is_complex()
+        exact = float((tensor.to(torch.complex128).abs() ** 2).sum()) if dtype.is_complex else \
+            float((tensor.double() ** 2).sum())
+        tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+        assert abs(float(got) - exact) <= tol * max(exact, 1e-12), (dtype, float(got), exact)

@@ -115,3 +115,22 @@ def test_a_zoo_job_trains_under_mpirun_every_sample_once(tmp_path, arm):
     steps = pd.read_csv(out / "suite_steps.csv")
     assert steps.groupby("step").local_batch.sum().sum() == len(train)
     assert result["final"] > 0.3, "one epoch learns something"
+
+
+def test_the_report_takes_a_later_target_for_a_long_job(tmp_path):
+    runs, evals = [], []
+    for arm, seconds in (("plain-horovod", 10.0), ("model", 8.0)):
+        runs.append({"workload": "zoo:lstm-rows:long", "condition": "none", "arm": arm, "seed": 0, "status": "ok",
+                     "run_dir": str(tmp_path / "gone" / arm), "slow_mode": "", "train_s": 6 * seconds,
+                     "final": 0.97})
+        for i, value in enumerate([0.90, 0.94, 0.95, 0.96, 0.97, 0.97]):
+            evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1), "value": value,
+                          "progress": float(i + 1), "workload": "zoo:lstm-rows:long", "condition": "none",
+                          "arm": arm, "seed": 0})
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    pd.DataFrame(evals).to_csv(tmp_path / "evals.csv", index=False)
+    own = collect(tmp_path)  # the job's target, 0.935: the median of three passes it at the 3rd evaluation
+    late = collect(tmp_path, {"zoo:lstm-rows:long": 0.965})  # at the 5th
+    assert sorted(own.ttt_s) == [24.0, 30.0] and sorted(late.ttt_s) == [40.0, 50.0]
+    row = next(line for line in headline(late).splitlines() if "| model |" in line)
+    assert "| lstm-rows:long | none | 1.00 | model | 0.80 [0.00] |" in row, row

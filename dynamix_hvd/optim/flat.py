@@ -38,12 +38,12 @@ class FlatGradients:
             self.buffers.append(buf)
             self.offsets.append(torch.tensor(bounds, dtype=torch.int64))
             self.members.append(members)
-        # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
-        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
-        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
         # where each view's data starts in its buffer (None: a view of no elements)
         self._home_ptrs: list[int | None] = [buf.data_ptr() + start * buf.element_size() if v.numel() else None
                                              for v, (buf, start) in zip(self.views, self._homes)]
+        # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
+        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
+        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
         cuda = self.buffers[0].device.type == "cuda"
         self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
         self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
@@ -100,5 +100,11 @@ def sq_norm(grad: torch.Tensor) -> torch.Tensor:
     (they could overflow)."""
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    if grad.is_complex() or grad.numel() > _DOT_MAX:
+        return torch.linalg.vector_norm(grad).square()
     flat = grad.reshape(-1)
     return torch.dot(flat, flat)
+
+
+_DOT_MAX = 2**31 - 1
+"""Most elements torch.dot takes on CUDA (cuBLAS counts in 32-bit integers)."""

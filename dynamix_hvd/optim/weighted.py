@@ -9,6 +9,9 @@ tensor hook on every parameter (each micro-batch is weighted before autograd add
 Either multiplies the local gradient by b_i / B, and Horovod then allreduces with ``op=Sum``. With a
 loss that is the mean over the local batch this gives
 sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B samples, exactly.
+Where the factor is the same on every rank (equal sizes, or a summed loss: 1 / B) and gradients travel
+uncompressed, it multiplies each flat buffer once after the allreduce instead (one kernel, not one
+per parameter).
 
 Gradients live as views into one flat buffer per (device, dtype) (`flat.FlatGradients`): zeroing is
 one kernel, the global gradient norm is one pass, and the gradient statistics can read all layers at once.
@@ -22,9 +25,10 @@ many samples, skip the update, shrink the failed rank's batch (``oom_handler``) 
 so the same samples are redone. A healthy step runs no collective besides the gradients' own.
 
 Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): per parameter,
-inside Horovod's compress() call, an in-place multiply and the local squared norm (one reduction in the
-gradient's own precision, kept on the device); and ``step()`` reads back one small tensor (the local
-and global squared norms, and the scaler's inf flag) for the non-finite check and the step record.
+inside Horovod's compress() call, the local squared norm (one dot product in the gradient's own
+precision, kept on the device) and, at unequal sizes, an in-place multiply; and ``step()`` reads back
+one small tensor (the local and global squared norms, and the scaler's inf flag) for the non-finite
+check and the step record.
 """
 from __future__ import annotations
 
@@ -239,7 +243,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._synced: dict[str, Any] | None = None  # what synchronize() found, until step() uses it
         self._should_synchronize = True
         self._compression = compression if compression is not None else hvd.Compression.none
-        self._exact_wire = self._compression is hvd.Compression.none  # gradients travel uncompressed
+        # gradients travel uncompressed and in a range where a sum of unweighted ones cannot overflow
+        self._exact_wire = (self._compression is hvd.Compression.none
+                            and all(buf.dtype != torch.float16 for buf in self.flat.buffers))
         self._allreduce_bytes: int | None = None
         # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
         self._engine = hvd.DistributedOptimizer(
@@ -295,8 +301,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     def _start_micro_step(self, step: Any) -> tuple[Any, float, float, bool]:
         """First gradient of a loader step: its gradient factor and norm factor, computed once, and
         whether the factor is the same on every rank (equal counts, or a summed loss), so that one
-        multiply of each flat buffer after the allreduce replaces one per parameter before it (not under
-        a lossy compression such as fp16, where weighing first keeps the sum in range)."""
+        multiply of each flat buffer after the allreduce replaces one per parameter before it (not for
+        gradients sent as float16, by compression or as the parameters' own type, where weighing first
+        keeps the sum in range)."""
         if not self._micro:
             self._group_t0 = getattr(self.loader.tracker, "_t_request", time.perf_counter())
         self._micro.append(step)
