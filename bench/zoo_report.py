@@ -65,8 +65,7 @@ def eval_numbers(evals: pd.DataFrame, target: float, higher: bool, train_s: floa
 
 def job_numbers(run_dir: Path, target: float | None = None) -> dict[str, Any]:
     res = json.loads((run_dir / "suite_result.json").read_text())
-    if target is not None:
-        res["target"] = target
+    target = float(res["target"]) if target is None else target
     steps = pd.read_csv(run_dir / "suite_steps.csv")
     ends = steps.groupby("epoch").t_s.max().sort_index()  # each epoch's end, the last rank's
     first = float(ends.iloc[0]) if 0 in ends.index else math.nan
@@ -79,7 +78,7 @@ def job_numbers(run_dir: Path, target: float | None = None) -> dict[str, Any]:
     # job's own batch (the first step's), identical work in every arm
     own = steps[steps.local_batch == steps.sort_values("step").local_batch.iloc[0]] if len(steps) else steps
     speed = float((own.compute_s / own.local_batch.clip(lower=1)).median()) if len(own) else math.nan
-    return {**eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), float(res["target"]),
+    return {**eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), target,
                            res.get("metric", "accuracy") == "accuracy", float(res["train_s"])),
             "budget_s": float(res["train_s"]), "first_epoch_s": first, "first_excess_s": excess,
             "compute_per_sample_s": speed,

@@ -73,18 +73,27 @@ def test_a_straggler_row_is_read_against_the_plain_run_on_the_same_links():
     assert reference_condition("net10") == "net10"
 
 
-def test_the_report_reads_a_results_folder_whose_run_folders_are_gone(tmp_path):
+def write_results_folder(folder, workload: str, condition: str, arms: dict[str, float], values: list[float],
+                         eval_s: float) -> None:
+    """A results folder (runs.csv, evals.csv) whose run folders are gone: per arm (name -> seconds per
+    unit) evaluations of `values` every `eval_s` units and a budget of one unit per evaluation."""
     runs, evals = [], []
-    for arm, seconds in (("plain-horovod", 10.0), ("ppo-progress", 5.0)):
-        runs.append({"workload": "zoo:mnist-cnn", "condition": "net10", "arm": arm, "seed": 0, "status": "ok",
-                     "run_dir": str(tmp_path / "gone" / arm), "slow_mode": "", "train_s": 3 * seconds,
-                     "final": 0.95})
-        for i, value in enumerate([0.5, 0.6, 0.95, 0.96]):  # the median of three is past the target at the 4th
-            evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1) / 2, "value": value,
-                          "progress": float(i + 1), "workload": "zoo:mnist-cnn", "condition": "net10",
-                          "arm": arm, "seed": 0})
-    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
-    pd.DataFrame(evals).to_csv(tmp_path / "evals.csv", index=False)
+    for arm, seconds in arms.items():
+        runs.append({"workload": workload, "condition": condition, "arm": arm, "seed": 0, "status": "ok",
+                     "run_dir": str(folder / "gone" / arm), "slow_mode": "", "train_s": len(values) * seconds,
+                     "final": values[-1]})
+        for i, value in enumerate(values):
+            evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1) * eval_s, "value": value,
+                          "progress": float(i + 1), "workload": workload, "condition": condition, "arm": arm,
+                          "seed": 0})
+    pd.DataFrame(runs).to_csv(folder / "runs.csv", index=False)
+    pd.DataFrame(evals).to_csv(folder / "evals.csv", index=False)
+
+
+def test_the_report_reads_a_results_folder_whose_run_folders_are_gone(tmp_path):
+    # the median of three is past the target at the 4th evaluation
+    write_results_folder(tmp_path, "zoo:mnist-cnn", "net10", {"plain-horovod": 10.0, "ppo-progress": 5.0},
+                         [0.5, 0.6, 0.95, 0.96], eval_s=0.5)
     jobs = collect(tmp_path)
     assert sorted(jobs.arm) == ["plain-horovod", "ppo-progress"] and set(jobs.ttt_s) == {20.0, 10.0}
     row = next(line for line in headline(jobs).splitlines() if "ppo-progress" in line)
@@ -118,17 +127,8 @@ def test_a_zoo_job_trains_under_mpirun_every_sample_once(tmp_path, arm):
 
 
 def test_the_report_takes_a_later_target_for_a_long_job(tmp_path):
-    runs, evals = [], []
-    for arm, seconds in (("plain-horovod", 10.0), ("model", 8.0)):
-        runs.append({"workload": "zoo:lstm-rows:long", "condition": "none", "arm": arm, "seed": 0, "status": "ok",
-                     "run_dir": str(tmp_path / "gone" / arm), "slow_mode": "", "train_s": 6 * seconds,
-                     "final": 0.97})
-        for i, value in enumerate([0.90, 0.94, 0.95, 0.96, 0.97, 0.97]):
-            evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1), "value": value,
-                          "progress": float(i + 1), "workload": "zoo:lstm-rows:long", "condition": "none",
-                          "arm": arm, "seed": 0})
-    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
-    pd.DataFrame(evals).to_csv(tmp_path / "evals.csv", index=False)
+    write_results_folder(tmp_path, "zoo:lstm-rows:long", "none", {"plain-horovod": 10.0, "model": 8.0},
+                         [0.90, 0.94, 0.95, 0.96, 0.97, 0.97], eval_s=1.0)
     own = collect(tmp_path)  # the job's target, 0.935: the median of three passes it at the 3rd evaluation
     late = collect(tmp_path, {"zoo:lstm-rows:long": 0.965})  # at the 6th
     assert sorted(own.ttt_s) == [24.0, 30.0] and sorted(late.ttt_s) == [48.0, 60.0]
