@@ -278,6 +278,10 @@ CONFIGS.update({
                       "arms": ["plain", "split", "ppo"], "seeds": 3}],
     "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
+    # with a straggler, the default (the proposal) beside plain Horovod and the best fixed split on the
+    # evaluation half; each row's limit comes from its own plain run (`bench.zoo_report`)
+    "zoo-straggler": [{"workloads": ZOO_EVAL, "conditions": ["slow3x", "slow2x", "slow-changing"],
+                       "arms": ["plain", "split", "model"], "seeds": 3}],
     # no harm: the default (the proposal) against plain Horovod on equal-speed ranks (3 seeds, ~12 min)
     "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3}],
     # the two shortest-step evaluation jobs trained about a minute each, where whole jobs of 13-37 s

@@ -51,7 +51,37 @@ def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
             "throughput": float(res["throughput"]), "optimizer_steps": int(res["optimizer_steps"]),
             "samples": int(res["samples"]), "idle_mean": sum(idle.values()) / len(idle),
             "idle_per_rank": "/".join(f"{idle[r]:.2f}" for r in sorted(idle)),
-            "stalls": sum(len(d.get("stalls", [])) for d in res.get("per_rank", {}).values())}
+            "stalls": sum(len(d.get("stalls", [])) for d in res.get("per_rank", {}).values()),
+            "balanced_fraction": balanced_fraction(pd.read_csv(steps)) if (steps := run_dir / "suite_steps.csv").exists()
+            else math.nan}
+
+
+def balanced_fraction(steps: pd.DataFrame) -> float:
+    """The time the same steps would take at the split that makes every rank arrive together, over
+    the time they took, from one run's own per-step records (each rank's forward+backward seconds
+    and samples, per epoch: per-step noise is no speed difference a split could use).
+
+    Per epoch, rank i's speed is its median samples over its median forward+backward seconds
+    (C_i / b_i per sample, slowdown included); the balanced split's compute is B / sum of the speeds
+    (every rank busy for the same time), and the rest of a step (allreduce, optimizer, data: the
+    median step minus the slowest rank's median compute) stays as measured. Measured in the run it
+    is read against, so the machine's speed drifting between runs cannot move it. It assumes each
+    rank's compute scales with its samples (a fixed per-step cost scales too): with a large fixed
+    share on the slow rank no split reaches it."""
+    if steps.empty or steps["rank"].nunique() < 2:
+        return 1.0
+    balanced = taken = 0.0
+    for _, epoch in steps.groupby("epoch"):
+        per_rank = epoch.groupby("rank").agg(b=("local_batch", "median"), c=("compute_s", "median"),
+                                             step=("step_s", "median"), n=("step", "count"))
+        if (per_rank.c <= 0).any() or (per_rank.b <= 0).any():
+            continue
+        n = int(per_rank.n.min())
+        step = float(per_rank.step.max())
+        rest = max(step - float(per_rank.c.max()), 0.0)
+        balanced += n * (float(per_rank.b.sum()) / float((per_rank.b / per_rank.c).sum()) + rest)
+        taken += n * step
+    return balanced / taken if taken > 0 else math.nan
 
 
 def sustained_time(evals: pd.DataFrame, target: float, metric: str, following: int = 2) -> float:

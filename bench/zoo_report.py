@@ -13,10 +13,15 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   than the run's median later epoch (the tax in the run's own units: run-to-run speed drift cancels);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
-* attainable limit of a condition: the plain no-straggler run (same links) of the same seed with its forward +
-  backward seconds scaled by R / sum of the ranks' relative speeds (the balanced split's compute on
-  this machine; communication and the rest as measured), over the plain run's time under the
-  condition; 1.00 without a straggler;
+* attainable limit of a condition: the plain Horovod run under the condition, its steps timed as if
+  split so that every rank arrives together (`bench.suite_report.balanced_fraction`: per epoch, the
+  global batch over the sum of the ranks' measured speeds, slowdown and this machine's contention
+  included, plus the rest of the step as measured), over their measured time; 1.00 without a
+  straggler. Beside it, the limit from the plain no-straggler run (same links) of the same seed: its
+  forward+backward seconds scaled by R / sum of the ranks' relative speeds, over the plain run's time
+  under the condition; it mixes two runs, so the machine's speed drifting between them (10-40% within
+  an hour here) moves it, and it assumes the fast ranks compute as fast beside a straggler as beside
+  their equals;
 * final at equal progress: the metric at the first evaluation at which the arm's training progress
   (base-batch epochs: AdaScale's scale-invariant epochs under dynamix_hvd, epochs under plain Horovod)
   reached plain Horovod's at its end (the arm's last evaluation where it never did);
@@ -39,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from bench.suite_report import balanced_fraction
 
 PLAIN = "plain-horovod"
 
@@ -83,7 +90,8 @@ def job_numbers(run_dir: Path, target: float | None = None) -> dict[str, Any]:
             "budget_s": float(res["train_s"]), "first_epoch_s": first, "first_excess_s": excess,
             "compute_per_sample_s": speed,
             "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
-            "compute_s": float(steps.groupby("rank").compute_s.sum().median())}
+            "compute_s": float(steps.groupby("rank").compute_s.sum().median()),
+            "balanced_fraction": balanced_fraction(steps)}
 
 
 def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float | None = None) -> dict[str, Any]:
@@ -99,7 +107,8 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float
             "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "first_excess_s": math.nan,
             "compute_per_sample_s": math.nan,
             "final": float(run["final"]),
-            "speeds": [], "compute_s": math.nan}
+            "speeds": [], "compute_s": math.nan,
+            "balanced_fraction": float(run.get("balanced_fraction", math.nan))}
 
 
 def collect(results: Path, targets: dict[str, float] | None = None) -> pd.DataFrame:
@@ -121,8 +130,8 @@ def collect(results: Path, targets: dict[str, float] | None = None) -> pd.DataFr
     return pd.DataFrame(rows)
 
 
-def _limit(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
-    """The balanced split's time over plain Horovod's under a condition: the plain no-straggler run of
+def _limit_from_none(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
+    """The balanced split's time over plain Horovod's under a condition, from two runs: the plain no-straggler run of
     the same seed with its forward+backward time scaled by R / sum of the measured relative speeds
     (communication and the rest unchanged)."""
     if seed not in none.index or not plain.speeds:
@@ -162,7 +171,7 @@ def _med_iqr(values: pd.Series) -> str:
 
 def headline(jobs: pd.DataFrame) -> str:
     """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
-    lines = ["| job | condition | limit | arm | time to target / plain [IQR] | / limit | budget time / plain "
+    lines = ["| job | condition | limit (from no-straggler run) | arm | time to target / plain [IQR] | / limit | budget time / plain "
              "| at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
              "| spread of last 3 (plain) | misses |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -172,7 +181,8 @@ def headline(jobs: pd.DataFrame) -> str:
         none = jobs[(jobs.workload == w) & (jobs.condition == ref) & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
-        limit = pd.Series({s: _limit(none, s, p) if ref != c else 1.0 for s, p in plain.iterrows()})
+        limit = pd.Series({s: float(p.balanced_fraction) if ref != c else 1.0 for s, p in plain.iterrows()})
+        limit_none = pd.Series({s: _limit_from_none(none, s, p) if ref != c else 1.0 for s, p in plain.iterrows()})
         end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")
@@ -182,7 +192,7 @@ def headline(jobs: pd.DataFrame) -> str:
             # its own steps at the job's batch measured against plain Horovod's (identical work)
             adjusted = (budget * plain.compute_per_sample_s / g.compute_per_sample_s).dropna() if ref == c else None
             equal = pd.Series([at_progress(e, end.get(s, math.nan)) for s, e in g.evals.items()], dtype=float)
-            lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} | {arm} | {_med_iqr(ratio)} | "
+            lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} ({limit_none.median():.2f}) | {arm} | {_med_iqr(ratio)} | "
                          f"{(ratio / limit.reindex(ratio.index)).median():.2f} | {_med_iqr(budget)} | "
                          f"{'-' if adjusted is None else _med_iqr(adjusted)} | "
                          f"{g.first_epoch_s.median():.2f} ({g.first_excess_s.median():+.2f}) | {g.final.median():.4f} ({plain.final.median():.4f}) | "

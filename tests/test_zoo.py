@@ -73,6 +73,29 @@ def test_a_straggler_row_is_read_against_the_plain_run_on_the_same_links():
     assert reference_condition("net10") == "net10"
 
 
+def steps_of(per_rank: dict[int, tuple[int, float]], step_s: float, epochs: int = 2, n: int = 5) -> pd.DataFrame:
+    """Per-step records: every step, rank r computes per_rank[r] = (samples, seconds); each step lasts step_s."""
+    return pd.DataFrame([{"rank": r, "epoch": e, "step": k, "local_batch": b, "compute_s": c, "step_s": step_s}
+                         for e in range(epochs) for k in range(n) for r, (b, c) in per_rank.items()])
+
+
+def test_the_limit_balances_the_speeds_measured_in_the_same_run():
+    from bench.suite_report import balanced_fraction
+
+    # rank 1 3x slower: 32 samples in 0.004 s and in 0.012 s, steps of 0.014 s (0.002 s besides compute).
+    # Balanced: 64 samples over 8000 + 2667 samples/s = 0.006 s of compute, so 0.008 s of 0.014 s.
+    assert balanced_fraction(steps_of({0: (32, 0.004), 1: (32, 0.012)}, 0.014)) == pytest.approx(0.008 / 0.014)
+    assert balanced_fraction(steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006)) == pytest.approx(1.0)
+    # an epoch at 3x and one at equal speeds: each weighs by its steps and time
+    both = pd.concat([steps_of({0: (32, 0.004), 1: (32, 0.012)}, 0.014, epochs=1),
+                      steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006, epochs=1).assign(epoch=1)])
+    assert balanced_fraction(both) == pytest.approx((0.008 + 0.006) / (0.014 + 0.006))
+    # per-step noise is no speed difference: the median step of each rank is what counts
+    noisy = steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006)
+    noisy.loc[(noisy["rank"] == 1) & (noisy.step == 0), "compute_s"] = 0.1
+    assert balanced_fraction(noisy) == pytest.approx(1.0)
+
+
 def write_results_folder(folder, workload: str, condition: str, arms: dict[str, float], values: list[float],
                          eval_s: float) -> None:
     """A results folder (runs.csv, evals.csv) whose run folders are gone: per arm (name -> seconds per
@@ -97,7 +120,7 @@ def test_the_report_reads_a_results_folder_whose_run_folders_are_gone(tmp_path):
     jobs = collect(tmp_path)
     assert sorted(jobs.arm) == ["plain-horovod", "ppo-progress"] and set(jobs.ttt_s) == {20.0, 10.0}
     row = next(line for line in headline(jobs).splitlines() if "ppo-progress" in line)
-    assert "| net10 | 1.00 | ppo-progress | 0.50 [0.00] |" in row, row
+    assert "| net10 | 1.00 (1.00) | ppo-progress | 0.50 [0.00] |" in row, row
 
 
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
@@ -133,4 +156,4 @@ def test_the_report_takes_a_later_target_for_a_long_job(tmp_path):
     late = collect(tmp_path, {"zoo:lstm-rows:long": 0.965})  # at the 6th
     assert sorted(own.ttt_s) == [24.0, 30.0] and sorted(late.ttt_s) == [48.0, 60.0]
     row = next(line for line in headline(late).splitlines() if "| model |" in line)
-    assert "| lstm-rows:long | none | 1.00 | model | 0.80 [0.00] |" in row, row
+    assert "| lstm-rows:long | none | 1.00 (1.00) | model | 0.80 [0.00] |" in row, row
