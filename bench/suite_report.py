@@ -56,30 +56,38 @@ def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
             else math.nan}
 
 
-def balanced_fraction(steps: pd.DataFrame) -> float:
-    """The time the same steps would take at the split that makes every rank arrive together, over
-    the time they took, from one run's own per-step records (each rank's forward+backward seconds
-    and samples, per epoch: per-step noise is no speed difference a split could use).
+def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: int = 25) -> float:
+    """The time a run's steps would take at the split that makes every rank arrive together, over the
+    time they took, from the run's own per-step records (each rank's samples and forward+backward
+    seconds per step); only the steps that ended by `until_s` training seconds (e.g. its time to
+    target). Read on a plain Horovod run it is that row's attainable limit; on an adaptive run, how
+    far its own splits were from balanced.
 
-    Per epoch, rank i's speed is its median samples over its median forward+backward seconds
-    (C_i / b_i per sample, slowdown included); the balanced split's compute is B / sum of the speeds
-    (every rank busy for the same time), and the rest of a step (allreduce, optimizer, data: the
-    median step minus the slowest rank's median compute) stays as measured. Measured in the run it
-    is read against, so the machine's speed drifting between runs cannot move it. It assumes each
-    rank's compute scales with its samples (a fixed per-step cost scales too): with a large fixed
-    share on the slow rank no split reaches it."""
+    Per window of `window` steps of an epoch (a slowdown that changes during the run changes between
+    windows; per-step noise is no speed difference a split could use, so medians), rank i's speed is
+    its median samples over its median forward+backward seconds, its slowdown included; the
+    balanced split's compute is the window's samples over the sum of the speeds (every rank busy for
+    the same time), and the rest of a step (allreduce, optimizer, data: the median step minus the
+    slowest rank's median compute) stays as measured. A rank that trained no samples has no speed
+    and no share. Measured in the run it is read against, so the machine's speed drifting between
+    runs cannot move it. Assumed: each rank's compute scales with its samples (on the slow rank a
+    fixed per-step cost makes the limit unreachable, on a fast one it makes it easy), the ranks
+    compute as fast side by side as they did when the fast ones waited, and the global batch is the
+    run's own (an arm that grows it can pass the limit)."""
     if steps.empty or steps["rank"].nunique() < 2:
         return 1.0
+    steps = steps[steps.t_s <= until_s] if "t_s" in steps else steps
     balanced = taken = 0.0
-    for _, epoch in steps.groupby("epoch"):
-        per_rank = epoch.groupby("rank").agg(b=("local_batch", "median"), c=("compute_s", "median"),
-                                             step=("step_s", "median"), n=("step", "count"))
-        if (per_rank.c <= 0).any() or (per_rank.b <= 0).any():
+    for _, part in steps.groupby([steps.epoch, steps.step // window]):
+        per_rank = part.groupby("rank").agg(b=("local_batch", "median"), c=("compute_s", "median"),
+                                            step=("step_s", "median"), n=("step", "count"))
+        working = per_rank[(per_rank.b > 0) & (per_rank.c > 0)]
+        if working.empty:
             continue
         n = int(per_rank.n.min())
         step = float(per_rank.step.max())
-        rest = max(step - float(per_rank.c.max()), 0.0)
-        balanced += n * (float(per_rank.b.sum()) / float((per_rank.b / per_rank.c).sum()) + rest)
+        rest = max(step - float(working.c.max()), 0.0)
+        balanced += n * (float(working.b.sum()) / float((working.b / working.c).sum()) + rest)
         taken += n * step
     return balanced / taken if taken > 0 else math.nan
 

@@ -13,15 +13,19 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   than the run's median later epoch (the tax in the run's own units: run-to-run speed drift cancels);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
-* attainable limit of a condition: the plain Horovod run under the condition, its steps timed as if
-  split so that every rank arrives together (`bench.suite_report.balanced_fraction`: per epoch, the
-  global batch over the sum of the ranks' measured speeds, slowdown and this machine's contention
-  included, plus the rest of the step as measured), over their measured time; 1.00 without a
-  straggler. Beside it, the limit from the plain no-straggler run (same links) of the same seed: its
-  forward+backward seconds scaled by R / sum of the ranks' relative speeds, over the plain run's time
-  under the condition; it mixes two runs, so the machine's speed drifting between them (10-40% within
-  an hour here) moves it, and it assumes the fast ranks compute as fast beside a straggler as beside
-  their equals;
+* attainable limit of a condition: the plain Horovod run under the condition, its steps re-timed as
+  if split so that every rank arrives together (`bench.suite_report.balanced_fraction`: per window
+  of 25 steps, the global batch over the sum of the ranks' speeds measured there, slowdown included,
+  plus the rest of the step as measured), over their measured time: the steps up to its time to
+  target for the time-to-target ratio, all of them for the budget ratio; 1.00 without a straggler.
+  It assumes compute in proportion to samples (a fixed per-step cost on the slow rank makes it
+  unreachable, on a fast one easy), ranks computing side by side as fast as in the plain run, and
+  plain's global batch (an arm that grows B can pass it); under a slowdown that changes with the
+  clock, a faster run spends more of its steps in the slow phase, so there it is strict. In
+  parentheses, the two-run limit: the plain no-straggler run (same links) of the same seed, its
+  forward+backward seconds scaled by R / sum of the ranks' relative speeds, over the plain run's
+  time under the condition; it mixes two runs, so the machine's speed drifting between them (compute
+  per sample moved by up to 40% within an hour on this VM) moves it;
 * final at equal progress: the metric at the first evaluation at which the arm's training progress
   (base-batch epochs: AdaScale's scale-invariant epochs under dynamix_hvd, epochs under plain Horovod)
   reached plain Horovod's at its end (the arm's last evaluation where it never did);
@@ -85,19 +89,22 @@ def job_numbers(run_dir: Path, target: float | None = None) -> dict[str, Any]:
     # job's own batch (the first step's), identical work in every arm
     own = steps[steps.local_batch == steps.sort_values("step").local_batch.iloc[0]] if len(steps) else steps
     speed = float((own.compute_s / own.local_batch.clip(lower=1)).median()) if len(own) else math.nan
-    return {**eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), target,
-                           res.get("metric", "accuracy") == "accuracy", float(res["train_s"])),
+    evals = eval_numbers(pd.read_csv(run_dir / "suite_evals.csv"), target, res.get("metric", "accuracy") == "accuracy",
+                         float(res["train_s"]))
+    return {**evals,
             "budget_s": float(res["train_s"]), "first_epoch_s": first, "first_excess_s": excess,
             "compute_per_sample_s": speed,
             "final": float(res["final"]), "speeds": (per_sample.min() / per_sample).tolist(),
             "compute_s": float(steps.groupby("rank").compute_s.sum().median()),
-            "balanced_fraction": balanced_fraction(steps)}
+            "balanced_fraction": balanced_fraction(steps),
+            "balanced_to_target": balanced_fraction(steps, until_s=evals["ttt_s"])}
 
 
 def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float | None = None) -> dict[str, Any]:
     """`job_numbers` from the results folder alone (its runs.csv row and evals.csv), for a run whose
-    run folder is gone: no per-step records, so no first-epoch time and no measured speeds (the limit
-    of a straggler condition is then unknown)."""
+    run folder is gone: no per-step records, so no first-epoch time and no measured speeds; a
+    straggler row's limit is runs.csv's whole-run `balanced_fraction` where it has one (unknown
+    otherwise)."""
     from bench.zoo import JOBS
 
     job = JOBS[str(run["workload"]).removeprefix("zoo:").split(":")[0]]  # zoo:JOB or zoo:JOB:long
@@ -108,7 +115,8 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float
             "compute_per_sample_s": math.nan,
             "final": float(run["final"]),
             "speeds": [], "compute_s": math.nan,
-            "balanced_fraction": float(run.get("balanced_fraction", math.nan))}
+            "balanced_fraction": float(run.get("balanced_fraction", math.nan)),
+            "balanced_to_target": float(run.get("balanced_fraction", math.nan))}
 
 
 def collect(results: Path, targets: dict[str, float] | None = None) -> pd.DataFrame:
@@ -171,17 +179,19 @@ def _med_iqr(values: pd.Series) -> str:
 
 def headline(jobs: pd.DataFrame) -> str:
     """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
-    lines = ["| job | condition | limit (from no-straggler run) | arm | time to target / plain [IQR] | / limit | budget time / plain "
-             "| at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
+    lines = ["| job | condition | limit (two-run limit) | arm | time to target / plain [IQR] | / limit | budget time / plain "
+             "| / its limit | at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
              "| spread of last 3 (plain) | misses |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (w, c), cell in jobs.groupby(["workload", "condition"], sort=False):
         plain = cell[cell.arm == PLAIN].set_index("seed")
         ref = reference_condition(c)
         none = jobs[(jobs.workload == w) & (jobs.condition == ref) & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
-        limit = pd.Series({s: float(p.balanced_fraction) if ref != c else 1.0 for s, p in plain.iterrows()})
+        # to target: the plain run's steps up to its time to target; budget: all of them
+        limit = pd.Series({s: float(p.balanced_to_target) if ref != c else 1.0 for s, p in plain.iterrows()})
+        limit_budget = pd.Series({s: float(p.balanced_fraction) if ref != c else 1.0 for s, p in plain.iterrows()})
         limit_none = pd.Series({s: _limit_from_none(none, s, p) if ref != c else 1.0 for s, p in plain.iterrows()})
         end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
@@ -194,6 +204,7 @@ def headline(jobs: pd.DataFrame) -> str:
             equal = pd.Series([at_progress(e, end.get(s, math.nan)) for s, e in g.evals.items()], dtype=float)
             lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} ({limit_none.median():.2f}) | {arm} | {_med_iqr(ratio)} | "
                          f"{(ratio / limit.reindex(ratio.index)).median():.2f} | {_med_iqr(budget)} | "
+                         f"{(budget / limit_budget.reindex(budget.index)).median():.2f} | "
                          f"{'-' if adjusted is None else _med_iqr(adjusted)} | "
                          f"{g.first_epoch_s.median():.2f} ({g.first_excess_s.median():+.2f}) | {g.final.median():.4f} ({plain.final.median():.4f}) | "
                          f"{equal.median():.4f} | {g.spread.median():.4f} ({plain.spread.median():.4f}) | "

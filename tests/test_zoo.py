@@ -75,7 +75,8 @@ def test_a_straggler_row_is_read_against_the_plain_run_on_the_same_links():
 
 def steps_of(per_rank: dict[int, tuple[int, float]], step_s: float, epochs: int = 2, n: int = 5) -> pd.DataFrame:
     """Per-step records: every step, rank r computes per_rank[r] = (samples, seconds); each step lasts step_s."""
-    return pd.DataFrame([{"rank": r, "epoch": e, "step": k, "local_batch": b, "compute_s": c, "step_s": step_s}
+    return pd.DataFrame([{"rank": r, "epoch": e, "step": k, "local_batch": b, "compute_s": c, "step_s": step_s,
+                          "t_s": step_s * (e * n + k + 1)}
                          for e in range(epochs) for k in range(n) for r, (b, c) in per_rank.items()])
 
 
@@ -88,8 +89,12 @@ def test_the_limit_balances_the_speeds_measured_in_the_same_run():
     assert balanced_fraction(steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006)) == pytest.approx(1.0)
     # an epoch at 3x and one at equal speeds: each weighs by its steps and time
     both = pd.concat([steps_of({0: (32, 0.004), 1: (32, 0.012)}, 0.014, epochs=1),
-                      steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006, epochs=1).assign(epoch=1)])
+                      steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006, epochs=1).assign(epoch=1)
+                      .eval("t_s = t_s + 0.070")])  # the second epoch starts when the first ended
     assert balanced_fraction(both) == pytest.approx((0.008 + 0.006) / (0.014 + 0.006))
+    assert balanced_fraction(both, until_s=0.014 * 5) == pytest.approx(0.008 / 0.014)  # the 3x epoch only
+    # equal speeds, uneven samples (48 in 0.006 s, 16 in 0.002 s): 32 each would take 0.004 s
+    assert balanced_fraction(steps_of({0: (48, 0.006), 1: (16, 0.002)}, 0.008)) == pytest.approx(0.006 / 0.008)
     # per-step noise is no speed difference: the median step of each rank is what counts
     noisy = steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006)
     noisy.loc[(noisy["rank"] == 1) & (noisy.step == 0), "compute_s"] = 0.1
@@ -97,14 +102,14 @@ def test_the_limit_balances_the_speeds_measured_in_the_same_run():
 
 
 def write_results_folder(folder, workload: str, condition: str, arms: dict[str, float], values: list[float],
-                         eval_s: float) -> None:
+                         eval_s: float, **columns: float) -> None:
     """A results folder (runs.csv, evals.csv) whose run folders are gone: per arm (name -> seconds per
     unit) evaluations of `values` every `eval_s` units and a budget of one unit per evaluation."""
     runs, evals = [], []
     for arm, seconds in arms.items():
         runs.append({"workload": workload, "condition": condition, "arm": arm, "seed": 0, "status": "ok",
                      "run_dir": str(folder / "gone" / arm), "slow_mode": "", "train_s": len(values) * seconds,
-                     "final": values[-1]})
+                     "final": values[-1], **columns})
         for i, value in enumerate(values):
             evals.append({"epoch": i, "samples": 1000 * (i + 1), "train_s": seconds * (i + 1) * eval_s, "value": value,
                           "progress": float(i + 1), "workload": workload, "condition": condition, "arm": arm,
@@ -121,6 +126,14 @@ def test_the_report_reads_a_results_folder_whose_run_folders_are_gone(tmp_path):
     assert sorted(jobs.arm) == ["plain-horovod", "ppo-progress"] and set(jobs.ttt_s) == {20.0, 10.0}
     row = next(line for line in headline(jobs).splitlines() if "ppo-progress" in line)
     assert "| net10 | 1.00 (1.00) | ppo-progress | 0.50 [0.00] |" in row, row
+
+
+def test_a_straggler_row_without_run_folders_takes_its_limit_from_runs_csv(tmp_path):
+    write_results_folder(tmp_path, "zoo:mnist-cnn", "slow3x", {"plain-horovod": 10.0, "model": 6.0},
+                         [0.5, 0.6, 0.95, 0.96], eval_s=0.5, balanced_fraction=0.5)
+    row = next(line for line in headline(collect(tmp_path)).splitlines() if "| model |" in line)
+    # 0.60 of plain's time against a limit of 0.50: 1.20 of it (no no-straggler run: no two-run limit)
+    assert "| slow3x | 0.50 (nan) | model | 0.60 [0.00] | 1.20 | 0.60 [0.00] | 1.20 |" in row, row
 
 
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
