@@ -7,7 +7,8 @@ Every arm trains the same model with the same optimizer, LR rule and data order 
 `bench.jobs.common`); only the batch-size policy differs. The reference arm is the
 script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
 ``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms run interleaved: for seed s the arm
-order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine).
+order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine); within
+a seed a workload's conditions run side by side, so runs read against each other are minutes apart.
 
 A run writes ``bench/results/NAME/`` (``--out``): ``machine.json`` (CPU, cores, memory, load before
 and after, date, versions, git commit, the exact command), ``runs.csv`` (one row per job),
@@ -398,16 +399,19 @@ def rotate(items: list[Any], seed: int) -> list[Any]:
 
 
 def expand(groups: list[dict[str, Any]]) -> list[Job]:
-    """The jobs of a configuration, seed by seed; within a seed cell by cell, the arms rotated."""
+    """The jobs of a configuration, seed by seed; within a seed workload by workload (in order of first
+    appearance), each workload's conditions side by side, the arms rotated. A workload's runs under
+    different conditions are read against each other (a no-straggler run gives a straggler row's
+    two-run limit and the no-harm rows), and this machine's speed drifts by tens of percent over
+    minutes, so they run next to each other rather than a whole seed apart."""
     jobs = []
     for seed in range(max(g["seeds"] for g in groups)):
-        for g in groups:
-            if seed >= g["seeds"]:
-                continue
-            for cname in g["conditions"]:
-                for wname in g["workloads"]:
-                    w = WORKLOADS[wname]
-                    jobs += [Job(w, CONDITIONS[cname], a, seed) for a in rotate(arms(w, g["arms"]), seed)]
+        cells = [(g, cname, wname) for g in groups if seed < g["seeds"]
+                 for cname in g["conditions"] for wname in g["workloads"]]
+        first = list(dict.fromkeys(wname for _, _, wname in cells))
+        for g, cname, wname in sorted(cells, key=lambda cell: first.index(cell[2])):  # stable
+            w = WORKLOADS[wname]
+            jobs += [Job(w, CONDITIONS[cname], a, seed) for a in rotate(arms(w, g["arms"]), seed)]
     return jobs
 
 

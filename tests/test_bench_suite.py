@@ -233,6 +233,11 @@ def test_arms_are_interleaved_across_seeds():
               for s in range(3)}
     assert all(sorted(v) == sorted(labels[0]) for v in labels.values()) and len(labels[0]) == 5
     assert sum(j.workload.name == "mlp" for j in jobs) == 2  # its group has one seed
+    # within a seed, a workload's conditions run side by side (even across groups), in group order
+    two = suite.expand([{"workloads": ["cnn", "mlp"], "conditions": ["none"], "arms": ["plain"], "seeds": 1},
+                        {"workloads": ["cnn", "mlp"], "conditions": ["slow3x"], "arms": ["plain"], "seeds": 1}])
+    assert [(j.workload.name, j.condition.name) for j in two] == [("cnn", "none"), ("cnn", "slow3x"),
+                                                                  ("mlp", "none"), ("mlp", "slow3x")]
     with pytest.raises(ValueError, match="unknown arm 'nope'"):
         suite.arms(suite.WORKLOADS["cnn"], ["nope"])
 
