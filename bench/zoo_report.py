@@ -9,7 +9,7 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
   job's target (one lucky evaluation cannot decide it); a run that never gets there counts with its
   whole training time and is marked ``miss``;
 * budget time: training seconds for the job's whole epoch budget; first epoch: training seconds to
-  the end of epoch 0 (the start-up tax is there), and beside it, in brackets, how much longer it took
+  the end of epoch 0 (the start-up tax is there), and beside it, in parentheses, how much longer it took
   than the run's median later epoch (the tax in the run's own units: run-to-run speed drift cancels);
 * measured speeds: each rank's median forward+backward seconds per sample in the plain Horovod run of
   the same condition and seed (its slowdown included);
@@ -189,10 +189,12 @@ def headline(jobs: pd.DataFrame) -> str:
         none = jobs[(jobs.workload == w) & (jobs.condition == ref) & (jobs.arm == PLAIN)].set_index("seed")
         if plain.empty:
             continue
+        def per_seed(limit_of) -> pd.Series:  # 1.00 on the rows without a straggler
+            return pd.Series({s: float(limit_of(s, p)) if ref != c else 1.0 for s, p in plain.iterrows()})
         # to target: the plain run's steps up to its time to target; budget: all of them
-        limit = pd.Series({s: float(p.balanced_to_target) if ref != c else 1.0 for s, p in plain.iterrows()})
-        limit_budget = pd.Series({s: float(p.balanced_fraction) if ref != c else 1.0 for s, p in plain.iterrows()})
-        limit_none = pd.Series({s: _limit_from_none(none, s, p) if ref != c else 1.0 for s, p in plain.iterrows()})
+        limit = per_seed(lambda s, p: p.balanced_to_target)
+        limit_budget = per_seed(lambda s, p: p.balanced_fraction)
+        limit_none = per_seed(lambda s, p: _limit_from_none(none, s, p))
         end = {s: max((p for p, _ in e if math.isfinite(p)), default=math.nan) for s, e in plain.evals.items()}
         for arm, g in cell.groupby("arm", sort=False):
             g = g.set_index("seed")
@@ -209,6 +211,27 @@ def headline(jobs: pd.DataFrame) -> str:
                          f"{g.first_epoch_s.median():.2f} ({g.first_excess_s.median():+.2f}) | {g.final.median():.4f} ({plain.final.median():.4f}) | "
                          f"{equal.median():.4f} | {g.spread.median():.4f} ({plain.spread.median():.4f}) | "
                          f"{int(g.miss.sum())}/{len(g)} |")
+    return "\n".join(lines)
+
+
+def rank_steps(results: Path) -> str:
+    """Per run (its folder still on disk): each rank's median samples and forward+backward ms per
+    step after the first epoch, the median step, and the median rest of a step (the step minus the
+    slower rank's compute in the same step: data, the allreduce's wait, the optimizer)."""
+    runs = pd.read_csv(results / "runs.csv")
+    lines = ["| job | condition | arm | seed | per rank: samples, forward+backward ms | step ms | rest ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs[runs.status == "ok"].to_dict("records"):
+        steps_csv = Path(r["run_dir"]) / "suite_steps.csv"
+        if not steps_csv.exists():
+            continue
+        steps = pd.read_csv(steps_csv)
+        steps = steps[steps.epoch >= 1] if (steps.epoch >= 1).any() else steps
+        ranks = steps.groupby("rank").agg(b=("local_batch", "median"), c=("compute_s", "median"))
+        by_step = steps.groupby(["epoch", "step"]).agg(step=("step_s", "max"), c=("compute_s", "max"))
+        per_rank = ", ".join(f"{v.b:.0f} in {1e3 * v.c:.2f}" for _, v in ranks.iterrows())
+        lines.append(f"| {str(r['workload']).removeprefix('zoo:')} | {r['condition']} | {r['arm']} | {r['seed']} | "
+                     f"{per_rank} | {1e3 * by_step.step.median():.2f} | {1e3 * (by_step.step - by_step.c).median():.2f} |")
     return "\n".join(lines)
 
 
@@ -257,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", help="a suite results directory (bench/results/NAME)")
     ap.add_argument("--critical", action="store_true",
                     help="the critical-batch table of a zoo-critical run instead of the headline")
+    ap.add_argument("--steps", action="store_true",
+                    help="per run, each rank's samples and forward+backward time per step, the step and its rest "
+                         "(needs the run folders) instead of the headline")
     ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
                     help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
                          "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
@@ -272,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.critical:
         text = f"# {results.name}: measured critical batch against the noise-scale estimate\n\n" + critical_batch(results)
         (results / "critical.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.steps:
+        text = f"# {results.name}: per-rank steps\n\n" + rank_steps(results)
+        (results / "steps.md").write_text(text + "\n")
         print(text)
         return 0
     jobs = collect(results, targets)

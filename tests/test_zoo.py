@@ -136,6 +136,24 @@ def test_a_straggler_row_without_run_folders_takes_its_limit_from_runs_csv(tmp_p
     assert "| slow3x | 0.50 (nan) | model | 0.60 [0.00] | 1.20 | 0.60 [0.00] | 1.20 |" in row, row
 
 
+def test_the_per_rank_step_table_reads_the_run_folders(tmp_path):
+    from bench.zoo_report import rank_steps
+
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = steps_of({0: (48, 0.006), 1: (16, 0.002)}, 0.010, epochs=3)
+    steps.loc[(steps["rank"] == 1) & (steps.epoch == 1), "compute_s"] = 0.008  # rank 1 the later one here
+    steps.to_csv(run / "suite_steps.csv", index=False)
+    pd.DataFrame([{"workload": "zoo:mnist-cnn", "condition": "slow2x", "arm": "model", "seed": 0, "status": "ok",
+                   "run_dir": str(run)}, {"workload": "zoo:mnist-cnn", "condition": "slow2x", "arm": "plain-horovod",
+                                          "seed": 0, "status": "ok", "run_dir": str(tmp_path / "gone")}]).to_csv(
+        tmp_path / "runs.csv", index=False)
+    table = rank_steps(tmp_path)
+    # epoch 0 left out; per step the rest is 0.010 minus the slower rank's compute (0.006 or 0.008): median 0.003
+    assert "| mnist-cnn | slow2x | model | 0 | 48 in 6.00, 16 in 5.00 | 10.00 | 3.00 |" in table, table
+    assert "plain-horovod" not in table  # its folder is gone
+
+
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
     w = suite.WORKLOADS["zoo:mnist-cnn"]
     arm = suite.arms(w, ["split"])[0]
