@@ -32,7 +32,7 @@ from . import wire
 from .actions import BatchBounds
 from .cadence import DecisionCadence
 from .config import POLICY_NAMES, ControllerConfig, make_core
-from .core import LayerMeans, RankInput, StepSeries
+from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
@@ -101,6 +101,7 @@ class DynamixController:
         self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.advanced.keep_inputs)
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
+        self._first_report = True  # this process's first report: its first steps carry one-off costs
         self._total_steps = 0
         self._steps_since = 0  # loader steps (micro-batches) since the last decision (identical on every rank)
         self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.advanced.target_decisions,
@@ -239,13 +240,17 @@ class DynamixController:
         losses = torch.stack(self._losses).tolist() if self._losses else []
         finite_losses = [l for l in losses if math.isfinite(l)]  # a NaN step must not poison the mean
         self._losses.clear()
-        mean = (lambda key: statistics.fmean(getattr(r, key) for r in records) if records else 0.0)  # noqa: E731
-        total_time = sum(r.step_s for r in records)
+        # The process's first steps pay one-off costs (lazy initialisation, the allocator): the
+        # times reported are those of the steps after them (the per-step series keep every step).
+        timed = records[WARMUP_STEPS:] if self._first_report and len(records) > WARMUP_STEPS + 1 else records
+        self._first_report = False
+        mean = (lambda key: statistics.fmean(getattr(r, key) for r in timed) if timed else 0.0)  # noqa: E731
+        total_time = sum(r.step_s for r in timed)
         report = RankReport(
             rank=self.rank, local_batch=self.loader.batch_sizes[self.rank], steps=len(records),
             compute_s=mean("compute_s"), sync_wait_s=mean("sync_wait_s"), data_wait_s=mean("data_wait_s"),
             step_s=mean("step_s"),
-            samples_per_s=sum(r.local_batch for r in records) / total_time if total_time > 0 else 0.0,
+            samples_per_s=sum(r.local_batch for r in timed) / total_time if total_time > 0 else 0.0,
             peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,

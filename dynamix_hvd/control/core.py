@@ -34,6 +34,9 @@ from .. import validate
 NOISE_Z = 1.0
 """Width, in standard errors, of the lower confidence bound on the noise scale handed to policies."""
 
+WARMUP_STEPS = 2
+"""A process's first steps, which pay one-off costs: left out of the cost fit and the reports' means."""
+
 MEMORY_KINDS = ("rss", "cuda")
 """How a rank measured its peak memory: process RSS, or CUDA's allocator peak (a per-step
 measurement, so only "cuda" reports fit the memory bounds)."""
@@ -338,29 +341,33 @@ class DecisionCore:
 
     def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:
         """Feed the per-step (batch, arrival, end of allreduce) points into the cost model; intervals
-        reported without per-step times (older peers) give one point of their means. The job's first
-        interval is left out: its steps pay one-off costs (lazy initialisation, cold caches) unevenly
-        across ranks, and a split fitted on them would be noise."""
+        reported without per-step times (older peers) give one point of their means. The processes'
+        first `WARMUP_STEPS` steps are left out: they pay one-off costs (lazy initialisation, cold
+        caches, the allocator) unevenly across ranks, and a split fitted on them would be noise."""
         if self.costs.world_size != len(inputs):
             self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
+        skip = 0
         if self._fresh_processes and not self.fit_first_interval:
             self._fresh_processes = False
-            return
+            skip = WARMUP_STEPS
+            if n <= skip:
+                return
         reports = [i.report for i in inputs]
         # the fastest probe: the ranks that arrived last at it waited the least for the others
         self.costs.record_link(reports[0].allreduce_bytes, min((r.latency_probe_s for r in reports
                                                                  if math.isfinite(r.latency_probe_s)), default=math.nan))
         overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
         if n and all(math.isfinite(i.steps.compute_s[0]) for i in inputs):
-            b = np.array([i.steps.local_batch[:n] for i in inputs], dtype=np.float64).T
-            arrival = np.array([np.add(i.steps.compute_s[:n], np.nan_to_num(i.steps.data_wait_s[:n]))
+            k = slice(skip, n)
+            b = np.array([i.steps.local_batch[k] for i in inputs], dtype=np.float64).T
+            arrival = np.array([np.add(i.steps.compute_s[k], np.nan_to_num(i.steps.data_wait_s[k]))
                                 for i in inputs]).T
-            wait = np.array([i.steps.sync_wait_s[:n] for i in inputs], dtype=np.float64).T
-            passes = np.array(inputs[0].steps.micro_batches[:n], dtype=np.float64)  # the same on every rank
-            sq = np.array([i.steps.sq_tokens[:n] for i in inputs], dtype=np.float64).T
+            wait = np.array([i.steps.sync_wait_s[k] for i in inputs], dtype=np.float64).T
+            passes = np.array(inputs[0].steps.micro_batches[k], dtype=np.float64)  # the same on every rank
+            sq = np.array([i.steps.sq_tokens[k] for i in inputs], dtype=np.float64).T
             self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes,
                               sq_tokens=sq if (sq > 0).all() else None)
-        elif all(r.compute_s > 0 for r in reports):
+        elif not skip and all(r.compute_s > 0 for r in reports):  # means only: the warm-up is in them
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))
             record_reports(self.costs, [r.local_batch for r in reports], arrival, sync, overhead,

@@ -220,6 +220,7 @@ class CostModel:
         self.payload_bytes = 0.0
         self._fit: CostFit | None = None
         self._net: NetworkFit | None = None
+        self._latest_after = 0.0  # step count before the last recorded interval
 
     @property
     def points(self) -> int:
@@ -261,6 +262,7 @@ class CostModel:
             b, t, q = b / p[:, None], t / p[:, None], q / p[:, None]
             s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
+        self._latest_after = self.steps
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
         if not ok.any():
@@ -280,6 +282,13 @@ class CostModel:
         self._at = np.concatenate([self._at, at[keep]])[-cap:]
         self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
         self._fit = self._net = None
+
+    def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The kept points of the last recorded interval: batches and arrival times [n, R] and step
+        times [n] (the allreduce's end plus the time after it; NaN where not known), one row per kept
+        step (one row standing for the interval where only its means were known)."""
+        mine = self._at > self._latest_after
+        return self._b[mine], self._t[mine], self._sync[mine] + self._overhead[mine]
 
     def record_link(self, payload_bytes: float, latency_s: float) -> None:
         """What the link carries and how fast it answers: the gradient bytes of one step (after
@@ -434,6 +443,7 @@ class CostModel:
     # --- plain state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "steps": self.steps, "payload_bytes": self.payload_bytes,
+                "latest_after": self._latest_after,
                 **{k: getattr(self, "_" + k).tolist() for k in _ARRAYS}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -441,6 +451,7 @@ class CostModel:
             raise ValueError(f"cost model state for {state['world_size']} ranks, this model has {self.world_size}")
         self.steps = float(state["steps"])
         self.payload_bytes = float(state.get("payload_bytes", 0.0))
+        self._latest_after = float(state.get("latest_after", self.steps))
         for k in _ARRAYS:
             arr = np.asarray(state.get(k, []), dtype=np.float64)
             if k == "s" and arr.size == 0:  # state from before squared lengths were kept

@@ -20,7 +20,8 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
 - **dither**: while some rank's cost line is not identified (its recent sizes hardly vary), sizes
   alternate by +-`dither` around the proposal (B kept), so the next fit sees two sizes.
 - **no harm** (:class:`ModelPolicy`): the neutral split (the job's own) is kept unless the equalising
-  one is predicted to pay `split_margin`, and a split taken is judged by the measured step
+  one is predicted to pay `split_margin` and the ranks' speeds are measured to differ by that much
+  (:mod:`dynamix_hvd.control.speedgap`), and a split taken is judged by the measured step
   (:mod:`dynamix_hvd.control.splitcheck`); B grows past the initial batch only on a confident
   predicted gain, then judged by the loss (:mod:`dynamix_hvd.control.growth`).
 
@@ -39,6 +40,7 @@ from .actions import BatchBounds
 from .flipguard import FlipGuard
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
 from .growth import GrowthCheck
+from .speedgap import split_gain_lower_bound
 from .splitcheck import SplitCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
@@ -200,8 +202,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
     `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
     at most `initial_batch` now and stays there (the growth check failed); `split_confirmed` False: the
-    previous decision did not find the equalising split worth it, so a neutral split stays neutral
-    (a difference in speed must show in two intervals running before the split leaves neutral);
+    difference in speed is not measured to exceed the margin (see `ModelPolicy`), so a neutral split
+    stays neutral;
     `split_margin` replaces `cfg.split_margin` (a margin raised by a failed split); `force_neutral`:
     the neutral split now, whatever the prediction (a split just failed its check).
 
@@ -375,8 +377,6 @@ class ModelPolicy:
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
         self.check = GrowthCheck() if self.cfg.check_growth else None
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
-        self._fresh = True
-        """The next interval is this process's first (start-up costs): the split check skips it."""
 
     @property
     def split_margin(self) -> float:
@@ -426,10 +426,14 @@ class ModelPolicy:
         # so the steps of two intervals say nothing of the split
         checking = self.split_check is not None and not costs.lengths_known
         split_failed = checking and self.split_check.observe(
-            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._fresh,
+            inp.reports, ran_neutral, inp.passes * sum(inp.sizes),
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
-        self._fresh = False
-        confirmed = self.last is not None and self.last.split_gain > self.split_margin
+        # the ranks' speeds differ by more than the margin, measured: with per-step times, at the lower
+        # confidence bound of a paired test on the last interval's steps (:mod:`speedgap`); with
+        # interval means only, in two intervals running (this one's and the last decision's prediction)
+        gap = split_gain_lower_bound(*costs.latest_interval())
+        confirmed = (gap > self.split_margin if math.isfinite(gap)
+                     else self.last is not None and self.last.split_gain > self.split_margin)
 
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
@@ -449,7 +453,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow}
+                "may_grow": may_grow, "gap_bound": gap}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
                                    "margin": self.split_margin, "failures": self.split_check.failures}
@@ -470,7 +474,6 @@ class ModelPolicy:
             self.split_check = SplitCheck()
         if self.guard is not None:
             self.guard = FlipGuard()
-        self._fresh = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"decisions": self.decisions, "neutral": self.neutral,
@@ -490,7 +493,6 @@ class ModelPolicy:
             self.split_check.load_state_dict(state["split"])
         if self.guard is not None and state.get("guard") is not None:
             self.guard.history = [[int(b) for b in h] for h in state["guard"]]
-        self._fresh = True  # restored into a fresh process: its first interval pays start-up costs
 
 
 def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:

@@ -1,0 +1,64 @@
+"""The paired test that tells a measured speed gap from timing noise (pure)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dynamix_hvd.control.speedgap import MIN_STEPS, split_gain_lower_bound, t_quantile
+
+
+@pytest.mark.parametrize("df, exact", [(3, 4.541), (5, 3.365), (10, 2.764), (30, 2.457)])
+def test_t_quantile_is_within_two_percent(df, exact):
+    assert t_quantile(0.99, df) == pytest.approx(exact, rel=0.02)
+
+
+def times(rng, n, factor, sizes=(32, 32), jitter=0.1, common=0.2):
+    """Per-rank noise `jitter` and a step-wide factor `common` (a busy host slows every rank at once)."""
+    b = np.tile(np.asarray(sizes, dtype=float), (n, 1))
+    t = b * 1e-3 * np.array([1.0, factor]) * np.exp(rng.normal(0, jitter, b.shape) + rng.normal(0, common, (n, 1)))
+    return b, t
+
+
+def test_equal_ranks_bound_at_zero_and_a_straggler_near_its_gain():
+    rng = np.random.default_rng(0)
+    equal = [split_gain_lower_bound(*times(rng, 8, 1.0)) for _ in range(200)]
+    assert max(equal) < 0.05, "equal ranks never pass the 5% margin"
+    twice = [split_gain_lower_bound(*times(rng, 6, 2.0)) for _ in range(200)]
+    assert min(twice) > 0.1 and np.median(twice) < 1 / 3, "2x: gain 1/3, bounded below it but well above the margin"
+
+
+def test_the_step_wide_noise_cancels_in_the_pairs():
+    """A 1.3x gap under a step-wide factor 10x the per-rank noise is still measured from 8 steps."""
+    rng = np.random.default_rng(1)
+    bounds = [split_gain_lower_bound(*times(rng, 8, 1.3, jitter=0.03, common=0.3)) for _ in range(50)]
+    assert min(bounds) > 0.08
+
+
+def test_unequal_sizes_measure_speed_per_sample():
+    """Rank 1 at half the samples and half the speed takes as long: the gap is in speed, not in time, and
+    these sizes already balance it (the equalising split gains nothing)."""
+    b = np.tile([64.0, 32.0], (10, 1))
+    t = np.tile([0.064, 0.064], (10, 1)) * np.exp(np.random.default_rng(2).normal(0, 0.02, (10, 2)))
+    assert split_gain_lower_bound(b, t) == pytest.approx(0.0, abs=0.03)
+
+
+def test_a_gap_in_a_small_share_of_the_step_saves_that_share():
+    """Rank 1 1.5x slower to arrive (a 20% gain on the arrival), but arrivals are a fifth of the step: the
+    bound is on the step, below the 5% margin."""
+    rng = np.random.default_rng(4)
+    b, t = times(rng, 32, 1.5, jitter=0.02, common=0.0)
+    alone = split_gain_lower_bound(b, t)
+    on_step = split_gain_lower_bound(b, t, step_s=5 * t.max(1))
+    assert alone > 0.15 and on_step == pytest.approx(alone * t.mean(0).max() / (5 * t.max(1)).mean())
+    assert on_step < 0.05 and split_gain_lower_bound(b, t, step_s=np.full(32, np.nan)) == alone
+
+
+def test_too_few_steps_or_one_rank_give_no_bound():
+    rng = np.random.default_rng(3)
+    assert math.isnan(split_gain_lower_bound(*times(rng, MIN_STEPS - 1, 3.0)))
+    assert math.isnan(split_gain_lower_bound(np.ones((8, 1)), np.ones((8, 1))))
+    b, t = times(rng, MIN_STEPS, 3.0)
+    t[0, 1] = math.nan  # a step without a time is left out: too few remain
+    assert math.isnan(split_gain_lower_bound(b, t))
