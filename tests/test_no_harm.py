@@ -133,12 +133,15 @@ def test_no_split_check_with_token_budgets():
     assert sum(s != [64, 64] for s in hist) > len(hist) // 2, hist
 
 
-def test_a_restored_policy_keeps_its_split_check_and_a_kept_batch_binds_refinements():
+def test_a_restored_policy_skips_its_first_interval_and_a_kept_batch_binds_refinements():
     policy = ModelPolicy()
     run(policy, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=4)
+    assert not policy._restored, "a fresh start's first report leaves its warm-up out: its interval counts"
     restored = ModelPolicy()
     restored.load_state_dict(policy.state_dict())
-    assert restored.split_check.state_dict() == policy.split_check.state_dict()
+    assert restored._restored and restored.split_check.state_dict() == policy.split_check.state_dict()
+    run(restored, a=[0.002, 0.006], c=[1e-4, 3e-4], decisions=1)
+    assert not restored._restored
     assert "window" not in policy.split_check.state_dict(), "settings are not state"
     rng, model = np.random.default_rng(2), CostModel(2)
     model.record(*steps(rng, [64, 64], [0.002, 0.006], [1e-4, 3e-4]), overhead_s=1e-3)
@@ -150,7 +153,7 @@ def test_a_restored_policy_keeps_its_split_check_and_a_kept_batch_binds_refineme
 def test_split_check_needs_the_same_batch_and_round_trips():
     check = SplitCheck()
     for k in range(3):
-        check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128)
+        check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128, first_interval=k == 0)
     assert check.reference == [0.010, 0.010]
     check.start(0.2)
     assert not check.observe([report(0, 80, 10, 0.010, 1.0)], False, 160), "another B: no verdict"

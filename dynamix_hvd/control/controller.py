@@ -101,7 +101,7 @@ class DynamixController:
         self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.advanced.keep_inputs)
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
         self._losses: list[torch.Tensor] = []
-        self._first_report = True  # this process's first report: its first steps carry one-off costs
+        self._fresh_start = True  # the next report is this process's first and holds its first steps
         self._total_steps = 0
         self._steps_since = 0  # loader steps (micro-batches) since the last decision (identical on every rank)
         self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.advanced.target_decisions,
@@ -240,10 +240,11 @@ class DynamixController:
         losses = torch.stack(self._losses).tolist() if self._losses else []
         finite_losses = [l for l in losses if math.isfinite(l)]  # a NaN step must not poison the mean
         self._losses.clear()
-        # The process's first steps pay one-off costs (lazy initialisation, the allocator): the
-        # times reported are those of the steps after them (the per-step series keep every step).
-        timed = records[WARMUP_STEPS:] if self._first_report and len(records) > WARMUP_STEPS + 1 else records
-        self._first_report = False
+        # A fresh process's first steps pay one-off costs (lazy initialisation, the allocator): the
+        # times reported are those of the steps after them (the per-step series keep every step; the
+        # decision core leaves the same steps out of its cost fit).
+        timed = records[WARMUP_STEPS:] if self._fresh_start and len(records) > WARMUP_STEPS else records
+        self._fresh_start = False
         mean = (lambda key: statistics.fmean(getattr(r, key) for r in timed) if timed else 0.0)  # noqa: E731
         total_time = sum(r.step_s for r in timed)
         report = RankReport(
@@ -308,7 +309,10 @@ class DynamixController:
         return {"records": self.loader.tracker.state_dict(), "losses": [float(loss) for loss in self._losses]}
 
     def load_rank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's open interval: its first report then holds the same steps as in the
+        uninterrupted run, warm-up included (a restored decision core fits every step)."""
         self.loader.tracker.load_state_dict(state["records"])
+        self._fresh_start = False
         self._losses = [torch.tensor(float(loss), dtype=torch.float64) for loss in state["losses"]]
 
     # --- lifetime ------------------------------------------------------------------------------------

@@ -240,7 +240,7 @@ class DecisionCore:
         """The initial batch: the global batch the job started with (E(B)'s reference, the growth floor)."""
         self.fit_first_interval = fit_first_interval
         """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
-        self._fresh_processes = True  # the next interval is the first of these processes (start or restore)
+        self._fresh_start = True  # the next interval is the job's first (not a restored core's)
         self.base_batch = float(base_batch or initial_batch)
         """The base batch: samples per optimizer step the learning rate was tuned for (AdaScale's base)."""
         self.ref_goodput = self.ref_tput = 0.0
@@ -341,14 +341,15 @@ class DecisionCore:
 
     def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:
         """Feed the per-step (batch, arrival, end of allreduce) points into the cost model; intervals
-        reported without per-step times (older peers) give one point of their means. The processes'
-        first `WARMUP_STEPS` steps are left out: they pay one-off costs (lazy initialisation, cold
-        caches, the allocator) unevenly across ranks, and a split fitted on them would be noise."""
+        reported without per-step times (older peers) give one point of their means. The job's first
+        `WARMUP_STEPS` steps are left out: they pay one-off costs (lazy initialisation, cold caches,
+        the allocator) unevenly across ranks, and a split fitted on them would be noise (an interval
+        of means only that holds them is left out whole)."""
         if self.costs.world_size != len(inputs):
             self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
         skip = 0
-        if self._fresh_processes and not self.fit_first_interval:
-            self._fresh_processes = False
+        if self._fresh_start and not self.fit_first_interval:
+            self._fresh_start = False
             skip = WARMUP_STEPS
             if n <= skip:
                 return
@@ -357,7 +358,7 @@ class DecisionCore:
         self.costs.record_link(reports[0].allreduce_bytes, min((r.latency_probe_s for r in reports
                                                                  if math.isfinite(r.latency_probe_s)), default=math.nan))
         overhead = float(np.median([r.step_s - r.compute_s - r.data_wait_s - r.sync_wait_s for r in reports]))
-        if n and all(math.isfinite(i.steps.compute_s[0]) for i in inputs):
+        if n and all(math.isfinite(i.steps.compute_s[skip]) for i in inputs):
             k = slice(skip, n)
             b = np.array([i.steps.local_batch[k] for i in inputs], dtype=np.float64).T
             arrival = np.array([np.add(i.steps.compute_s[k], np.nan_to_num(i.steps.data_wait_s[k]))
@@ -367,7 +368,7 @@ class DecisionCore:
             sq = np.array([i.steps.sq_tokens[k] for i in inputs], dtype=np.float64).T
             self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes,
                               sq_tokens=sq if (sq > 0).all() else None)
-        elif not skip and all(r.compute_s > 0 for r in reports):  # means only: the warm-up is in them
+        elif not skip and all(r.compute_s > 0 for r in reports):
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))
             record_reports(self.costs, [r.local_batch for r in reports], arrival, sync, overhead,
@@ -399,7 +400,7 @@ class DecisionCore:
         different world size keeps what was learned (policy, statistics, references) but not what was
         per rank (bounds, the last sizes)."""
         world = self.world_size if world_size is None else world_size
-        self._fresh_processes = False  # a restored core continues its fit exactly
+        self._fresh_start = False  # a restored core continues its fit exactly
         if self.policy is not None and state["policy"] is not None:
             self.policy.load_state_dict(state["policy"])
         self.stats = GradientStatistics(self.stats_cfg)

@@ -377,6 +377,9 @@ class ModelPolicy:
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
         self.check = GrowthCheck() if self.cfg.check_growth else None
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
+        self._restored = False
+        """Restored into a fresh process: its next interval holds the start-up costs (a restored
+        rank's first report keeps them, as the uninterrupted run's), so the split check skips it."""
 
     @property
     def split_margin(self) -> float:
@@ -426,13 +429,16 @@ class ModelPolicy:
         # so the steps of two intervals say nothing of the split
         checking = self.split_check is not None and not costs.lengths_known
         split_failed = checking and self.split_check.observe(
-            inp.reports, ran_neutral, inp.passes * sum(inp.sizes),
+            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._restored,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
-        # the ranks' speeds differ by more than the margin, measured: with per-step times, at the lower
-        # confidence bound of a paired test on the last interval's steps (:mod:`speedgap`); with
-        # interval means only, in two intervals running (this one's and the last decision's prediction)
+        # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
+        # confidence bound of a paired test on the last interval's steps, a gain in the measured
+        # step (:mod:`speedgap`), passes the configured margin (a margin raised by a failed split
+        # applies to the predicted gain, in the slowest arrival, as it was raised); with interval
+        # means only, the predicted gain passes the margin in two intervals running
+        self._restored = False
         gap = split_gain_lower_bound(*costs.latest_interval())
-        confirmed = (gap > self.split_margin if math.isfinite(gap)
+        confirmed = (gap > self.cfg.split_margin if math.isfinite(gap)
                      else self.last is not None and self.last.split_gain > self.split_margin)
 
         def proposal(cfg: ProposalConfig) -> Proposal:
@@ -493,6 +499,7 @@ class ModelPolicy:
             self.split_check.load_state_dict(state["split"])
         if self.guard is not None and state.get("guard") is not None:
             self.guard.history = [[int(b) for b in h] for h in state["guard"]]
+        self._restored = True
 
 
 def feed_means(model: CostModel, reports: Sequence[RankReport], passes: int = 1) -> None:

@@ -3,12 +3,12 @@
 Leaving the neutral split is worth it only when the ranks' speeds differ by more than the split
 margin, and the difference must be measured, not a few noisy steps. Every step is timed on every
 rank at once, so what slows the whole step (a busy host, the allreduce) cancels in each step's
-differences between ranks: for rank i and step k, d_ik = log(t_ik / b_ik) - mean_j log(t_jk / b_jk),
-its log time per sample against the step's mean. The gap is then shrunk towards no gap by a one-sided
-Student-t bound on each rank's mean d_i (the steps' scatter, `CONFIDENCE`), and the bound on the
-split's gain is the time the arrival-equalising split saves at those shrunk speeds (the interval's
-sizes, time in proportion to samples) over the measured step, which also holds the allreduce and
-the update that no split shortens. Equal ranks give a bound at or below zero; a 2x straggler timed
+differences between ranks: for rank i and step k, d_ik = log t_ik - mean_j log t_jk, its log arrival
+time against the step's mean. The differences are then shrunk towards equal arrivals (no gain at
+the sizes that ran) by a one-sided Student-t bound on each rank's mean d_i (the steps' scatter,
+`CONFIDENCE`), and the bound on the split's gain is the time the arrival-equalising split saves at
+the speeds these imply (the interval's sizes, time in proportion to samples) over the measured
+step, which also holds the allreduce and the update that no split shortens. Equal ranks give a bound at or below zero; a 2x straggler timed
 for six steps gives about 0.3.
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ import numpy as np
 CONFIDENCE = 0.99
 """One-sided confidence of the bound on each rank's speed."""
 
-MIN_STEPS = 4
+MIN_STEPS = 5
 """Fewest timed steps the test needs (fewer: no bound, NaN)."""
 
 
 def t_quantile(p: float, df: int) -> float:
-    """Student-t quantile (Cornish-Fisher expansion around the normal one: within 2% of the exact
-    value for df >= 3 at p <= 0.995)."""
+    """Student-t quantile (Cornish-Fisher expansion around the normal one: within 1% of the exact
+    value for df >= 4 at p <= 0.99)."""
     z = _normal_quantile(p)
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
@@ -56,17 +56,17 @@ def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.
     n, R = b.shape if b.ndim == 2 else (0, 0)
     if n < MIN_STEPS or R < 2:
         return math.nan
-    x = np.log(t / b)
+    x = np.log(t)
     d = x - x.mean(1, keepdims=True)
     mean = d.mean(0)
     se = d.std(0, ddof=1) / math.sqrt(n)
     shrunk = np.sign(mean) * np.maximum(np.abs(mean) - t_quantile(confidence, n - 1) * se, 0.0)
-    per_sample = np.exp(shrunk)                       # relative seconds per sample
     sizes = np.median(b, axis=0)
-    slowest = float((per_sample * sizes).max())
+    per_sample = np.exp(shrunk) / sizes              # relative seconds per sample
     equalised = float(sizes.sum() / (1.0 / per_sample).sum())
-    gain = 1.0 - equalised / slowest
-    if step is not None and np.isfinite(step).all():
+    gain = 1.0 - equalised / float(np.exp(shrunk).max())
+    timed = step[np.isfinite(step) & (step > 0)] if step is not None else step
+    if timed is not None and len(timed):
         # the saving, a fraction of the slowest arrival, as a fraction of the measured step
-        gain *= min(1.0, float(t.mean(0).max() / step.mean()))
+        gain *= min(1.0, float(t.mean(0).max() / timed.mean()))
     return gain

@@ -58,12 +58,12 @@ class SplitCheck:
     last: dict[str, float] = field(default_factory=dict)
 
     def observe(self, reports: Sequence[RankReport], neutral_ran: bool, global_batch: int,
-                predicted_gain: float = 0.0) -> bool:
+                predicted_gain: float = 0.0, first_interval: bool = False) -> bool:
         """One interval's reports; `neutral_ran`: it ran at the neutral split; `global_batch`: samples per
         step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
         split. True when a split under trial has just failed (return to neutral now)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
-        if not steps:
+        if not steps or first_interval:  # a restored process's first interval: start-up costs inflate it
             return False
         step = float(np.median(steps))
         if neutral_ran:
