@@ -75,7 +75,7 @@ def test_one_size_is_not_identified_until_dithered():
         sizes = out.sizes
         assert sum(sizes) == 64
         model.record(*interval(rng, sizes))
-    # (the first decision keeps the neutral split: a speed difference must show in two intervals)
+    # (equal lines: no split, but the unidentified lines are dithered in the first decisions)
     assert any(seen[:2]) and not seen[-1], "dither only while a rank is not identified"
     assert model.fit().identified.all()
 

@@ -239,7 +239,7 @@ class DecisionCore:
         self.initial_batch = initial_batch
         """The initial batch: the global batch the job started with (E(B)'s reference, the growth floor)."""
         self.fit_first_interval = fit_first_interval
-        """Fit costs on the job's first interval too (a simulator's, which has no one-off costs)."""
+        """Fit costs on the job's first steps too (a simulator's, which has no one-off costs)."""
         self._fresh_start = True  # the next interval is the job's first (not a restored core's)
         self.base_batch = float(base_batch or initial_batch)
         """The base batch: samples per optimizer step the learning rate was tuned for (AdaScale's base)."""

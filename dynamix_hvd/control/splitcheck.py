@@ -1,10 +1,12 @@
 """The online check of an uneven split: did leaving the neutral split shorten the measured step?
 
 The proposal leaves the neutral split (the job's initial sizes scaled to B) when its fitted per-rank
-cost lines predict that an arrival-equalising split shortens the step by more than the split margin.
-Between ranks of equal speed a few percent of timing noise can produce such a prediction, and the
-uneven split then costs time instead of saving it. So the measured step is the judge, as the
-growth check judges a larger batch by the loss:
+cost lines predict that an arrival-equalising split shortens the step by more than the split margin
+and a paired test on the last interval's steps measures a speed gap that large
+(:mod:`dynamix_hvd.control.speedgap`). A gap in compute can be real and still not shorten the step
+(ranks that share cores, a step the allreduce dominates, a transient slowdown), and the uneven split
+then costs time instead of saving it. So the measured step is the judge, as the growth check judges
+a larger batch by the loss:
 
 - reference: the wall time per step of the last `window` intervals run at the neutral split, at the
   global batch the split keeps (a different B is a different step and resets the reference);
