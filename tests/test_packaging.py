@@ -72,7 +72,8 @@ def test_sdist_ships_the_policies(tmp_path):
 def test_wheel_in_a_fresh_venv_outside_the_repo_loads_the_default_policy(wheel, tmp_path):
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", str(venv))
-    run(str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel))
+    # without the caller's PYTHONPATH: a repository on it (its egg-info) would make pip skip the wheel
+    run(str(venv / "bin" / "pip"), "install", "-q", "--no-deps", str(wheel), env={"PATH": "/usr/bin:/bin"})
     # torch, numpy, ... come from the shared environment; the repository is not on the path.
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": sysconfig.get_paths()["purelib"], "OMP_NUM_THREADS": "1"}
     out = run(str(venv / "bin" / "python"), "-c", CHECK, cwd=tmp_path, env=env)
