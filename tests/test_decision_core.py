@@ -102,7 +102,7 @@ def test_core_replays_the_simulators_reports_to_the_same_decisions() -> None:
         sim.step_sizes(out.sizes)
     s = sim.spec
     replay = DecisionCore(3, sum(s.initial_batch), PPOPolicy(learner, learn=False), min_batch=s.min_batch,
-                          max_batch=s.max_batch, total_epochs=sim.total_epochs, fit_first_interval=True)
+                          max_batch=s.max_batch, total_epochs=sim.total_epochs, fit_warmup=True)
     for t, (inputs, sizes, epoch, chosen, gain, reward, noise, bounds) in enumerate(logged):
         rows = np.stack([wire.encode_report(i) for i in inputs])
         d = replay.decide(wire.decode_reports(rows), sizes, epoch)

@@ -61,7 +61,7 @@ def drive_both(sim: ClusterSimulator, schedule: Sequence[Sequence[int]]) -> tupl
     cfg = ControllerConfig(policy="static", total_epochs=sim.total_epochs, min_batch=s.min_batch, max_batch=s.max_batch)
     core = DecisionCore(sim.R, sum(sim.sizes), Recorder(), reward=cfg.reward, stats=cfg.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        fit_first_interval=True)  # as the simulator's core: its first interval has no one-off costs
+                        fit_warmup=True)  # as the simulator's core: its first steps have no one-off costs
     decisions = []
     for sizes in schedule:
         core.policy.next_sizes = list(sizes)

@@ -384,7 +384,7 @@ class ClusterSimulator:
         self.base_batch = sum(self.sizes)
         self.core = DecisionCore(self.R, self.base_batch, reward=self.reward_cfg, stats=self.stats_cfg,
                                  min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs,
-                                 max_passes=s.max_passes, fit_first_interval=True)  # no one-off costs here
+                                 max_passes=s.max_passes, fit_warmup=True)  # no one-off costs here
         self.wall_s, self.ooms = 0.0, 0
         self.proposer = ModelPolicy()  # the proposal PPO's actions correct (step)
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0

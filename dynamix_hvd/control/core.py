@@ -222,7 +222,7 @@ class DecisionCore:
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
                  layer_names: Sequence[str] | None = None, base_batch: int | None = None,
-                 max_passes: int = 1, fit_first_interval: bool = False) -> None:
+                 max_passes: int = 1, fit_warmup: bool = False) -> None:
         validate.integer("DecisionCore world_size", world_size, 1)
         validate.integer("DecisionCore initial_batch", initial_batch, 1)
         self.policy = policy
@@ -238,7 +238,7 @@ class DecisionCore:
             validate.number("DecisionCore base_batch", base_batch, 1, what="a finite number >= 1 or None")
         self.initial_batch = initial_batch
         """The initial batch: the global batch the job started with (E(B)'s reference, the growth floor)."""
-        self.fit_first_interval = fit_first_interval
+        self.fit_warmup = fit_warmup
         """Fit costs on the job's first steps too (a simulator's, which has no one-off costs)."""
         self._fresh_start = True  # the next interval is the job's first (not a restored core's)
         self.base_batch = float(base_batch or initial_batch)
@@ -348,7 +348,7 @@ class DecisionCore:
         if self.costs.world_size != len(inputs):
             self.costs = CostModel(len(inputs), self.costs.cfg)  # the world changed: start over
         skip = 0
-        if self._fresh_start and not self.fit_first_interval:
+        if self._fresh_start and not self.fit_warmup:
             self._fresh_start = False
             skip = WARMUP_STEPS
             if n <= skip:
