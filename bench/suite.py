@@ -343,8 +343,8 @@ CONFIGS.update({
     # the controller's gate on the tuning half before the evaluation half is run: equal ranks and a 2x
     # straggler, the default beside plain Horovod and the fixed split
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
-                             {"workloads": ZOO_TUNING, "conditions": ["slow2x"], "arms": ["plain", "split", "model"],
-                              "seeds": 1}],
+                             {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-changing"],
+                              "arms": ["plain", "split", "model"], "seeds": 1}],
 })
 CONFIGS["full"] = [g for name in ("headline", "cnn", "charlm", "mlp", "overhead", "scaling") for g in CONFIGS[name]]
 

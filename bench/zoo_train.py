@@ -198,8 +198,8 @@ def write_decisions(history: list[dict], out: str) -> None:
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
             "efficiency", "throughput", "loss", "overhead_s")
     network = ("net_s", "latency_s", "bus_bandwidth_Bps")
-    info = ("split_gain", "gap_bound", "neutral", "dithered", "switched", "may_grow", "predicted_goodput",
-            "goodput_now")
+    info = ("split_gain", "gap_bound", "speed_shift", "neutral", "dithered", "switched", "may_grow", "predicted_goodput",
+            "goodput_now", "split_check")
     rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
             | {k: ((h.get("fit") or {}).get("net") or {}).get(k) for k in network}
             | {"global_batch": h.get("passes", 1) * sum(h.get("sizes", []))} for h in history]

@@ -56,6 +56,68 @@ def test_fit_forgets_after_a_speed_change():
     assert model.fit().per_sample_s == pytest.approx(slower, rel=0.1)
 
 
+def _relative_speed(model: CostModel, batch: float = 32.0) -> float:
+    """Rank 1's time at `batch` over rank 0's, by the fitted lines."""
+    t = model.fit().arrival(np.full(2, batch), split=True)
+    return float(t[1] / t[0])
+
+
+@pytest.mark.parametrize("threshold", [0.1, 0.0])
+def test_a_rank_that_changes_speed_is_followed_within_two_intervals(threshold):
+    """A neighbour slows rank 1 3x, later 1.5x (a factor on its whole step): two intervals of 8 steps
+    at the new speed move the line there, and the next sizes identify it again. By forgetting alone
+    (threshold 0) the robust weights take the new steps for outliers and the line lags for many
+    intervals."""
+    rng, model = np.random.default_rng(5), CostModel(2, CostConfig(shift_threshold=threshold))
+    a, c = A[[0, 0]], C[[0, 0]]
+
+    def run(sizes, slow, intervals=1):
+        for _ in range(intervals):
+            model.record(*interval(rng, sizes, a=a * slow, c=c * slow, steps=8, jitter=0.05))
+
+    for k in range(16):
+        run([32 + (k % 2), 32 - (k % 2)], np.ones(2))
+    assert _relative_speed(model) == pytest.approx(1.0, abs=0.05)
+    slow = np.array([1.0, 3.0])
+    run([32, 32], slow)
+    assert (model.shift == 1).all(), "one interval is a blip until the next says otherwise"
+    run([32, 32], slow)
+    if threshold == 0:
+        assert _relative_speed(model) < 1.5 and (model.shift == 1).all()
+        return
+    assert model.shift[0] == 1 and model.shift[1] == pytest.approx(3.0, rel=0.08)
+    assert _relative_speed(model) == pytest.approx(3.0, rel=0.08)
+    for sizes in ([46, 18], [47, 17], [48, 16]):  # the split follows; new sizes identify the line
+        run(sizes, slow)
+    assert model.fit().identified.all()
+    assert model.fit().per_sample_s == pytest.approx(c * slow, rel=0.15)
+    slow = np.array([1.0, 1.5])
+    run([48, 16], slow, 2)
+    assert 0.45 < model.shift[1] < 0.7  # against a line the first interval at 1.5x already pulled
+    truth = a * slow + c * slow * np.array([48, 16])
+    assert model.fit().arrival(np.array([48, 16]), split=True) == pytest.approx(truth, rel=0.08)
+
+
+def test_no_speed_change_is_read_into_noise_blips_or_sizes_a_line_has_not_seen():
+    """Equal ranks timed with 10% jitter and a pause now and then: no interval of 8 steps in 300 moves
+    a line; nor does one interval of a rank 1.5x slower between normal ones (a blip). A size far from
+    those seen (a proportional line's guess at it is no measurement) is not tested either."""
+    rng, model = np.random.default_rng(6), CostModel(2)
+    a, c = A[[0, 0]], C[[0, 0]]
+    shifted = 0
+    for k in range(300):
+        blip = np.array([1.0, 1.5 if k % 50 == 49 else 1.0])
+        model.record(*interval(rng, [32 + (k % 2), 32 - (k % 2)], a=a * blip, c=c * blip, steps=8,
+                               jitter=0.10, outliers=int(k % 7 == 0)))
+        shifted += int((model.shift != 1).any())
+    assert shifted == 0
+    assert _relative_speed(model) == pytest.approx(1.0, abs=0.05)
+    one = CostModel(2)
+    for sizes in ([32, 32], [56, 8], [56, 8]):  # far from 32: not compared
+        one.record(*interval(rng, sizes, a=a, c=c, steps=8))
+        assert (one.shift == 1).all()
+
+
 def test_one_size_is_not_identified_until_dithered():
     rng, model = np.random.default_rng(2), CostModel(2)
     model.record(*interval(rng, [32, 32]))

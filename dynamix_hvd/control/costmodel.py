@@ -17,8 +17,18 @@ not fill takes as long as for k_i samples. The fit:
 - per rank, a Huber-weighted least-squares line through the per-step (b, arrival) points (IRLS, the
   residual scale from their median absolute deviation), so a few slow steps (a GC pause, a page
   fault) do not move it;
-- exponential forgetting: a point's weight halves every `half_life_steps` steps, so a rank that
-  changes speed is followed within a few half-lives;
+- exponential forgetting: a point's weight halves every `half_life_steps` steps, so a line follows
+  a slow drift;
+- a change of speed: a rank whose arrivals, at sizes its line has seen, differ from the line's
+  prediction by more than `shift_threshold` (log ratio, after a one-sided 99% bound of the steps'
+  scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two intervals running, the same
+  way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
+  is a blip, common on shared hosts): the points before those two no longer count for its line,
+  which starts again from them (the robust weights would otherwise take the new steps for
+  outliers until they held half the weight, and forgetting needs several half-lives). Rescaling the
+  old points instead would assume the change is one factor on the whole line; a change in the cost
+  per sample alone would then bend the slope, and steps already at the new speed would be rescaled
+  too. A line of one size is not identified until the next sizes are seen (see below);
 - identifiability: the slope needs at least two batch sizes. While a rank's (weighted) sizes spread
   less than `min_spread`, or its slope's standard error exceeds `max_rel_se` of it, its fit is
   `identified = False` and the two uses differ: the split assumes
@@ -57,6 +67,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import validate
+from .speedgap import MIN_STEPS, shrunk_mean
 
 LATENCY_PROBES = 8
 """Latency probes kept (one per decision; their median is the latency)."""
@@ -91,15 +102,19 @@ class CostConfig:
     attention_t: float = 3.0
     """t-statistic the per token x length term needs (in a rank's least squares of the arrival on
     tokens and squared lengths) to count; 0: never fitted."""
+    shift_threshold: float = 0.1
+    """A rank whose arrivals differ from its line's prediction by more than this log ratio (after
+    the steps' 99% one-sided bound) in two intervals running changed speed: its line starts again
+    from those intervals (module docstring). 0: never; lines then follow a change by forgetting alone."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
                 and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1
-                and self.attention_t >= 0):
+                and self.attention_t >= 0 and self.shift_threshold >= 0):
             raise ValueError(f"invalid CostConfig {self}: half_life_steps, net_half_life_steps, huber_k > 0; capacity >= 2; "
                              f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
-                             f"0 <= knee_residual < 1; attention_t >= 0")
+                             f"0 <= knee_residual < 1; attention_t, shift_threshold >= 0")
 
 
 @dataclass
@@ -215,12 +230,16 @@ class CostModel:
         self._overhead = np.zeros(0)
         self._at = np.zeros(0)      # step count of each point
         self._mult = np.zeros(0)    # steps each point stands for
+        self._live = np.zeros((0, R))  # 1: the point counts for the rank's line; 0: from before a change of speed
         self.steps = 0.0
         self._latency = np.zeros(0)  # the latest single-value allreduce probes (s)
         self.payload_bytes = 0.0
         self._fit: CostFit | None = None
         self._net: NetworkFit | None = None
         self._latest_after = 0.0  # step count before the last recorded interval
+        self.shift = np.ones(world_size)
+        """Per rank, the factor by which the last recorded interval found its speed changed (1: none)."""
+        self._pending = np.zeros(world_size)  # per rank, the previous interval's significant offset (0: none)
 
     @property
     def points(self) -> int:
@@ -262,11 +281,14 @@ class CostModel:
             b, t, q = b / p[:, None], t / p[:, None], q / p[:, None]
             s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
-        self._latest_after = self.steps
+        previous_after, self._latest_after = self._latest_after, self.steps
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
+        self.shift = np.ones(R)
         if not ok.any():
             return
+        if not (q[ok] > 0).any():  # with token budgets a step's time follows the lengths it drew
+            self._follow_speed(b[ok], t[ok], previous_after)
         idx = np.flatnonzero(ok)
         keep = idx[np.unique(np.linspace(0, len(idx) - 1, min(len(idx), self.cfg.points_per_interval)).round()
                              .astype(int))]
@@ -281,7 +303,40 @@ class CostModel:
         self._overhead = np.concatenate([self._overhead, np.full(len(keep), over)])[-cap:]
         self._at = np.concatenate([self._at, at[keep]])[-cap:]
         self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
+        self._live = np.concatenate([self._live, np.ones((len(keep), R))])[-cap:]
         self._fit = self._net = None
+
+    def _follow_speed(self, b: np.ndarray, t: np.ndarray, previous_after: float) -> None:
+        """Drop the points before the previous interval from the line of each rank whose new steps
+        (sizes `b`, arrivals `t` [n, R]) and previous interval's both show a change of speed, the same
+        way (module docstring); sets `shift`, the measured factor. `previous_after`: the step count
+        before the previous interval."""
+        fit = self.fit()
+        if self.cfg.shift_threshold <= 0 or fit is None or len(b) < MIN_STEPS:
+            self._pending[:] = 0.0
+            return
+        w = self.line_weights()
+        predicted = fit.arrival(b, split=True)  # an unidentified line: proportional, near its mean size
+        for r in range(self.world_size):
+            seen = self._b[w[:, r] > 1e-2 * w[:, r].max(), r]
+            if fit.identified[r]:  # within the sizes the line was fitted on (no extrapolation)
+                inside = (b[:, r] >= 0.95 * seen.min()) & (b[:, r] <= 1.05 * seen.max())
+            else:
+                inside = np.abs(b[:, r] / fit.mean_batch[r] - 1.0) <= 0.05
+            if inside.sum() < MIN_STEPS:
+                self._pending[r] = 0.0
+                continue
+            d = np.log(t[inside, r] / predicted[inside, r])
+            off = float(shrunk_mean(d[:, None])[0])
+            if abs(off) <= self.cfg.shift_threshold:
+                self._pending[r] = 0.0
+            elif off * self._pending[r] > 0:  # the second interval running: a change, not a blip
+                self.shift[r] = math.exp(float(d.mean()))
+                self._live[self._at <= previous_after, r] = 0.0
+                self._pending[r] = 0.0
+                self._fit = None
+            else:
+                self._pending[r] = off
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step
@@ -303,6 +358,11 @@ class CostModel:
         half_life = self.cfg.half_life_steps if half_life is None else half_life
         return self._mult * 0.5 ** ((self.steps - self._at) / half_life)
 
+    def line_weights(self) -> np.ndarray:
+        """Each point's weight [n, R] in each rank's line: forgetting, and none from before the
+        rank's last change of speed."""
+        return self._weights()[:, None] * self._live
+
     def fit(self) -> CostFit | None:
         """The per-rank lines (None before the first point)."""
         if self._fit is None and self.points:
@@ -310,7 +370,7 @@ class CostModel:
         return self._fit
 
     def _fit_lines(self) -> CostFit:
-        b, w = self._b, self._weights()[:, None] * np.ones_like(self._b)
+        b, w = self._b, self.line_weights()
         eta = self._attention(w) if self.cfg.attention_t > 0 and (self._s > 0).all() else 0.0
         if eta > 0:
             fit = self._irls(b + eta * self._s, w)[0]
@@ -443,7 +503,7 @@ class CostModel:
     # --- plain state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "steps": self.steps, "payload_bytes": self.payload_bytes,
-                "latest_after": self._latest_after,
+                "latest_after": self._latest_after, "pending": self._pending.tolist(),
                 **{k: getattr(self, "_" + k).tolist() for k in _ARRAYS}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -452,15 +512,18 @@ class CostModel:
         self.steps = float(state["steps"])
         self.payload_bytes = float(state.get("payload_bytes", 0.0))
         self._latest_after = float(state.get("latest_after", self.steps))
+        self._pending = np.asarray(state.get("pending", np.zeros(self.world_size)), dtype=np.float64)
         for k in _ARRAYS:
             arr = np.asarray(state.get(k, []), dtype=np.float64)
             if k == "s" and arr.size == 0:  # state from before squared lengths were kept
                 arr = np.zeros(len(state.get("b", [])) * self.world_size)
-            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "s", "t") else arr.reshape(-1))
+            if k == "live" and arr.size == 0:  # state from before changes of speed were followed
+                arr = np.ones(len(state.get("b", [])) * self.world_size)
+            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "s", "t", "live") else arr.reshape(-1))
         self._fit = self._net = None
 
 
-_ARRAYS = ("b", "s", "t", "sync", "arrival", "overhead", "at", "mult", "latency")
+_ARRAYS = ("b", "s", "t", "live", "sync", "arrival", "overhead", "at", "mult", "latency")
 
 
 def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:

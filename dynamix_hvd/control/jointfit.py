@@ -31,6 +31,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
     if staged is None:
         return None
     b, t, w = model._b, model._t, model._weights()
+    w_lines = model.line_weights()
     S = np.maximum(model._sync, model._arrival)
     timed = np.isfinite(S) & (S > 0)
     ident = np.asarray(staged.identified, dtype=bool)
@@ -39,7 +40,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
     dt = torch.float64
     B = torch.tensor(np.maximum(b, staged.knee), dtype=dt)
     logT = torch.log(torch.tensor(t, dtype=dt))
-    W = torch.tensor(w / w.sum(), dtype=dt)
+    W = torch.tensor(w_lines / w_lines.sum(0).clip(min=1e-300), dtype=dt)  # per rank: its line's points
     logS = torch.log(torch.tensor(np.where(timed, S, 1.0), dtype=dt))
     Ws = torch.tensor(np.where(timed, w, 0.0), dtype=dt)
     Ws = Ws / Ws.sum() if bool(Ws.sum() > 0) else Ws
@@ -66,7 +67,7 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
 
     def loss(a: torch.Tensor, c: torch.Tensor, net_s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         arrival = a + c * B
-        err = (W[:, None] * rho(torch.log(arrival) - logT))[:, mask].sum() / max(int(mask.sum()), 1)
+        err = (W * rho(torch.log(arrival) - logT))[:, mask].sum() / max(int(mask.sum()), 1)
         if bool(Ws.sum() > 0):
             top = arrival.max(1).values
             sync = torch.exp(torch.logsumexp(torch.stack([g * torch.log(top), g * torch.log(net_s).expand_as(top)]),

@@ -430,6 +430,7 @@ class ModelPolicy:
         checking = self.split_check is not None and not costs.lengths_known
         split_failed = checking and self.split_check.observe(
             inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._restored,
+            speed_changed=bool((costs.shift != 1).any()),
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
         # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
         # confidence bound of a paired test on the last interval's steps, a gain in the measured
@@ -459,7 +460,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "gap_bound": gap}
+                "may_grow": may_grow, "gap_bound": gap, "speed_shift": costs.shift.tolist()}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
                                    "margin": self.split_margin, "failures": self.split_check.failures}

@@ -33,6 +33,15 @@ def t_quantile(p: float, df: int) -> float:
         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
 
 
+def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
+    """Column means of `d` [n, R] shrunk towards 0 by their one-sided Student-t bound: sign(m) x
+    max(|m| - t x se, 0), 0 where the steps' scatter cannot tell the mean from 0 (n >= 2)."""
+    n = len(d)
+    mean = d.mean(0)
+    se = d.std(0, ddof=1) / math.sqrt(n)
+    return np.sign(mean) * np.maximum(np.abs(mean) - t_quantile(confidence, n - 1) * se, 0.0)
+
+
 def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
                            confidence: float = CONFIDENCE) -> float:
     """Lower confidence bound on the step-time gain of equalising arrivals, from per-step sizes and
@@ -47,10 +56,7 @@ def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.
     if n < MIN_STEPS or R < 2:
         return math.nan
     x = np.log(t)
-    d = x - x.mean(1, keepdims=True)
-    mean = d.mean(0)
-    se = d.std(0, ddof=1) / math.sqrt(n)
-    shrunk = np.sign(mean) * np.maximum(np.abs(mean) - t_quantile(confidence, n - 1) * se, 0.0)
+    shrunk = shrunk_mean(x - x.mean(1, keepdims=True), confidence)
     sizes = np.median(b, axis=0)
     per_sample = np.exp(shrunk) / sizes              # relative seconds per sample
     equalised = float(sizes.sum() / (1.0 / per_sample).sum())

@@ -17,6 +17,11 @@ a larger batch by the loss:
   `raise_by` times the one that failed (at most `max_margin`), so a real straggler that appears later
   is still split.
 
+A rank that changed speed (the cost model's lines found it, :mod:`dynamix_hvd.control.costmodel`)
+makes steps before and after the change incomparable: the reference starts again from the next
+neutral interval, and a split under trial stays unjudged (the paired test that took it measured the
+new speeds).
+
 Not used with token budgets (the cost model's points carry squared lengths): length bucketing makes
 an interval's step time follow the lengths it drew, so two intervals do not compare. The proposal
 holds B while a split is judged; an interval at another B (memory, a failed growth)
@@ -60,12 +65,17 @@ class SplitCheck:
     last: dict[str, float] = field(default_factory=dict)
 
     def observe(self, reports: Sequence[RankReport], neutral_ran: bool, global_batch: int,
-                predicted_gain: float = 0.0, first_interval: bool = False) -> bool:
+                predicted_gain: float = 0.0, first_interval: bool = False, speed_changed: bool = False) -> bool:
         """One interval's reports; `neutral_ran`: it ran at the neutral split; `global_batch`: samples per
         step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
-        split. True when a split under trial has just failed (return to neutral now)."""
+        split; `speed_changed`: some rank's speed changed in it. True when a split under trial has just
+        failed (return to neutral now)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
         if not steps or first_interval:  # a restored process's first interval: start-up costs inflate it
+            return False
+        if speed_changed:  # steps before the change compare with none after it
+            self.reference = []
+            self._end_trial()
             return False
         step = float(np.median(steps))
         if neutral_ran:
