@@ -340,8 +340,8 @@ CONFIGS.update({
                            "arms": ["plain", "ppo"], "seeds": 1}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
                     "seeds": 1}],
-    # the controller's gate on the tuning half before the evaluation half is run: equal ranks and a 2x
-    # straggler, the default beside plain Horovod and the fixed split
+    # the controller's gate on the tuning half before the evaluation half is run: equal ranks, a 2x
+    # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
                              {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-changing"],
                               "arms": ["plain", "split", "model"], "seeds": 1}],
