@@ -87,6 +87,7 @@ def test_a_rank_that_changes_speed_is_followed_within_two_intervals(threshold):
         return
     assert model.shift[0] == 1 and model.shift[1] == pytest.approx(3.0, rel=0.08)
     assert _relative_speed(model) == pytest.approx(3.0, rel=0.08)
+    assert model._live[:, 0].all() and model._live[:, 1].sum() == 16, "rank 1: its last two intervals only"
     for sizes in ([46, 18], [47, 17], [48, 16]):  # the split follows; new sizes identify the line
         run(sizes, slow)
     assert model.fit().identified.all()
@@ -113,9 +114,12 @@ def test_no_speed_change_is_read_into_noise_blips_or_sizes_a_line_has_not_seen()
     assert shifted == 0
     assert _relative_speed(model) == pytest.approx(1.0, abs=0.05)
     one = CostModel(2)
-    for sizes in ([32, 32], [56, 8], [56, 8]):  # far from 32: not compared
-        one.record(*interval(rng, sizes, a=a, c=c, steps=8))
-        assert (one.shift == 1).all()
+    one.record(*interval(rng, [32, 32], a=a, c=c, steps=8))
+    assert not one.fit().identified.any()
+    # 56 and 8 are far from the 32 the lines saw: their proportional guesses (18% and 3x off) are not
+    # compared with the steps
+    one.record(*interval(rng, [56, 8], a=a, c=c, steps=8))
+    assert (one.shift == 1).all() and (one._pending == 0).all()
 
 
 def test_one_size_is_not_identified_until_dithered():

@@ -33,13 +33,16 @@ def report(rank, size, n, step_s, loss):
 
 
 def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
-        seed=0, step=None, lengths=False):
+        seed=0, step=None, lengths=False, change=None):
     """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
     at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
-    whatever the per-rank lines say (a split that cannot shorten it)."""
+    whatever the per-rank lines say (a split that cannot shorten it); `change=(k, a, c)`: the costs
+    from interval k on."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
+        if change is not None and k == change[0]:
+            a, c = change[1], change[2]
         b, t, sync = steps(rng, sizes, a, c, net=net)
         model.record(b, t, sync, overhead_s=1e-3, sq_tokens=b * 150.0 if lengths else None)
         step_s = float(sync.mean()) + 1e-3 if step is None else step(sizes) * float(np.exp(rng.normal(0, 0.02)))
@@ -105,6 +108,31 @@ def test_a_real_straggler_split_passes_its_check_and_stays():
     first = next(k for k, s in enumerate(hist) if s != [64, 64])
     assert all(sum(s) == 128 for s in hist[first:first + 3]), hist
     assert policy.split_check.failures == 0 and policy.split_check.last["measured_gain"] > 0.3, policy.split_check.last
+
+
+def test_a_straggler_that_appears_later_is_split_and_judged_at_its_new_speed():
+    """Equal ranks for 10 intervals, then rank 1 3x slower: its line restarts at the change, the split
+    follows within two intervals and is judged against a neutral step at the new speed (not the
+    faster steps before the change, which would fail it), passes and stays."""
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.002, 0.002], c=[1e-4, 1e-4], decisions=20,
+               change=(10, [0.002, 0.006], [1e-4, 3e-4]))
+    assert all(s == [64, 64] for s in hist[:10]), hist
+    assert all(s[0] > 1.8 * s[1] for s in hist[12:]), hist
+    check = policy.split_check
+    assert check.failures == 0 and check.last["measured_gain"] > 0.3, check.last
+
+
+def test_split_check_starts_again_where_a_rank_changed_speed():
+    check = SplitCheck()
+    for k in range(2):
+        check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128)
+    check.observe([report(0, 64, 10, 0.020, 1.0)], True, 128, speed_changed=True)
+    assert check.reference == [0.020], "the interval that confirmed the change is the new reference"
+    check.start(0.3)
+    check.observe([report(0, 80, 10, 0.014, 1.0)], False, 128, predicted_gain=0.3)
+    assert not check.observe([report(0, 80, 10, 0.009, 1.0)], False, 128, predicted_gain=0.3, speed_changed=True)
+    assert not check.judging and check.failures == 0 and check.reference == [], "a trial across a change: no verdict"
 
 
 def test_a_split_that_does_not_shorten_the_measured_step_is_undone_and_remembered():

@@ -23,8 +23,8 @@ not fill takes as long as for k_i samples. The fit:
   prediction by more than `shift_threshold` (log ratio, after a one-sided 99% bound of the steps'
   scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two intervals running, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts): the points before those two no longer count for its line,
-  which starts again from them (the robust weights would otherwise take the new steps for
+  is a blip, common on shared hosts; an interval in between at sizes the line has not seen is
+  skipped): the points before those two no longer count for its line, which starts again from them (the robust weights would otherwise take the new steps for
   outliers until they held half the weight, and forgetting needs several half-lives). Rescaling the
   old points instead would assume the change is one factor on the whole line; a change in the cost
   per sample alone would then bend the slope, and steps already at the new speed would be rescaled
@@ -69,6 +69,10 @@ import numpy as np
 from .. import validate
 from .speedgap import MIN_STEPS, shrunk_mean
 
+SEEN_SHARE, SEEN_WITHIN = 0.05, 0.10
+"""A line has seen a size where `SEEN_SHARE` of its rank's weight lies within `SEEN_WITHIN` of it (a
+proportional line through one size is then off there by at most its fixed share of the time x 10%,
+within the 10% a change of speed must exceed beyond the steps' scatter)."""
 LATENCY_PROBES = 8
 """Latency probes kept (one per decision; their median is the latency)."""
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
@@ -239,7 +243,10 @@ class CostModel:
         self._latest_after = 0.0  # step count before the last recorded interval
         self.shift = np.ones(world_size)
         """Per rank, the factor by which the last recorded interval found its speed changed (1: none)."""
-        self._pending = np.zeros(world_size)  # per rank, the previous interval's significant offset (0: none)
+        # per rank, the last tested interval's significant offset (0: none) and the step count before it;
+        # not checkpointed: a restored process's first interval carries its start-up costs
+        self._pending = np.zeros(world_size)
+        self._pending_after = np.zeros(world_size)
 
     @property
     def points(self) -> int:
@@ -281,14 +288,14 @@ class CostModel:
             b, t, q = b / p[:, None], t / p[:, None], q / p[:, None]
             s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
-        previous_after, self._latest_after = self._latest_after, self.steps
+        self._latest_after = self.steps
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
         self.shift = np.ones(R)
         if not ok.any():
             return
-        if not (q[ok] > 0).any():  # with token budgets a step's time follows the lengths it drew
-            self._follow_speed(b[ok], t[ok], previous_after)
+        if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
+            self._follow_speed(b[ok], t[ok], self._latest_after)    # follows the lengths it drew
         idx = np.flatnonzero(ok)
         keep = idx[np.unique(np.linspace(0, len(idx) - 1, min(len(idx), self.cfg.points_per_interval)).round()
                              .astype(int))]
@@ -306,37 +313,37 @@ class CostModel:
         self._live = np.concatenate([self._live, np.ones((len(keep), R))])[-cap:]
         self._fit = self._net = None
 
-    def _follow_speed(self, b: np.ndarray, t: np.ndarray, previous_after: float) -> None:
-        """Drop the points before the previous interval from the line of each rank whose new steps
-        (sizes `b`, arrivals `t` [n, R]) and previous interval's both show a change of speed, the same
-        way (module docstring); sets `shift`, the measured factor. `previous_after`: the step count
-        before the previous interval."""
+    def _follow_speed(self, b: np.ndarray, t: np.ndarray, after: float) -> None:
+        """Each rank whose new steps (sizes `b`, arrivals `t` [n, R]; `after`: the step count before
+        them) are off its line the same way as the last interval that could be tested: the points
+        before that interval stop counting for its line (module docstring). Sets `shift`: the new
+        steps' factor over the line, which the earlier interval's steps already pulled towards them
+        (so it understates the change). Only steps at sizes the line has seen are tested
+        (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own error, not the steps'
+        scatter, would decide. Intervals known only by their means (fewer than `MIN_STEPS` steps)
+        are not tested."""
         fit = self.fit()
-        if self.cfg.shift_threshold <= 0 or fit is None or len(b) < MIN_STEPS:
-            self._pending[:] = 0.0
+        if fit is None or len(b) < MIN_STEPS:
             return
         w = self.line_weights()
-        predicted = fit.arrival(b, split=True)  # an unidentified line: proportional, near its mean size
+        predicted = fit.arrival(b, split=True)  # an unidentified line: proportional, at the size it saw
         for r in range(self.world_size):
-            seen = self._b[w[:, r] > 1e-2 * w[:, r].max(), r]
-            if fit.identified[r]:  # within the sizes the line was fitted on (no extrapolation)
-                inside = (b[:, r] >= 0.95 * seen.min()) & (b[:, r] <= 1.05 * seen.max())
-            else:
-                inside = np.abs(b[:, r] / fit.mean_batch[r] - 1.0) <= 0.05
-            if inside.sum() < MIN_STEPS:
-                self._pending[r] = 0.0
-                continue
-            d = np.log(t[inside, r] / predicted[inside, r])
+            sizes, which = np.unique(b[:, r], return_inverse=True)
+            near = np.abs(self._b[:, r][None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
+            seen = ((near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum())[which]
+            if seen.sum() < MIN_STEPS:
+                continue  # nothing to test: an earlier interval's verdict waits for the next
+            d = np.log(t[seen, r] / predicted[seen, r])
             off = float(shrunk_mean(d[:, None])[0])
             if abs(off) <= self.cfg.shift_threshold:
                 self._pending[r] = 0.0
-            elif off * self._pending[r] > 0:  # the second interval running: a change, not a blip
+            elif off * self._pending[r] > 0:  # the second interval: a change, not a blip
                 self.shift[r] = math.exp(float(d.mean()))
-                self._live[self._at <= previous_after, r] = 0.0
+                self._live[self._at <= self._pending_after[r], r] = 0.0
                 self._pending[r] = 0.0
                 self._fit = None
             else:
-                self._pending[r] = off
+                self._pending[r], self._pending_after[r] = off, after
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step
@@ -503,7 +510,7 @@ class CostModel:
     # --- plain state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "steps": self.steps, "payload_bytes": self.payload_bytes,
-                "latest_after": self._latest_after, "pending": self._pending.tolist(),
+                "latest_after": self._latest_after,
                 **{k: getattr(self, "_" + k).tolist() for k in _ARRAYS}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -512,7 +519,7 @@ class CostModel:
         self.steps = float(state["steps"])
         self.payload_bytes = float(state.get("payload_bytes", 0.0))
         self._latest_after = float(state.get("latest_after", self.steps))
-        self._pending = np.asarray(state.get("pending", np.zeros(self.world_size)), dtype=np.float64)
+        self._pending = np.zeros(self.world_size)
         for k in _ARRAYS:
             arr = np.asarray(state.get(k, []), dtype=np.float64)
             if k == "s" and arr.size == 0:  # state from before squared lengths were kept

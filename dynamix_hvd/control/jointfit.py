@@ -42,7 +42,8 @@ def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tu
     logT = torch.log(torch.tensor(t, dtype=dt))
     W = torch.tensor(w_lines / w_lines.sum(0).clip(min=1e-300), dtype=dt)  # per rank: its line's points
     logS = torch.log(torch.tensor(np.where(timed, S, 1.0), dtype=dt))
-    Ws = torch.tensor(np.where(timed, w, 0.0), dtype=dt)
+    # a step's sync time is predicted from every rank's line: only steps all of them still count
+    Ws = torch.tensor(np.where(timed & (w_lines > 0).all(1), w, 0.0), dtype=dt)
     Ws = Ws / Ws.sum() if bool(Ws.sum() > 0) else Ws
     mask = torch.tensor(ident)
     a_staged = torch.tensor(staged.fixed_s, dtype=dt)

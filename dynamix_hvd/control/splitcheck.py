@@ -17,10 +17,12 @@ a larger batch by the loss:
   `raise_by` times the one that failed (at most `max_margin`), so a real straggler that appears later
   is still split.
 
-A rank that changed speed (the cost model's lines found it, :mod:`dynamix_hvd.control.costmodel`)
-makes steps before and after the change incomparable: the reference starts again from the next
-neutral interval, and a split under trial stays unjudged (the paired test that took it measured the
-new speeds).
+A rank that changed speed (the cost model's lines found it in two intervals running,
+:mod:`dynamix_hvd.control.costmodel`) makes steps before and after the change incomparable: the
+reference starts again from the interval that confirmed the change where it ran neutral (a split
+taken next is judged against it), and a split under trial then stays unjudged (no neutral step at
+the new speeds exists; the paired test that took it measured the old ones, the cost lines now follow
+the new ones).
 
 Not used with token budgets (the cost model's points carry squared lengths): length bucketing makes
 an interval's step time follow the lengths it drew, so two intervals do not compare. The proposal
@@ -71,11 +73,13 @@ class SplitCheck:
         split; `speed_changed`: some rank's speed changed in it. True when a split under trial has just
         failed (return to neutral now)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
-        if not steps or first_interval:  # a restored process's first interval: start-up costs inflate it
-            return False
         if speed_changed:  # steps before the change compare with none after it
-            self.reference = []
             self._end_trial()
+            fresh = neutral_ran and steps and not first_interval
+            self.reference = [float(np.median(steps))] if fresh else []
+            self.reference_batch = global_batch if fresh else self.reference_batch
+            return False
+        if not steps or first_interval:  # a restored process's first interval: start-up costs inflate it
             return False
         step = float(np.median(steps))
         if neutral_ran:
