@@ -127,11 +127,15 @@ def test_split_check_starts_again_where_a_rank_changed_speed():
     check = SplitCheck()
     for k in range(2):
         check.observe([report(0, 64, 10, 0.010, 1.0)], True, 128)
-    check.observe([report(0, 64, 10, 0.020, 1.0)], True, 128, speed_changed=True)
-    assert check.reference == [0.020], "the interval that confirmed the change is the new reference"
+    check.observe([report(0, 64, 10, 0.030, 1.0)], True, 128, speed_pending=True)
+    assert check.reference == [0.010, 0.010], "an interval that may hold a change is not a reference"
+    check.observe([report(0, 80, 10, 0.020, 1.0)], True, 160, speed_changed=True)
+    assert check.reference == [0.020] and check.reference_batch == 160, "the confirming interval is the reference"
     check.start(0.3)
-    check.observe([report(0, 80, 10, 0.014, 1.0)], False, 128, predicted_gain=0.3)
-    assert not check.observe([report(0, 80, 10, 0.009, 1.0)], False, 128, predicted_gain=0.3, speed_changed=True)
+    check.observe([report(0, 80, 10, 0.014, 1.0)], False, 160, predicted_gain=0.3)
+    assert not check.observe([report(0, 80, 10, 0.030, 1.0)], False, 160, predicted_gain=0.3, speed_pending=True)
+    assert check.judging and len(check.trial) == 1, "a trial skips an interval that may hold a change"
+    assert not check.observe([report(0, 80, 10, 0.009, 1.0)], False, 160, predicted_gain=0.3, speed_changed=True)
     assert not check.judging and check.failures == 0 and check.reference == [], "a trial across a change: no verdict"
 
 

@@ -21,14 +21,17 @@ not fill takes as long as for k_i samples. The fit:
   a slow drift;
 - a change of speed: a rank whose arrivals, at sizes its line has seen, differ from the line's
   prediction by more than `shift_threshold` (log ratio, after a one-sided 99% bound of the steps'
-  scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two intervals running, the same
+  scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts; an interval in between at sizes the line has not seen is
-  skipped): the points before those two no longer count for its line, which starts again from them (the robust weights would otherwise take the new steps for
+  is a blip, common on shared hosts). Intervals at sizes the line has not seen are not tested and
+  lie between the two (the split moves after the first), and a first verdict older than a
+  half-life lapses. The first of the two (the change fell somewhere in it) and the points before
+  it no longer count for the rank's line, which starts again from the intervals after it (the robust weights would otherwise take the new steps for
   outliers until they held half the weight, and forgetting needs several half-lives). Rescaling the
   old points instead would assume the change is one factor on the whole line; a change in the cost
   per sample alone would then bend the slope, and steps already at the new speed would be rescaled
-  too. A line of one size is not identified until the next sizes are seen (see below);
+  too. A line of one size is not identified until the next sizes are seen (see below). Not tested:
+  intervals known only by their means, and token budgets (a step's time follows the lengths it drew);
 - identifiability: the slope needs at least two batch sizes. While a rank's (weighted) sizes spread
   less than `min_spread`, or its slope's standard error exceeds `max_rel_se` of it, its fit is
   `identified = False` and the two uses differ: the split assumes
@@ -107,9 +110,10 @@ class CostConfig:
     """t-statistic the per token x length term needs (in a rank's least squares of the arrival on
     tokens and squared lengths) to count; 0: never fitted."""
     shift_threshold: float = 0.1
-    """A rank whose arrivals differ from its line's prediction by more than this log ratio (after
-    the steps' 99% one-sided bound) in two intervals running changed speed: its line starts again
-    from those intervals (module docstring). 0: never; lines then follow a change by forgetting alone."""
+    """A rank whose arrivals, at sizes its line has seen, differ from its line's prediction by more
+    than this log ratio (after the steps' 99% one-sided bound) in two tested intervals changed speed:
+    its line starts again from the first of them (module docstring). 0: never; lines then follow a
+    change by forgetting alone."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
@@ -243,14 +247,19 @@ class CostModel:
         self._latest_after = 0.0  # step count before the last recorded interval
         self.shift = np.ones(world_size)
         """Per rank, the factor by which the last recorded interval found its speed changed (1: none)."""
-        # per rank, the last tested interval's significant offset (0: none) and the step count before it;
+        # per rank, the last tested interval's significant offset (0: none) and the step count at its end;
         # not checkpointed: a restored process's first interval carries its start-up costs
         self._pending = np.zeros(world_size)
-        self._pending_after = np.zeros(world_size)
+        self._pending_end = np.zeros(world_size)
 
     @property
     def points(self) -> int:
         return len(self._at)
+
+    @property
+    def change_pending(self) -> bool:
+        """Some rank's last tested interval was off its line: a change of speed if the next one is too."""
+        return bool((self._pending != 0).any())
 
     @property
     def lengths_known(self) -> bool:
@@ -295,7 +304,7 @@ class CostModel:
         if not ok.any():
             return
         if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
-            self._follow_speed(b[ok], t[ok], self._latest_after)    # follows the lengths it drew
+            self._follow_speed(b[ok], t[ok])                        # follows the lengths it drew
         idx = np.flatnonzero(ok)
         keep = idx[np.unique(np.linspace(0, len(idx) - 1, min(len(idx), self.cfg.points_per_interval)).round()
                              .astype(int))]
@@ -313,15 +322,16 @@ class CostModel:
         self._live = np.concatenate([self._live, np.ones((len(keep), R))])[-cap:]
         self._fit = self._net = None
 
-    def _follow_speed(self, b: np.ndarray, t: np.ndarray, after: float) -> None:
-        """Each rank whose new steps (sizes `b`, arrivals `t` [n, R]; `after`: the step count before
-        them) are off its line the same way as the last interval that could be tested: the points
-        before that interval stop counting for its line (module docstring). Sets `shift`: the new
-        steps' factor over the line, which the earlier interval's steps already pulled towards them
-        (so it understates the change). Only steps at sizes the line has seen are tested
+    def _follow_speed(self, b: np.ndarray, t: np.ndarray) -> None:
+        """Each rank whose new steps (sizes `b`, arrivals `t` [n, R], the last `self.steps`) are off
+        its line the same way as the last interval that could be tested: that interval and the points
+        before it stop counting for its line (module docstring; the change fell somewhere in it, so
+        it may hold both speeds). Sets `shift`: the new steps' factor over the line, which the earlier
+        interval's steps already pulled towards them (so it understates the change). Only steps at sizes the line has seen are tested
         (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own error, not the steps'
         scatter, would decide. Intervals known only by their means (fewer than `MIN_STEPS` steps)
         are not tested."""
+        self._pending[self._latest_after - self._pending_end > self.cfg.half_life_steps] = 0.0  # lapsed
         fit = self.fit()
         if fit is None or len(b) < MIN_STEPS:
             return
@@ -330,7 +340,10 @@ class CostModel:
         for r in range(self.world_size):
             sizes, which = np.unique(b[:, r], return_inverse=True)
             near = np.abs(self._b[:, r][None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
-            seen = ((near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum())[which]
+            seen = (near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum()
+            if not fit.identified[r]:  # proportional through its mean size: near that size only
+                seen &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
+            seen = seen[which]
             if seen.sum() < MIN_STEPS:
                 continue  # nothing to test: an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
@@ -339,11 +352,11 @@ class CostModel:
                 self._pending[r] = 0.0
             elif off * self._pending[r] > 0:  # the second interval: a change, not a blip
                 self.shift[r] = math.exp(float(d.mean()))
-                self._live[self._at <= self._pending_after[r], r] = 0.0
+                self._live[self._at <= self._pending_end[r], r] = 0.0
                 self._pending[r] = 0.0
                 self._fit = None
             else:
-                self._pending[r], self._pending_after[r] = off, after
+                self._pending[r], self._pending_end[r] = off, self.steps
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step

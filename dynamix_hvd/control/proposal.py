@@ -377,6 +377,7 @@ class ModelPolicy:
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
         self.check = GrowthCheck() if self.cfg.check_growth else None
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
+        self._costs_seen = -1.0  # the cost model's step count at the last decision
         self._restored = False
         """Restored into a fresh process: its next interval holds the start-up costs (a restored
         rank's first report keeps them, as the uninterrupted run's), so the split check skips it."""
@@ -428,9 +429,10 @@ class ModelPolicy:
         # with token budgets and length bucketing an interval's step time follows the lengths it drew,
         # so the steps of two intervals say nothing of the split
         checking = self.split_check is not None and not costs.lengths_known
+        fresh, self._costs_seen = costs.steps != self._costs_seen, costs.steps  # an interval was recorded
         split_failed = checking and self.split_check.observe(
             inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._restored,
-            speed_changed=bool((costs.shift != 1).any()),
+            speed_changed=fresh and bool((costs.shift != 1).any()), speed_pending=fresh and costs.change_pending,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
         # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
         # confidence bound of a paired test on the last interval's steps, a gain in the measured

@@ -17,12 +17,12 @@ a larger batch by the loss:
   `raise_by` times the one that failed (at most `max_margin`), so a real straggler that appears later
   is still split.
 
-A rank that changed speed (the cost model's lines found it in two intervals running,
-:mod:`dynamix_hvd.control.costmodel`) makes steps before and after the change incomparable: the
-reference starts again from the interval that confirmed the change where it ran neutral (a split
-taken next is judged against it), and a split under trial then stays unjudged (no neutral step at
-the new speeds exists; the paired test that took it measured the old ones, the cost lines now follow
-the new ones).
+A rank that changed speed (the cost model's lines found it in two tested intervals,
+:mod:`dynamix_hvd.control.costmodel`) makes steps before and after the change incomparable: while a
+change is pending (one interval off its line) intervals are neither reference nor trial; once
+confirmed, the reference starts again from the confirming interval where it ran neutral (a split
+taken next is judged against it), and a split under trial stays unjudged (no neutral step at the new
+speeds exists; the cost lines now follow the new ones).
 
 Not used with token budgets (the cost model's points carry squared lengths): length bucketing makes
 an interval's step time follow the lengths it drew, so two intervals do not compare. The proposal
@@ -67,11 +67,12 @@ class SplitCheck:
     last: dict[str, float] = field(default_factory=dict)
 
     def observe(self, reports: Sequence[RankReport], neutral_ran: bool, global_batch: int,
-                predicted_gain: float = 0.0, first_interval: bool = False, speed_changed: bool = False) -> bool:
+                predicted_gain: float = 0.0, first_interval: bool = False, speed_changed: bool = False,
+                speed_pending: bool = False) -> bool:
         """One interval's reports; `neutral_ran`: it ran at the neutral split; `global_batch`: samples per
         step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
-        split; `speed_changed`: some rank's speed changed in it. True when a split under trial has just
-        failed (return to neutral now)."""
+        split; `speed_changed`: some rank's speed changed in it; `speed_pending`: it may have (one
+        interval off a line). True when a split under trial has just failed (return to neutral now)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
         if speed_changed:  # steps before the change compare with none after it
             self._end_trial()
@@ -79,8 +80,8 @@ class SplitCheck:
             self.reference = [float(np.median(steps))] if fresh else []
             self.reference_batch = global_batch if fresh else self.reference_batch
             return False
-        if not steps or first_interval:  # a restored process's first interval: start-up costs inflate it
-            return False
+        if not steps or first_interval or speed_pending:  # a restored process's first interval: start-up
+            return False                                     # costs inflate it
         step = float(np.median(steps))
         if neutral_ran:
             self._end_trial()
