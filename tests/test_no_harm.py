@@ -33,18 +33,20 @@ def report(rank, size, n, step_s, loss):
 
 
 def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
-        seed=0, step=None, lengths=False, change=None):
+        seed=0, step=None, lengths=False, change=None, unrecorded=()):
     """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
     at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
     whatever the per-rank lines say (a split that cannot shorten it); `change=(k, a, c)`: the costs
-    from interval k on."""
+    from interval k on; intervals in `unrecorded` reach the policy but not the cost model (no timed
+    steps)."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
         if change is not None and k == change[0]:
             a, c = change[1], change[2]
         b, t, sync = steps(rng, sizes, a, c, net=net)
-        model.record(b, t, sync, overhead_s=1e-3, sq_tokens=b * 150.0 if lengths else None)
+        if k not in unrecorded:
+            model.record(b, t, sync, overhead_s=1e-3, sq_tokens=b * 150.0 if lengths else None)
         step_s = float(sync.mean()) + 1e-3 if step is None else step(sizes) * float(np.exp(rng.normal(0, 0.02)))
         clock += step_s * len(b)
         ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=noise, efficiency=1.0,
@@ -118,6 +120,17 @@ def test_a_straggler_that_appears_later_is_split_and_judged_at_its_new_speed():
     hist = run(policy, a=[0.002, 0.002], c=[1e-4, 1e-4], decisions=20,
                change=(10, [0.002, 0.006], [1e-4, 3e-4]))
     assert all(s == [64, 64] for s in hist[:10]), hist
+    assert all(s[0] > 1.8 * s[1] for s in hist[12:]), hist
+    check = policy.split_check
+    assert check.failures == 0 and check.last["measured_gain"] > 0.3, check.last
+
+
+def test_a_change_found_once_is_not_read_again_from_an_interval_the_cost_model_did_not_record():
+    """The split taken where the change was confirmed is judged even when the next interval carried
+    no timed steps (the cost model's change of speed belongs to the interval it recorded)."""
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.002, 0.002], c=[1e-4, 1e-4], decisions=20,
+               change=(10, [0.002, 0.006], [1e-4, 3e-4]), unrecorded={12})
     assert all(s[0] > 1.8 * s[1] for s in hist[12:]), hist
     check = policy.split_check
     assert check.failures == 0 and check.last["measured_gain"] > 0.3, check.last

@@ -24,10 +24,11 @@ not fill takes as long as for k_i samples. The fit:
   scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
   is a blip, common on shared hosts). Intervals at sizes the line has not seen are not tested and
-  lie between the two (the split moves after the first), and a first verdict older than a
+  may lie between the two (the split moves after the first); a first verdict older than a
   half-life lapses. The first of the two (the change fell somewhere in it) and the points before
-  it no longer count for the rank's line, which starts again from the intervals after it (the robust weights would otherwise take the new steps for
-  outliers until they held half the weight, and forgetting needs several half-lives). Rescaling the
+  it no longer count for the rank's line, which starts again from the intervals after it (the
+  robust weights would otherwise take the new steps for outliers until they held half the weight,
+  and forgetting needs several half-lives). Rescaling the
   old points instead would assume the change is one factor on the whole line; a change in the cost
   per sample alone would then bend the slope, and steps already at the new speed would be rescaled
   too. A line of one size is not identified until the next sizes are seen (see below). Not tested:
@@ -112,7 +113,7 @@ class CostConfig:
     shift_threshold: float = 0.1
     """A rank whose arrivals, at sizes its line has seen, differ from its line's prediction by more
     than this log ratio (after the steps' 99% one-sided bound) in two tested intervals changed speed:
-    its line starts again from the first of them (module docstring). 0: never; lines then follow a
+    its line starts again after the first of them (module docstring). 0: never; lines then follow a
     change by forgetting alone."""
 
     def __post_init__(self) -> None:
@@ -327,10 +328,10 @@ class CostModel:
         its line the same way as the last interval that could be tested: that interval and the points
         before it stop counting for its line (module docstring; the change fell somewhere in it, so
         it may hold both speeds). Sets `shift`: the new steps' factor over the line, which the earlier
-        interval's steps already pulled towards them (so it understates the change). Only steps at sizes the line has seen are tested
-        (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own error, not the steps'
-        scatter, would decide. Intervals known only by their means (fewer than `MIN_STEPS` steps)
-        are not tested."""
+        interval's steps already pulled towards them (so it understates the change). Only steps at
+        sizes the line has seen are tested (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own
+        error, not the steps' scatter, would decide. Intervals known only by their means (fewer
+        than `MIN_STEPS` steps) are not tested."""
         self._pending[self._latest_after - self._pending_end > self.cfg.half_life_steps] = 0.0  # lapsed
         fit = self.fit()
         if fit is None or len(b) < MIN_STEPS:
@@ -539,7 +540,8 @@ class CostModel:
                 arr = np.zeros(len(state.get("b", [])) * self.world_size)
             if k == "live" and arr.size == 0:  # state from before changes of speed were followed
                 arr = np.ones(len(state.get("b", [])) * self.world_size)
-            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if k in ("b", "s", "t", "live") else arr.reshape(-1))
+            per_rank = k in ("b", "s", "t", "live")
+            setattr(self, "_" + k, arr.reshape(-1, self.world_size) if per_rank else arr.reshape(-1))
         self._fit = self._net = None
 
 

@@ -76,12 +76,14 @@ class SplitCheck:
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
         if speed_changed:  # steps before the change compare with none after it
             self._end_trial()
-            fresh = neutral_ran and steps and not first_interval
+            fresh = neutral_ran and bool(steps) and not first_interval
             self.reference = [float(np.median(steps))] if fresh else []
             self.reference_batch = global_batch if fresh else self.reference_batch
             return False
-        if not steps or first_interval or speed_pending:  # a restored process's first interval: start-up
-            return False                                     # costs inflate it
+        # a restored process's first interval: start-up costs inflate it; a pending change: the
+        # interval may hold two speeds
+        if not steps or first_interval or speed_pending:
+            return False
         step = float(np.median(steps))
         if neutral_ran:
             self._end_trial()
