@@ -51,7 +51,12 @@ class Condition:
     slow_factor: float = 1.0
     """That rank computes this many times slower (2.0: half speed)."""
     slow_schedule: str = ""
-    """Slowdown changing over time, "SECONDS:FACTOR,..." (after `slow_factor` until the first entry)."""
+    """Slowdown changing over time, "TIME:FACTOR,..." (after `slow_factor` until the first entry); TIME
+    counts what `slow_clock` says."""
+    slow_clock: str = "seconds"
+    """What the schedule's times count: "seconds" of training, or "budget", the fraction (0-1) of the
+    epoch budget's samples trained, so every arm meets each phase at the same point of its training
+    however fast it runs (a seconds schedule gives a faster arm fewer slow seconds)."""
     rate_mbit: float | None = None
     """Bandwidth cap of every rank's link (None: no namespaces, Open MPI's default transports)."""
     rate_schedule: str = ""
@@ -65,6 +70,13 @@ class Condition:
     stall_ms: float = 200.0
     """Scale of a pause."""
 
+    def __post_init__(self) -> None:
+        if self.slow_clock not in ("seconds", "budget"):
+            raise ValueError(f"Condition {self.name!r}: slow_clock={self.slow_clock!r}; choose seconds or budget")
+        if self.slow_clock == "budget" and any(not 0 <= t <= 1 for t, _ in parse_pairs(self.slow_schedule)):
+            raise ValueError(f"Condition {self.name!r}: slow_schedule={self.slow_schedule!r}; with the budget "
+                             "clock its times are fractions of the budget in [0, 1]")
+
     @property
     def networked(self) -> bool:
         return self.rate_mbit is not None or self.delay_ms > 0
@@ -73,7 +85,8 @@ class Condition:
         parts = [f"{self.ranks} ranks"]
         if self.slow_rank >= 0 and (self.slow_factor != 1.0 or self.slow_schedule):
             parts.append(f"rank {self.slow_rank} x{self.slow_factor:g} slower"
-                         + (f" then {self.slow_schedule} (s:factor)" if self.slow_schedule else "")
+                         + (f" then {self.slow_schedule} ({'budget fraction' if self.slow_clock == 'budget' else 's'}:factor)"
+                            if self.slow_schedule else "")
                          + (" (SLEEPS instead of spinning: more ranks than cores)" if self.slow_mode == "sleep" else ""))
         if self.stall_rate:
             parts.append(f"rank {self.slow_rank} stalls {self.stall_rate:g}/s, Pareto(1.5) x {self.stall_ms:g} ms "
@@ -102,6 +115,7 @@ def slow_args(cond: Condition) -> list[str]:
         return []
     out = ["--slow-rank", str(cond.slow_rank), "--slow-factor", str(cond.slow_factor), "--slow-mode", cond.slow_mode]
     out += ["--slow-schedule", cond.slow_schedule] if cond.slow_schedule else []
+    out += ["--slow-clock", cond.slow_clock] if cond.slow_schedule and cond.slow_clock != "seconds" else []
     return out + (["--stall-rate", str(cond.stall_rate), "--stall-ms", str(cond.stall_ms)] if cond.stall_rate else [])
 
 

@@ -274,6 +274,42 @@ def critical_batch(results: Path) -> str:
     return "\n".join(lines)
 
 
+def equal_rank_splits(results: Path) -> str:
+    """Per job and arm under conditions without a straggler (run folders still on disk): the
+    controller's decisions, how many left the neutral split by more than one sample of rounding (an
+    uneven split between equal ranks), and where: decision number, sizes and the recorded intervals
+    of measured gap that led to it. Empty when no run has its decisions."""
+    from bench.suite import CONDITIONS
+
+    runs = pd.read_csv(results / "runs.csv")
+    rows: dict[tuple[str, str], list[int]] = {}
+    where: dict[tuple[str, str], list[str]] = {}
+    for r in runs[runs.status == "ok"].to_dict("records"):
+        cond = CONDITIONS.get(str(r["condition"]))
+        decisions = Path(r["run_dir"]) / "decisions.csv"
+        if cond is None or cond.slow_rank >= 0 or not decisions.exists():
+            continue
+        d = pd.read_csv(decisions)
+        sizes = [json.loads(str(x)) for x in d["sizes"]]
+        off = [k for k, b in enumerate(sizes) if max(b) - min(b) > 1]  # every arm here starts equal
+        rounding = sum(1 for b in sizes if max(b) - min(b) == 1)
+        key = (str(r["workload"]).removeprefix("zoo:"), str(r["arm"]))
+        total = rows.setdefault(key, [0, 0, 0])
+        total[0], total[1], total[2] = total[0] + len(sizes), total[1] + len(off), total[2] + rounding
+        gaps = d["gap_intervals"] if "gap_intervals" in d else pd.Series([math.nan] * len(d))
+        if off:
+            k = off[0]
+            where.setdefault(key, []).append(f"s{r['seed']} decision {k}: {sizes[k]} after {gaps.iloc[k]:g} "
+                                             f"interval(s)")
+    if not rows:
+        return ""
+    lines = ["| job | arm | decisions | uneven (beyond one sample) | one sample apart | where it first split |",
+             "|---|---|---|---|---|---|"]
+    for (w, arm), (n, off, rounding) in rows.items():
+        lines.append(f"| {w} | {arm} | {n} | {off} | {rounding} | {'; '.join(where.get((w, arm), [])) or '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.zoo_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{machine.get('cores', '?')} cores; commit {str(machine.get('git_commit', '?'))[:12]}"
             + "".join(f"; target of {w}: {v:g}" for w, v in targets.items()) + "\n\n"
             + headline(jobs) + "\n")
+    splits = equal_rank_splits(results)
+    if splits:
+        text += "\n## Equal ranks: decisions off the neutral split\n\n" + splits + "\n"
     (results / "zoo.md").write_text(text)
     print(text)
     return 0

@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     rec.progress = ((lambda: rec.samples / len(train)) if args.plain_horovod
                     else (lambda: optimizer.scale_invariant_epochs))
     rec.start()
-    slow.clock = rec.train_s
+    # the budget clock: the fraction of the epoch budget's samples trained (every arm, every rank alike)
+    slow.use_clock(rec.train_s, budget=lambda: rec.samples / (epochs * len(train)))
     def more(epoch: int) -> bool:
         if args.budget == "progress" and not args.plain_horovod:
             return not optimizer.progress_done(epochs=epochs)                                       # dx
@@ -198,7 +199,7 @@ def write_decisions(history: list[dict], out: str) -> None:
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
             "efficiency", "throughput", "loss", "overhead_s")
     network = ("net_s", "latency_s", "bus_bandwidth_Bps")
-    info = ("split_gain", "gap_bound", "speed_shift", "neutral", "dithered", "switched", "may_grow", "predicted_goodput",
+    info = ("split_gain", "gap_bound", "gap_intervals", "speed_shift", "neutral", "dithered", "switched", "may_grow", "predicted_goodput",
             "goodput_now", "split_check")
     rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
             | {k: ((h.get("fit") or {}).get("net") or {}).get(k) for k in network}

@@ -309,6 +309,38 @@ def test_slowdown_spins_or_sleeps_and_stalls_are_heavy_tailed():
     assert np.median(lengths) < lengths.mean()  # skewed to the right
 
 
+
+def test_budget_clock_drives_the_schedule_and_stalls_keep_to_seconds():
+    """With the budget clock the slowdown's phases follow the fraction of the budget trained, not
+    seconds; a seconds-clock example that cannot report its budget is refused, as is a budget
+    schedule past 1."""
+    from bench.conditions import Condition, slow_args
+
+    slow = Slowdown(True, 0.0, 1.0, [(0.1, 3.0), (0.35, 1.5)], mode="sleep", clock_kind="budget")
+    seconds, budget = [1000.0], [0.0]
+    slow.use_clock(lambda: seconds[0], budget=lambda: budget[0])
+    slow.per_sample = 0.002  # a batch of 10: (f - 1) x 20 ms
+    waits = []
+    for frac in (0.05, 0.2, 0.5):
+        budget[0] = frac
+        wall = time.perf_counter()
+        slow.before_compute(10)
+        waits.append(time.perf_counter() - wall)
+    assert waits[0] < 0.01 and 0.039 <= waits[1] < 0.08 and 0.0099 <= waits[2] < 0.035, waits
+    with pytest.raises(ValueError, match="does not report its budget"):
+        Slowdown(True, 0.0, 1.0, [(0.1, 3.0)], clock_kind="budget").use_clock(lambda: 0.0)
+    with pytest.raises(ValueError, match=r"fractions in \[0, 1\]"):
+        Slowdown(True, 0.0, 1.0, [(5.0, 3.0)], clock_kind="budget")
+    with pytest.raises(ValueError, match="slow clock 'steps'"):
+        Slowdown(True, 0.0, 1.0, [], clock_kind="steps")
+    with pytest.raises(ValueError, match="slow_schedule='5:3'"):
+        Condition("bad", 2, slow_rank=1, slow_schedule="5:3", slow_clock="budget")
+    with pytest.raises(ValueError, match="slow_clock='epochs'"):
+        Condition("bad", 2, slow_rank=1, slow_schedule="0.5:3", slow_clock="epochs")
+    phases = Condition("p", 2, slow_rank=1, slow_schedule="0.1:3,0.35:1.5", slow_clock="budget")
+    assert slow_args(phases)[-2:] == ["--slow-clock", "budget"] and "budget fraction" in phases.describe()
+
+
 def _require_netns() -> None:
     """The suite runs as root with iproute2 (launch/setup_env.sh installs it); fail loudly otherwise."""
     assert os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"), \

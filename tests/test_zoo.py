@@ -154,12 +154,32 @@ def test_the_per_rank_step_table_reads_the_run_folders(tmp_path):
     assert "plain-horovod" not in table  # its folder is gone
 
 
+def test_the_equal_rank_table_counts_splits_off_neutral(tmp_path):
+    from bench.zoo_report import equal_rank_splits
+
+    runs = []
+    for seed, sizes in enumerate(([[64, 64], [64, 64], [65, 63], [80, 48], [64, 64]], [[64, 64]] * 4)):
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        pd.DataFrame({"decision": range(len(sizes)), "sizes": [str(b) for b in sizes],
+                      "gap_intervals": [0, 1, 1, 2, 0][:len(sizes)]}).to_csv(run / "decisions.csv", index=False)
+        runs.append({"workload": "zoo:mnist-cnn", "condition": "none", "arm": "model", "seed": seed, "status": "ok",
+                     "run_dir": str(run)})
+    runs.append({"workload": "zoo:mnist-cnn", "condition": "slow3x", "arm": "model", "seed": 0, "status": "ok",
+                 "run_dir": str(tmp_path / "run0")})  # a straggler's splits are not counted
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    table = equal_rank_splits(tmp_path)
+    assert "| mnist-cnn | model | 9 | 1 | 1 | s0 decision 3: [80, 48] after 2 interval(s) |" in table, table
+    assert "slow3x" not in table
+
+
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
     w = suite.WORKLOADS["zoo:mnist-cnn"]
     arm = suite.arms(w, ["split"])[0]
     assert suite.Job(w, suite.CONDITIONS["slow3x"], arm, 0).sizes() == [96, 32]
     assert suite.Job(w, suite.CONDITIONS["none"], arm, 0).sizes() == [64, 64]
     assert suite.Job(w, suite.CONDITIONS["slow-changing"], arm, 0).sizes() == [89, 39]  # mean of 3 and 1.5
+    assert suite.Job(w, suite.CONDITIONS["slow-phases"], arm, 0).sizes() == [89, 39]  # the same phases
 
 
 @pytest.mark.parametrize("arm", [["--plain-horovod"], []])

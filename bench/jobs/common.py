@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -66,7 +66,8 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
 def make_slowdown(args: argparse.Namespace, rank: int) -> "Slowdown":
     """The Slowdown of this rank from the common and bench flags."""
     return Slowdown(rank == args.slow_rank, args.slow_ms, args.slow_factor, parse_slow_schedule(args.slow_schedule),
-                    mode=args.slow_mode, stall_rate=args.stall_rate, stall_ms=args.stall_ms, seed=args.seed)
+                    mode=args.slow_mode, stall_rate=args.stall_rate, stall_ms=args.stall_ms, seed=args.seed,
+                    clock_kind=getattr(args, "slow_clock", "seconds"))
 
 
 def start(args: argparse.Namespace, default_batch: int) -> list[int]:
@@ -107,6 +108,10 @@ def add_bench_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--slow-schedule", default="",
                     help="slowdown changing over time: 'SECONDS:FACTOR,...', e.g. '0:2,15:1,30:3' "
                          "(training seconds, evaluation excluded; --slow-factor before the first entry)")
+    ap.add_argument("--slow-clock", default="seconds", choices=["seconds", "budget"],
+                    help="what --slow-schedule's times count: training seconds, or the fraction of the epoch "
+                         "budget's samples trained (0-1: every arm meets each phase at the same point of its "
+                         "training, however fast it runs; examples that report their budget)")
     ap.add_argument("--plain-horovod", action="store_true",
                     help="the reference a user would otherwise run: DistributedSampler + "
                          "hvd.DistributedOptimizer(op=Average), equal batches (the first of --batch-sizes on "
@@ -146,16 +151,26 @@ class Slowdown:
     of real work when other processes compete for the cores); mode "sleep" sleeps (wall time), which
     leaves the core to other ranks when there are more ranks than cores. The wait happens *before* the
     forward pass because Horovod starts allreduces from hooks during backward: a wait after backward
-    would not hold up the other ranks. `clock` gives the seconds the schedule and stalls follow.
+    would not hold up the other ranks. `clock` gives the seconds the schedule and stalls follow;
+    with `clock_kind` "budget" the schedule follows the fraction of the epoch budget trained instead
+    (see :meth:`use_clock`) and stalls keep to seconds.
     """
 
     def __init__(self, active: bool, slow_ms: float, factor: float, schedule: list[tuple[float, float]],
-                 mode: str = "spin", stall_rate: float = 0.0, stall_ms: float = 200.0, seed: int = 0) -> None:
+                 mode: str = "spin", stall_rate: float = 0.0, stall_ms: float = 200.0, seed: int = 0,
+                 clock_kind: str = "seconds") -> None:
         import random
         import time
 
         if mode not in ("spin", "sleep"):
             raise ValueError(f"slow mode {mode!r}: choose spin or sleep")
+        if clock_kind not in ("seconds", "budget"):
+            raise ValueError(f"slow clock {clock_kind!r}: choose seconds or budget")
+        if clock_kind == "budget" and any(not 0 <= t <= 1 for t, _ in schedule):
+            raise ValueError(f"slow schedule {schedule}: with the budget clock its times are fractions in [0, 1]")
+        self.clock_kind = clock_kind
+        self.schedule_clock: Callable[[], float] | None = None
+        """What the schedule follows (None: `clock`)."""
         self.active, self.slow_s, self.factor, self.schedule = active, slow_ms / 1000.0, factor, schedule
         self.mode, self.stall_rate, self.stall_s = mode, stall_rate, stall_ms / 1000.0
         self._rng = random.Random(seed * 7919 + 17)
@@ -188,6 +203,15 @@ class Slowdown:
             while time.thread_time() < end:
                 pass
 
+    def use_clock(self, seconds: Callable[[], float], budget: Callable[[], float] | None = None) -> None:
+        """Training seconds (stalls, and the schedule with the seconds clock) and the fraction of the
+        epoch budget trained (the schedule with the budget clock)."""
+        self.clock = seconds
+        if self.clock_kind == "budget":
+            if budget is None:
+                raise ValueError("--slow-clock budget: this example does not report its budget; use seconds")
+            self.schedule_clock = budget
+
     def factor_at(self, elapsed: float) -> float:
         factor = self.factor
         for t, f in self.schedule:
@@ -206,7 +230,8 @@ class Slowdown:
             self.next_stall = now + self._rng.expovariate(self.stall_rate)
         self._wait(self.slow_s, wall=True)
         if self.per_sample is not None:
-            self._wait((self.factor_at(now) - 1.0) * self.per_sample * batch)
+            at = now if self.schedule_clock is None else self.schedule_clock()
+            self._wait((self.factor_at(at) - 1.0) * self.per_sample * batch)
         self._t = self._now()
 
     def after_compute(self, batch: int) -> None:

@@ -40,7 +40,7 @@ from .actions import BatchBounds
 from .flipguard import FlipGuard
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
 from .growth import GrowthCheck
-from .speedgap import split_gain_lower_bound
+from .speedgap import speed_gap
 from .splitcheck import SplitCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
@@ -79,6 +79,11 @@ class ProposalConfig:
     split is predicted to shorten the step by more than this fraction; ranks whose measured speeds do
     not differ by that much keep it, undithered (half the margin keeps a split once taken). 0: always
     equalise."""
+    split_intervals: int = 2
+    """Recorded intervals running in which the measured difference in speed (per-step times, a paired
+    test) must pass `split_margin`, with the same ranks slower, before the neutral split is left: one
+    noisy interval on a shared host must not split equal ranks. Intervals too short for the test
+    neither count nor break the run."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
@@ -105,6 +110,7 @@ class ProposalConfig:
         if self.trust is not None and not (math.isfinite(self.trust) and self.trust > 1):
             raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
         validate.integer("ProposalConfig.hold_unidentified", self.hold_unidentified, 0)
+        validate.integer("ProposalConfig.split_intervals", self.split_intervals, 1)
         if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
             raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
         for name in ("confident_growth", "check_growth", "check_split", "search_batch", "joint_fit"):
@@ -378,6 +384,11 @@ class ModelPolicy:
         self.check = GrowthCheck() if self.cfg.check_growth else None
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
         self._costs_seen = -1.0  # the cost model's step count at the last decision
+        self._gap_run = 0
+        """Recorded intervals running whose measured gap passed the margin (with `_gap_ranks` slower)."""
+        self._gap_ranks: tuple[int, ...] = ()
+        self._stepwise = False
+        """Per-step times were seen: the measured gap, not the predicted one, confirms a split."""
         self._restored = False
         """Restored into a fresh process: its next interval holds the start-up costs (a restored
         rank's first report keeps them, as the uninterrupted run's), so the split check skips it."""
@@ -435,13 +446,22 @@ class ModelPolicy:
             speed_changed=fresh and bool((costs.shift != 1).any()), speed_pending=fresh and costs.change_pending,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
         # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
-        # confidence bound of a paired test on the last interval's steps, a gain in the measured
-        # step (:mod:`speedgap`), passes the configured margin (a margin raised by a failed split
-        # applies to the predicted gain, in the slowest arrival, as it was raised); with interval
-        # means only, the predicted gain passes the margin in two intervals running
+        # confidence bound of a paired test on each interval's steps, a gain in the measured step
+        # (:mod:`speedgap`), passes the configured margin in `split_intervals` recorded intervals
+        # running, the same ranks slower each time (a margin raised by a failed split applies to the
+        # predicted gain, in the slowest arrival, as it was raised); with interval means only, the
+        # predicted gain passes the margin in two intervals running. A restored process's first
+        # interval holds its start-up and is not evidence.
+        gap, slower = speed_gap(*costs.latest_interval())
+        if fresh and math.isfinite(gap) and not self._restored:
+            self._stepwise = True
+            passed = gap > self.cfg.split_margin
+            same = self._gap_run > 0 and slower == self._gap_ranks
+            self._gap_run = (self._gap_run + 1 if same else 1) if passed else 0
+            self._gap_ranks = slower if passed else ()
         self._restored = False
-        gap = split_gain_lower_bound(*costs.latest_interval())
-        confirmed = (gap > self.cfg.split_margin if math.isfinite(gap)
+        evidence = self._gap_run
+        confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > self.split_margin)
 
         def proposal(cfg: ProposalConfig) -> Proposal:
@@ -459,10 +479,12 @@ class ModelPolicy:
             leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving:
             self.split_check.start(self.last.split_gain)
+        if split_failed or (not self.last.neutral and off_neutral(self.last.sizes, self.neutral)):
+            self._gap_run, self._gap_ranks = 0, ()  # a later return to neutral needs fresh evidence
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "gap_bound": gap, "speed_shift": costs.shift.tolist()}
+                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "speed_shift": costs.shift.tolist()}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
                                    "margin": self.split_margin, "failures": self.split_check.failures}
@@ -475,6 +497,8 @@ class ModelPolicy:
 
     def reset_world(self, world_size: int) -> None:
         self._own = None
+        self._costs_seen = -1.0
+        self._gap_run, self._gap_ranks = 0, ()
         self.neutral = None
         self.last = None
         if self.check is not None:  # a reference from another world says nothing about this one
@@ -488,7 +512,8 @@ class ModelPolicy:
         return {"decisions": self.decisions, "neutral": self.neutral,
                 "growth": None if self.check is None else self.check.state_dict(),
                 "split": None if self.split_check is None else self.split_check.state_dict(),
-                "guard": None if self.guard is None else [list(h) for h in self.guard.history]}
+                "guard": None if self.guard is None else [list(h) for h in self.guard.history],
+                "gap_run": self._gap_run, "gap_ranks": list(self._gap_ranks), "stepwise": self._stepwise}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "learner" in state:  # a deployed PPO policy's state: its proposal's and its guard's are this state
@@ -502,6 +527,9 @@ class ModelPolicy:
             self.split_check.load_state_dict(state["split"])
         if self.guard is not None and state.get("guard") is not None:
             self.guard.history = [[int(b) for b in h] for h in state["guard"]]
+        self._gap_run = int(state.get("gap_run", 0))
+        self._gap_ranks = tuple(int(r) for r in state.get("gap_ranks", ()))
+        self._stepwise = bool(state.get("stepwise", False))
         self._restored = True
 
 

@@ -42,19 +42,20 @@ def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
     return np.sign(mean) * np.maximum(np.abs(mean) - t_quantile(confidence, n - 1) * se, 0.0)
 
 
-def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
-                           confidence: float = CONFIDENCE) -> float:
+def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
+              confidence: float = CONFIDENCE) -> tuple[float, tuple[int, ...]]:
     """Lower confidence bound on the step-time gain of equalising arrivals, from per-step sizes and
     arrival times [n, R] and step times [n] (None or NaN: the step is the slowest arrival) of one
-    interval (module docstring); NaN with fewer than `MIN_STEPS` steps or one rank."""
+    interval (module docstring), and the ranks measured slower than the step's mean (the ranks a
+    split would unload); NaN and () with fewer than `MIN_STEPS` steps or one rank."""
     b = np.asarray(batches, dtype=np.float64)
     t = np.asarray(arrival, dtype=np.float64)
-    ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1)
-    b, t = b[ok], t[ok]
-    step = None if step_s is None else np.asarray(step_s, dtype=np.float64)[ok]
+    ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1) if b.ndim == 2 and b.size else np.zeros(0, bool)
+    b, t = (b[ok], t[ok]) if len(ok) else (b, t)
     n, R = b.shape if b.ndim == 2 else (0, 0)
     if n < MIN_STEPS or R < 2:
-        return math.nan
+        return math.nan, ()
+    step = None if step_s is None else np.asarray(step_s, dtype=np.float64)[ok]
     x = np.log(t)
     shrunk = shrunk_mean(x - x.mean(1, keepdims=True), confidence)
     sizes = np.median(b, axis=0)
@@ -65,4 +66,10 @@ def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.
     if timed is not None and len(timed):
         # the saving, a fraction of the slowest arrival, as a fraction of the measured step
         gain *= min(1.0, float(t.mean(0).max() / timed.mean()))
-    return gain
+    return gain, tuple(int(r) for r in np.flatnonzero(shrunk > 0))
+
+
+def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
+                           confidence: float = CONFIDENCE) -> float:
+    """The bound of :func:`speed_gap` alone."""
+    return speed_gap(batches, arrival, step_s, confidence)[0]
