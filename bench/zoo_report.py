@@ -276,8 +276,8 @@ def critical_batch(results: Path) -> str:
 
 def equal_rank_splits(results: Path) -> str:
     """Per job and arm under conditions without a straggler (run folders still on disk): the
-    controller's decisions, how many left the neutral split by more than one sample of rounding (an
-    uneven split between equal ranks), and where: decision number, sizes and the recorded intervals
+    controller's decisions, how many put a rank more than one sample off the mean (an uneven split
+    between equal ranks; one sample off is rounding), and where: decision number, sizes and the recorded intervals
     of measured gap that led to it. Empty when no run has its decisions."""
     from bench.suite import CONDITIONS
 
@@ -291,8 +291,10 @@ def equal_rank_splits(results: Path) -> str:
             continue
         d = pd.read_csv(decisions)
         sizes = [json.loads(str(x)) for x in d["sizes"]]
-        off = [k for k, b in enumerate(sizes) if max(b) - min(b) > 1]  # every arm here starts equal
-        rounding = sum(1 for b in sizes if max(b) - min(b) == 1)
+        # every arm here starts equal: a rank more than one sample off the mean is a split, one off is rounding
+        apart = [max(abs(x - sum(b) / len(b)) for x in b) for b in sizes]
+        off = [k for k, d in enumerate(apart) if d > 1]
+        rounding = sum(1 for d in apart if 0 < d <= 1)
         key = (str(r["workload"]).removeprefix("zoo:"), str(r["arm"]))
         total = rows.setdefault(key, [0, 0, 0])
         total[0], total[1], total[2] = total[0] + len(sizes), total[1] + len(off), total[2] + rounding
@@ -303,7 +305,7 @@ def equal_rank_splits(results: Path) -> str:
                                              f"interval(s)")
     if not rows:
         return ""
-    lines = ["| job | arm | decisions | uneven (beyond one sample) | one sample apart | where it first split |",
+    lines = ["| job | arm | decisions | uneven (a rank > 1 sample off the mean) | within one sample | where it first split |",
              "|---|---|---|---|---|---|"]
     for (w, arm), (n, off, rounding) in rows.items():
         lines.append(f"| {w} | {arm} | {n} | {off} | {rounding} | {'; '.join(where.get((w, arm), [])) or '-'} |")
