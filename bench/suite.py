@@ -286,11 +286,10 @@ CONFIGS.update({
                            "arms": ["plain", "split", "ppo"], "seeds": 1}],
     # with a straggler, the default (the proposal) beside plain Horovod and the best fixed split on the
     # evaluation half; each row's limit comes from its own plain run (`bench.zoo_report`)
-    "zoo-straggler": [{"workloads": ZOO_EVAL, "conditions": ["slow3x", "slow2x", "slow-phases"],
+    "zoo-straggler": [{"workloads": ZOO_EVAL, "conditions": ["slow3x", "slow2x", "slow-changing"],
                        "arms": ["plain", "split", "model"], "seeds": 3}],
-    # the changing slowdown alone (rank 1: 1x, 3x from 10% of the budget, 1.5x from 35%), as in
-    # zoo-straggler (~17 min)
-    "zoo-straggler-changing": [{"workloads": ZOO_EVAL, "conditions": ["slow-phases"],
+    # the changing slowdown alone (rank 1: 1x, 3x from 5 s, 1.5x from 20 s), as in zoo-straggler (~17 min)
+    "zoo-straggler-changing": [{"workloads": ZOO_EVAL, "conditions": ["slow-changing"],
                                 "arms": ["plain", "split", "model"], "seeds": 3}],
     # no harm: the default (the proposal) against plain Horovod on equal-speed ranks (3 seeds, ~12 min)
     "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3}],

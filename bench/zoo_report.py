@@ -292,7 +292,7 @@ def equal_rank_splits(results: Path) -> str:
         d = pd.read_csv(decisions)
         sizes = [json.loads(str(x)) for x in d["sizes"]]
         # every arm here starts equal: a rank more than one sample off the mean is a split, one off is rounding
-        apart = [max(abs(x - sum(b) / len(b)) for x in b) for b in sizes]
+        apart = [max(abs(x - sum(b) / len(b)) for x in b) for b in sizes]  # per decision
         off = [k for k, d in enumerate(apart) if d > 1]
         rounding = sum(1 for d in apart if 0 < d <= 1)
         key = (str(r["workload"]).removeprefix("zoo:"), str(r["arm"]))
@@ -301,8 +301,8 @@ def equal_rank_splits(results: Path) -> str:
         gaps = d["gap_intervals"] if "gap_intervals" in d else pd.Series([math.nan] * len(d))
         if off:
             k = off[0]
-            where.setdefault(key, []).append(f"s{r['seed']} decision {k}: {sizes[k]} after {gaps.iloc[k]:g} "
-                                             f"interval(s)")
+            evidence = "" if pd.isna(gaps.iloc[k]) else f" after {gaps.iloc[k]:g} interval(s)"
+            where.setdefault(key, []).append(f"s{r['seed']} decision {k}: {sizes[k]}{evidence}")
     if not rows:
         return ""
     lines = ["| job | arm | decisions | uneven (a rank > 1 sample off the mean) | within one sample | where it first split |",

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     rec.progress = ((lambda: rec.samples / len(train)) if args.plain_horovod
                     else (lambda: optimizer.scale_invariant_epochs))
     rec.start()
-    # the budget clock: the fraction of the epoch budget's samples trained (every arm, every rank alike)
+    # the budget clock: samples trained over --epochs passes over the data (every arm, every rank alike)
     slow.use_clock(rec.train_s, budget=lambda: rec.samples / (epochs * len(train)))
     def more(epoch: int) -> bool:
         if args.budget == "progress" and not args.plain_horovod:

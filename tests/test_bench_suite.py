@@ -312,21 +312,22 @@ def test_slowdown_spins_or_sleeps_and_stalls_are_heavy_tailed():
 
 def test_budget_clock_drives_the_schedule_and_stalls_keep_to_seconds():
     """With the budget clock the slowdown's phases follow the fraction of the budget trained, not
-    seconds; a seconds-clock example that cannot report its budget is refused, as is a budget
-    schedule past 1."""
+    seconds, while stalls keep to seconds; a budget-clock slowdown given no budget is refused, as is a
+    budget schedule past 1."""
     from bench.conditions import Condition, slow_args
 
-    slow = Slowdown(True, 0.0, 1.0, [(0.1, 3.0), (0.35, 1.5)], mode="sleep", clock_kind="budget")
-    seconds, budget = [1000.0], [0.0]
+    slow = Slowdown(True, 0.0, 1.0, [(0.1, 3.0), (0.35, 1.5)], mode="sleep", clock_kind="budget",
+                    stall_rate=0.5, stall_ms=100.0)
+    seconds, budget, waits = [0.0], [0.0], []
+    slow._wait = lambda s, wall=False: waits.append(round(s, 9))  # what it would wait, not the wait
     slow.use_clock(lambda: seconds[0], budget=lambda: budget[0])
     slow.per_sample = 0.002  # a batch of 10: (f - 1) x 20 ms
-    waits = []
     for frac in (0.05, 0.2, 0.5):
-        budget[0] = frac
-        wall = time.perf_counter()
+        budget[0], seconds[0] = frac, 1000 * frac  # seconds far past the fractions: only the budget places a phase
+        waits.clear()
         slow.before_compute(10)
-        waits.append(time.perf_counter() - wall)
-    assert waits[0] < 0.01 and 0.039 <= waits[1] < 0.08 and 0.0099 <= waits[2] < 0.035, waits
+        assert waits[-1] == {0.05: 0.0, 0.2: 0.04, 0.5: 0.01}[frac], (frac, waits)
+    assert slow.stalls and all(t >= 50 for t, _ in slow.stalls), "stalls come at training seconds"
     with pytest.raises(ValueError, match="does not report its budget"):
         Slowdown(True, 0.0, 1.0, [(0.1, 3.0)], clock_kind="budget").use_clock(lambda: 0.0)
     with pytest.raises(ValueError, match=r"fractions in \[0, 1\]"):

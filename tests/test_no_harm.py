@@ -98,25 +98,39 @@ def _decide_on(policy, model, times, sizes=(64, 64)):
 
 def test_one_noisy_interval_does_not_split_equal_ranks():
     """Equal ranks whose one interval looks 3x apart (a busy host for a few seconds), then equal again:
-    the neutral split stays; a gap that swaps ranks between intervals does not add up either; a short
-    interval between two passing ones neither counts nor breaks the run."""
+    the neutral split stays; a gap whose slowest rank swaps between intervals does not add up either;
+    a short interval between two passing ones neither counts nor breaks the run."""
     rng = np.random.default_rng(0)
     slow1, slow0, equal = ([0.002, 0.006], [1e-4, 3e-4]), ([0.006, 0.002], [3e-4, 1e-4]), EQUAL.values()
-    for order in ((slow1, equal, slow1, equal), (slow1, slow0, slow1, slow0)):
+    for order, runs in (((slow1, equal, slow1, equal), [1, 0, 1, 0]), ((slow1, slow0, slow1, slow0), [1, 1, 1, 1])):
         policy, model = ModelPolicy(search_batch=False), CostModel(2)
         outs = [_decide_on(policy, model, steps(rng, [64, 64], *costs)) for costs in order]
         assert all(o.sizes == [64, 64] for o in outs), [o.sizes for o in outs]
-        assert [o.info["gap_intervals"] for o in outs][-2:] != [2, 2]
+        assert [o.info["gap_intervals"] for o in outs] == runs
     policy, model = ModelPolicy(search_batch=False), CostModel(2)
     first = _decide_on(policy, model, steps(rng, [64, 64], *slow1))
     short = _decide_on(policy, model, steps(rng, [64, 64], *slow1, n=3))
     second = _decide_on(policy, model, steps(rng, [64, 64], *slow1))
     assert first.sizes == short.sizes == [64, 64] and first.info["gap_intervals"] == short.info["gap_intervals"] == 1
     assert second.info["gap_intervals"] == 2 and second.sizes[0] > 1.5 * second.sizes[1], second.sizes
+    after = _decide_on(policy, model, steps(rng, second.sizes, *slow1), sizes=second.sizes)
+    assert after.info["gap_intervals"] == 0, "an interval off the neutral split is not evidence for leaving it"
+
+
+def test_the_evidence_round_trips_and_a_restored_first_interval_is_skipped():
+    rng = np.random.default_rng(1)
+    slow1 = ([0.002, 0.006], [1e-4, 3e-4])
+    policy, model = ModelPolicy(search_batch=False), CostModel(2)
+    assert _decide_on(policy, model, steps(rng, [64, 64], *slow1)).info["gap_intervals"] == 1
     restored = ModelPolicy(search_batch=False)
     restored.load_state_dict(policy.state_dict())
-    assert (restored._gap_run, restored._gap_ranks, restored._stepwise) == (0, (), True), \
-        "the run restarts once the split is taken; the kind of evidence is kept"
+    assert (restored._gap_run, restored._gap_slowest, restored._stepwise) == (1, 1, True)
+    skipped = _decide_on(restored, model, steps(rng, [64, 64], *slow1))
+    assert skipped.sizes == [64, 64] and skipped.info["gap_intervals"] == 1, "start-up is not evidence"
+    split = _decide_on(restored, model, steps(rng, [64, 64], *slow1))
+    assert split.info["gap_intervals"] == 2 and split.sizes[0] > 1.5 * split.sizes[1], split.sizes
+    policy.reset_world(3)
+    assert (policy._gap_run, policy._gap_slowest) == (0, -1), "evidence from another world says nothing here"
 
 
 def test_a_gap_within_the_noise_of_a_short_interval_waits_for_more_steps():
@@ -321,7 +335,7 @@ def test_growth_check_state_round_trips():
 
 @pytest.mark.parametrize("kwargs", [dict(split_margin=1.5), dict(grow_margin=-0.1), dict(check_growth=1),
                                     dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True),
-                                    dict(check_split="no")])
+                                    dict(check_split="no"), dict(split_intervals=0)])
 def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):

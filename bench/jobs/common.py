@@ -106,12 +106,14 @@ def add_bench_flags(ap: argparse.ArgumentParser) -> None:
                     help="--slow-rank computes this many times slower ((f-1) x the time of its own "
                          "forward+backward is added, so the slowdown scales with its batch)")
     ap.add_argument("--slow-schedule", default="",
-                    help="slowdown changing over time: 'SECONDS:FACTOR,...', e.g. '0:2,15:1,30:3' "
-                         "(training seconds, evaluation excluded; --slow-factor before the first entry)")
+                    help="slowdown changing over time: 'TIME:FACTOR,...', e.g. '0:2,15:1,30:3' (TIME: "
+                         "training seconds, evaluation excluded, or with --slow-clock budget a fraction of the "
+                         "budget; --slow-factor before the first entry)")
     ap.add_argument("--slow-clock", default="seconds", choices=["seconds", "budget"],
-                    help="what --slow-schedule's times count: training seconds, or the fraction of the epoch "
-                         "budget's samples trained (0-1: every arm meets each phase at the same point of its "
-                         "training, however fast it runs; examples that report their budget)")
+                    help="what --slow-schedule's times count: training seconds, or the samples trained as a "
+                         "fraction of --epochs passes over the data (0-1: every arm meets each phase at the same "
+                         "sample, however fast it runs; an arm that trains past its epochs stays in the last "
+                         "phase; examples that report their budget)")
     ap.add_argument("--plain-horovod", action="store_true",
                     help="the reference a user would otherwise run: DistributedSampler + "
                          "hvd.DistributedOptimizer(op=Average), equal batches (the first of --batch-sizes on "
@@ -137,7 +139,7 @@ def parse_slow_schedule(text: str) -> list[tuple[float, float]]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         t, f = part.split(":")
         if float(f) < 1.0 or float(t) < 0:
-            raise ValueError(f"slow schedule entry {part!r}: need SECONDS >= 0 and FACTOR >= 1")
+            raise ValueError(f"slow schedule entry {part!r}: need TIME >= 0 and FACTOR >= 1")
         out.append((float(t), float(f)))
     return sorted(out)
 

@@ -80,10 +80,12 @@ class ProposalConfig:
     not differ by that much keep it, undithered (half the margin keeps a split once taken). 0: always
     equalise."""
     split_intervals: int = 2
-    """Recorded intervals running in which the measured difference in speed (per-step times, a paired
-    test) must pass `split_margin`, with the same ranks slower, before the neutral split is left: one
-    noisy interval on a shared host must not split equal ranks. Intervals too short for the test
-    neither count nor break the run."""
+    """Recorded intervals at the neutral split, running, in which the measured difference in speed
+    (per-step times, a paired test) must pass `split_margin`, the same rank the slowest, before the
+    neutral split is left: one noisy interval on a shared host must not split equal ranks. Intervals
+    too short for the test neither count nor break the run. Once the job has shown per-step times,
+    only they confirm a split; a job that never shows them (intervals under five steps) is judged by
+    the predicted gain in two intervals running, whatever this says."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
@@ -385,8 +387,9 @@ class ModelPolicy:
         self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
         self._costs_seen = -1.0  # the cost model's step count at the last decision
         self._gap_run = 0
-        """Recorded intervals running whose measured gap passed the margin (with `_gap_ranks` slower)."""
-        self._gap_ranks: tuple[int, ...] = ()
+        """Recorded neutral intervals running whose measured gap passed the margin, `_gap_slowest` the
+        slowest rank in each."""
+        self._gap_slowest = -1
         self._stepwise = False
         """Per-step times were seen: the measured gap, not the predicted one, confirms a split."""
         self._restored = False
@@ -448,17 +451,21 @@ class ModelPolicy:
         # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
         # confidence bound of a paired test on each interval's steps, a gain in the measured step
         # (:mod:`speedgap`), passes the configured margin in `split_intervals` recorded intervals
-        # running, the same ranks slower each time (a margin raised by a failed split applies to the
-        # predicted gain, in the slowest arrival, as it was raised); with interval means only, the
-        # predicted gain passes the margin in two intervals running. A restored process's first
-        # interval holds its start-up and is not evidence.
-        gap, slower = speed_gap(*costs.latest_interval())
+        # running at the neutral split, the same rank the slowest each time (a margin raised by a
+        # failed split applies to the predicted gain, in the slowest arrival, as it was raised); with
+        # interval means only, the predicted gain passes the margin in two intervals running. A
+        # restored process's first interval holds its start-up and is not evidence.
+        gap, slowest = speed_gap(*costs.latest_interval())
+        # the sizes that ran were neutral (a neutral proposal clipped by the bounds counts as one; a
+        # refinement or a held flip that ran other sizes does not)
+        neutral_ran = ran_neutral or (self.last is not None and self.last.neutral
+                                      and list(inp.sizes) == list(self.last.sizes))
         if fresh and math.isfinite(gap) and not self._restored:
             self._stepwise = True
-            passed = gap > self.cfg.split_margin
-            same = self._gap_run > 0 and slower == self._gap_ranks
+            passed = neutral_ran and gap > self.cfg.split_margin
+            same = self._gap_run > 0 and slowest == self._gap_slowest
             self._gap_run = (self._gap_run + 1 if same else 1) if passed else 0
-            self._gap_ranks = slower if passed else ()
+            self._gap_slowest = slowest if passed else -1
         self._restored = False
         evidence = self._gap_run
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
@@ -479,8 +486,8 @@ class ModelPolicy:
             leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving:
             self.split_check.start(self.last.split_gain)
-        if split_failed or (not self.last.neutral and off_neutral(self.last.sizes, self.neutral)):
-            self._gap_run, self._gap_ranks = 0, ()  # a later return to neutral needs fresh evidence
+        if split_failed:
+            self._gap_run, self._gap_slowest = 0, -1  # a later split needs fresh evidence
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
@@ -498,7 +505,7 @@ class ModelPolicy:
     def reset_world(self, world_size: int) -> None:
         self._own = None
         self._costs_seen = -1.0
-        self._gap_run, self._gap_ranks = 0, ()
+        self._gap_run, self._gap_slowest = 0, -1
         self.neutral = None
         self.last = None
         if self.check is not None:  # a reference from another world says nothing about this one
@@ -513,7 +520,7 @@ class ModelPolicy:
                 "growth": None if self.check is None else self.check.state_dict(),
                 "split": None if self.split_check is None else self.split_check.state_dict(),
                 "guard": None if self.guard is None else [list(h) for h in self.guard.history],
-                "gap_run": self._gap_run, "gap_ranks": list(self._gap_ranks), "stepwise": self._stepwise}
+                "gap_run": self._gap_run, "gap_slowest": self._gap_slowest, "stepwise": self._stepwise}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "learner" in state:  # a deployed PPO policy's state: its proposal's and its guard's are this state
@@ -528,7 +535,7 @@ class ModelPolicy:
         if self.guard is not None and state.get("guard") is not None:
             self.guard.history = [[int(b) for b in h] for h in state["guard"]]
         self._gap_run = int(state.get("gap_run", 0))
-        self._gap_ranks = tuple(int(r) for r in state.get("gap_ranks", ()))
+        self._gap_slowest = int(state.get("gap_slowest", -1))
         self._stepwise = bool(state.get("stepwise", False))
         self._restored = True
 

@@ -43,18 +43,18 @@ def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
 
 
 def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
-              confidence: float = CONFIDENCE) -> tuple[float, tuple[int, ...]]:
+              confidence: float = CONFIDENCE) -> tuple[float, int]:
     """Lower confidence bound on the step-time gain of equalising arrivals, from per-step sizes and
     arrival times [n, R] and step times [n] (None or NaN: the step is the slowest arrival) of one
-    interval (module docstring), and the ranks measured slower than the step's mean (the ranks a
-    split would unload); NaN and () with fewer than `MIN_STEPS` steps or one rank."""
+    interval (module docstring), and the slowest rank by the shrunk means (the rank whose arrival a
+    split shortens most); NaN and -1 with fewer than `MIN_STEPS` steps or one rank."""
     b = np.asarray(batches, dtype=np.float64)
     t = np.asarray(arrival, dtype=np.float64)
     ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1) if b.ndim == 2 and b.size else np.zeros(0, bool)
     b, t = (b[ok], t[ok]) if len(ok) else (b, t)
     n, R = b.shape if b.ndim == 2 else (0, 0)
     if n < MIN_STEPS or R < 2:
-        return math.nan, ()
+        return math.nan, -1
     step = None if step_s is None else np.asarray(step_s, dtype=np.float64)[ok]
     x = np.log(t)
     shrunk = shrunk_mean(x - x.mean(1, keepdims=True), confidence)
@@ -66,7 +66,7 @@ def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | Non
     if timed is not None and len(timed):
         # the saving, a fraction of the slowest arrival, as a fraction of the measured step
         gain *= min(1.0, float(t.mean(0).max() / timed.mean()))
-    return gain, tuple(int(r) for r in np.flatnonzero(shrunk > 0))
+    return gain, int(np.argmax(shrunk))
 
 
 def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,

@@ -2,7 +2,7 @@
 
 The proposal leaves the neutral split (the job's initial sizes scaled to B) when its fitted per-rank
 cost lines predict that an arrival-equalising split shortens the step by more than the split margin
-and a paired test on the last interval's steps measures a speed gap that large
+and a paired test on each of the last intervals' steps measures a speed gap that large
 (:mod:`dynamix_hvd.control.speedgap`). A gap in compute can be real and still not shorten the step
 (ranks that share cores, a step the allreduce dominates, a transient slowdown), and the uneven split
 then costs time instead of saving it. So the measured step is the judge, as the growth check judges
