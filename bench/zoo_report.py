@@ -277,8 +277,8 @@ def critical_batch(results: Path) -> str:
 def equal_rank_splits(results: Path) -> str:
     """Per job and arm under conditions without a straggler (run folders still on disk): the
     controller's decisions, how many put a rank more than one sample off the mean (an uneven split
-    between equal ranks; one sample off is rounding), and where: decision number, sizes and the recorded intervals
-    of measured gap that led to it. Empty when no run has its decisions."""
+    between equal ranks; one sample off is rounding), and where: decision number, sizes and the
+    recorded intervals of measured gap that led to it. Empty when no run has its decisions."""
     from bench.suite import CONDITIONS
 
     runs = pd.read_csv(results / "runs.csv")
@@ -293,8 +293,8 @@ def equal_rank_splits(results: Path) -> str:
         sizes = [json.loads(str(x)) for x in d["sizes"]]
         # every arm here starts equal: a rank more than one sample off the mean is a split, one off is rounding
         apart = [max(abs(x - sum(b) / len(b)) for x in b) for b in sizes]  # per decision
-        off = [k for k, d in enumerate(apart) if d > 1]
-        rounding = sum(1 for d in apart if 0 < d <= 1)
+        off = [k for k, away in enumerate(apart) if away > 1]
+        rounding = sum(1 for away in apart if 0 < away <= 1)
         key = (str(r["workload"]).removeprefix("zoo:"), str(r["arm"]))
         total = rows.setdefault(key, [0, 0, 0])
         total[0], total[1], total[2] = total[0] + len(sizes), total[1] + len(off), total[2] + rounding

@@ -113,7 +113,7 @@ def main() -> None:
         return sharded_sum(model, x_val, y_val, lambda out, y: loss_fn(out.reshape(-1, 128), y.reshape(-1)).item() * len(y))
 
     rec.start()
-    slow.clock = rec.train_s
+    slow.use_clock(rec.train_s)
     t0 = time.perf_counter()
     steps, reached, val_loss = 0, False, math.inf
     for epoch in range(args.epochs):

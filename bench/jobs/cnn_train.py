@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reached = False
     rec.start()
-    slow.clock = rec.train_s  # --slow-schedule counts training seconds
+    slow.use_clock(rec.train_s)  # --slow-schedule counts training seconds
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                 # dx
         model.train()

@@ -67,7 +67,7 @@ def make_slowdown(args: argparse.Namespace, rank: int) -> "Slowdown":
     """The Slowdown of this rank from the common and bench flags."""
     return Slowdown(rank == args.slow_rank, args.slow_ms, args.slow_factor, parse_slow_schedule(args.slow_schedule),
                     mode=args.slow_mode, stall_rate=args.stall_rate, stall_ms=args.stall_ms, seed=args.seed,
-                    clock_kind=getattr(args, "slow_clock", "seconds"))
+                    clock_kind=args.slow_clock)
 
 
 def start(args: argparse.Namespace, default_batch: int) -> list[int]:

@@ -60,7 +60,7 @@ def main() -> None:
         return sharded_sum(model, *test.tensors, lambda out, y: (out.argmax(1) == y).sum().item())
 
     rec.start()
-    slow.clock = rec.train_s
+    slow.use_clock(rec.train_s)
 
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)                                                 # dx

@@ -50,8 +50,8 @@ def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | Non
     split shortens most); NaN and -1 with fewer than `MIN_STEPS` steps or one rank."""
     b = np.asarray(batches, dtype=np.float64)
     t = np.asarray(arrival, dtype=np.float64)
-    ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1) if b.ndim == 2 and b.size else np.zeros(0, bool)
-    b, t = (b[ok], t[ok]) if len(ok) else (b, t)
+    ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1)
+    b, t = b[ok], t[ok]
     n, R = b.shape if b.ndim == 2 else (0, 0)
     if n < MIN_STEPS or R < 2:
         return math.nan, -1
@@ -67,9 +67,3 @@ def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | Non
         # the saving, a fraction of the slowest arrival, as a fraction of the measured step
         gain *= min(1.0, float(t.mean(0).max() / timed.mean()))
     return gain, int(np.argmax(shrunk))
-
-
-def split_gain_lower_bound(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
-                           confidence: float = CONFIDENCE) -> float:
-    """The bound of :func:`speed_gap` alone."""
-    return speed_gap(batches, arrival, step_s, confidence)[0]
