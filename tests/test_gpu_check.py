@@ -98,7 +98,7 @@ def test_job_rehearsal_on_cpu_and_report(tmp_path):
     stats = train["checks"]["statistics_match_float64"]
     assert stats["pass"] is True and stats["checked_steps"] == 3, stats
     assert train["checks"]["peak_memory_from_cuda_allocator"]["reason"] == "skipped: no CUDA"
-    assert train["sqnorm_backend"] == ["torch-foreach"]  # the CPU data plane; CUDA uses the Numba kernel
+    assert train["sqnorm_backend"] == ["torch-dot"]  # the CPU data plane; CUDA uses the Numba kernel
     res = python(["bench/gpu_job.py", "--mode", "oom", "--steps", "6", "--width", "4", "--simulate-oom-above", "20",
                   "--json", str(tmp_path / "oom1.json")])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

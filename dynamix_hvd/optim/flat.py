@@ -2,7 +2,7 @@
 
 Zeroing is one kernel per buffer, and the per-parameter squared norms the gradient statistics need
 are one pass: on CUDA the Numba-CUDA segment kernel of `dynamix_hvd.stats.sqnorm`, on CPU torch's
-multi-tensor norm. Pure torch: no Horovod, no MPI.
+multi-tensor norm (or one dot product per parameter). Pure torch: no Horovod, no MPI.
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ class FlatGradients:
         self.offsets: list[torch.Tensor] = []  # per buffer: int64 [n_params_in_buffer + 1]
         self.members: list[list[int]] = []     # per buffer: indices of its parameters, in order
         self._homes: list[tuple[torch.Tensor, int]] = [(torch.empty(0), 0)] * len(params)  # (buffer, offset)
+        self._lines: list[torch.Tensor] = [torch.empty(0)] * len(params)  # each view as a 1-D slice of its buffer
         for (device, dtype), members in groups.items():
             sizes = [params[i].numel() for i in members]
             buf = torch.zeros(sum(sizes), device=device, dtype=dtype)
             bounds = [0]
             for i, n in zip(members, sizes):
-                self.views[i] = buf[bounds[-1]:bounds[-1] + n].view_as(params[i])
+                self._lines[i] = buf[bounds[-1]:bounds[-1] + n]
+                self.views[i] = self._lines[i].view_as(params[i])
                 bounds.append(bounds[-1] + n)
             for i, start in zip(members, bounds):
                 self._homes[i] = (buf, start)
@@ -41,17 +43,27 @@ class FlatGradients:
         # where each view's data starts in its buffer (None: a view of no elements)
         self._home_ptrs: list[int | None] = [buf.data_ptr() + start * buf.element_size() if v.numel() else None
                                              for v, (buf, start) in zip(self.views, self._homes)]
+        # per parameter: its squared norm as one dot product where torch.dot takes it (not 16-bit,
+        # complex or longer than cuBLAS counts)
+        self._by_dot = [v.dtype not in (torch.float16, torch.bfloat16) and not v.is_complex()
+                        and v.numel() <= _DOT_MAX for v in self.views]
         # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
-        # (one launch over the buffer). CPU: torch's multi-tensor norm over the views, which spares every
-        # process the load of the Numba CPU kernel at its first step (BENCHMARKS.md, "Overhead").
+        # (one launch over the buffer). CPU: a dot product per parameter (or torch's multi-tensor norm),
+        # which spares every process the load of the Numba CPU kernel at its first step.
         cuda = self.buffers[0].device.type == "cuda"
-        self.backend = backend_for(self.buffers[0]) if cuda else "torch-foreach"
-        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._foreach(members)
+        self.backend = (backend_for(self.buffers[0]) if cuda
+                        else "torch-dot" if all(self._by_dot) else "torch-foreach")
+        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._cpu_norms(members)
                        for buf, off, members in zip(self.buffers, self.offsets, self.members)]
         self.attach()
 
-    def _foreach(self, members: list[int]) -> Callable[[], torch.Tensor]:
+    def _cpu_norms(self, members: list[int]) -> Callable[[], torch.Tensor]:
         views = [self.views[i] for i in members]
+        if all(self._by_dot[i] for i in members):
+            # One dot product per parameter, as the local norms are taken: on CPU as fast as the
+            # multi-tensor norm in isolation, and faster inside a training step (fewer allocations).
+            lines = [self._lines[i] for i in members]
+            return lambda: torch.stack([torch.dot(line, line) for line in lines]).to(torch.float64)
         half = views[0].dtype in (torch.float16, torch.bfloat16)
 
         def norms() -> torch.Tensor:
@@ -78,6 +90,14 @@ class FlatGradients:
                 if g is not None:
                     view.copy_(g)
                 p.grad = view
+
+    def sq_norm(self, index: int) -> torch.Tensor:
+        """`sq_norm` of parameter `index`'s gradient, read in place from its buffer (the caller has
+        checked that ``p.grad`` is its view, at home)."""
+        if self._by_dot[index]:
+            line = self._lines[index]
+            return torch.dot(line, line)
+        return sq_norm(self.views[index])
 
     def sq_norms(self) -> torch.Tensor:
         """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""

@@ -222,6 +222,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         # gradient's device, or None before its hook ran), turned into one float64 tensor in synchronize().
         self._local_parts: list[torch.Tensor | None] = [None] * len(self._params)
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._no_local = torch.zeros(len(self._params), dtype=torch.float64, device=device)
         # Per-parameter sums over the steps since the controller last read them (no host sync).
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
         self._layer_steps = 0
@@ -254,6 +255,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         # Without hooks (one process outside elastic mode) Horovod never calls compress(): synchronize()
         # weighs every gradient itself.
         self._engine_hooked = bool(self._engine._requires_update)
+        self._inner_step = _inner(self, "step")
         self._update_hooks()
         self.last_grad_norm = float("nan")
 
@@ -273,7 +275,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
             # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
-            self._local_parts[index] = sq_norm(grad)
+            self._local_parts[index] = self.flat.sq_norm(index)
         if not after:
             grad.mul_(scale)
 
@@ -394,6 +396,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def _local_sq(self) -> torch.Tensor:
         """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
+        if not self.track_grad_norms:
+            return self._no_local
         local = torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
         unit = self._step_scale[2]
         return local if unit == 1.0 else local * unit
@@ -522,7 +526,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._engine.synchronize()
         self.flat.attach()  # compression may have replaced p.grad with a new tensor
         step, scale, _, after = self._step_scale
-        if after and step is not None:  # the factor every rank shares, applied once to the sum
+        if after and step is not None and scale != 1.0:  # the factor every rank shares, once, on the sum
             for buf in self.flat.buffers:
                 buf.mul_(scale)
         tracker.synchronized()
@@ -603,8 +607,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             if clip < 1.0:
                 for buf in self.flat.buffers:
                     buf.mul_(clip)
-        with self._scaled_lr() as lr, self._scaler_hidden():
-            _inner(self, "step")(self)
+        lr = self._inner_step_at_scaled_lr()
         self.lr_coupling.commit()  # the step happened: progress += its factor, the warm-up moves on
         self.last_grad_norm = grad_norm
         self.last_status = "ok"
@@ -624,29 +627,30 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._clear_local()
         tracker.step_finished(**extra)
 
-    @contextmanager
-    def _scaled_lr(self) -> Iterator[float]:
+    def _inner_step_at_scaled_lr(self) -> float:
+        """Run the user's optimizer's step at the LR rule's factor (for this step only, so user LR
+        schedulers compose) with the scaler's attributes hidden (the inner optimizer sees unscaled,
+        finite gradients; a fused optimizer would otherwise unscale or skip a second time). Returns
+        the first group's LR of the step."""
         batch = self.loader.global_micro_batch * self.backward_passes_per_step
         factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
                                        math.ceil(self.loader.epoch_size / batch))
-        saved = [g["lr"] for g in self.param_groups]
-        for g in self.param_groups:
-            g["lr"] = g["lr"] * factor  # applied for this step only, so user LR schedulers compose
+        groups = self.param_groups
+        saved = [g["lr"] for g in groups] if factor != 1.0 else None
+        if saved is not None:
+            for g in groups:
+                g["lr"] = g["lr"] * factor
+        own = vars(self)
+        hidden = {k: own.pop(k) for k in _HIDDEN_BY_SCALER if k in own}
         try:
-            yield self.param_groups[0]["lr"]
+            lr = groups[0]["lr"]
+            self._inner_step(self)
         finally:
-            for g, lr in zip(self.param_groups, saved):
-                g["lr"] = lr
-
-    @contextmanager
-    def _scaler_hidden(self) -> Iterator[None]:
-        """The inner optimizer sees unscaled, finite gradients: hide the scaler's attributes from it
-        (a fused optimizer would otherwise unscale or skip a second time)."""
-        saved = {k: vars(self).pop(k) for k in _HIDDEN_BY_SCALER if k in vars(self)}
-        try:
-            yield
-        finally:
-            vars(self).update(saved)
+            own.update(hidden)
+            if saved is not None:
+                for g, base in zip(groups, saved):
+                    g["lr"] = base
+        return lr
 
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
         """Drop this step's gradients on every rank (all ranks reach the same verdict)."""
