@@ -175,6 +175,49 @@ def test_one_size_is_not_identified_until_dithered():
     assert model.fit().identified.all()
 
 
+def test_a_line_through_two_speeds_at_two_sizes_starts_again_and_a_convex_one_does_not():
+    """Rank 0 runs 2x slower at 16 for two intervals (a start-up transient), then at its new size 10 at
+    full speed: the shift test cannot see it (10 was never seen), but the line through both would need
+    a fixed cost far below zero. The line starts again from the interval at 10 (shift < 1 says so).
+    A convex cost (t = c b ** 1.3), whose least-squares line also dips below zero at b = 0, is a cost
+    and is kept whole; so are rank 1's ordinary points."""
+    rng, model = np.random.default_rng(11), CostModel(2)
+    a, c = np.array([0.012, 0.012]), np.array([4e-4, 4e-4])
+    for _ in range(2):
+        model.record(*interval(rng, [16, 16], a=a * [2.0, 1.0], c=c * [2.0, 1.0], steps=12, jitter=0.05))
+    assert (model.shift == 1).all()
+    model.record(*interval(rng, [10, 22], a=a, c=c, steps=12, jitter=0.05))
+    assert model.shift[0] < 0.8 and model.shift[1] == 1
+    assert model._live[:, 0].sum() == 12 and model._live[:, 1].all()
+    assert not model.fit().identified[0], "one size left: not identified until the next"
+    rng, convex = np.random.default_rng(12), CostModel(2)
+    for sizes in ([16, 16], [16, 16], [11, 21]):
+        b = np.tile(np.asarray(sizes, dtype=float), (12, 1))
+        t = 1e-3 * b ** 1.3 * np.exp(rng.normal(0, 0.03, b.shape))
+        convex.record(b, t, t.max(1))
+    assert (convex.shift == 1).all() and convex._live.all()
+    with pytest.raises(ValueError, match="impossible_fixed"):
+        CostConfig(impossible_fixed=-0.5)
+
+
+def test_an_unidentified_rank_borrows_the_shape_of_the_identified_lines_for_the_split():
+    """Rank 1's line is identified with a large fixed cost (12 ms + 0.4 ms per sample); rank 0 has run
+    one size (10) at the same line. Split as proportional, rank 0 would look 1.6x slower per sample for
+    being smaller; as a scaled copy of rank 1's line through its own point it is as fast, and the
+    equalising split of 32 is 16/16."""
+    rng, model = np.random.default_rng(13), CostModel(2)
+    a, c = np.array([0.012, 0.012]), np.array([4e-4, 4e-4])
+    for sizes in ([10, 16], [10, 22], [10, 19]):
+        model.record(*interval(rng, sizes, a=a, c=c, steps=24, jitter=0.02))
+    fit = model.fit()
+    assert list(fit.identified) == [False, True]
+    a_s, c_s = fit.split_coefficients()
+    assert a_s[0] / (a_s[0] + c_s[0] * 10) == pytest.approx(12 / 16, abs=0.05), "rank 1's fixed share at 10"
+    assert fit.arrival(np.array([16, 16]), split=True) == pytest.approx([0.0184, 0.0184], rel=0.04)
+    lo, hi = np.ones(2), np.full(2, 32.0)
+    assert round_split(equalise(32.0, a_s, c_s, lo, hi)[0], 32, a_s, c_s, lo, hi) == [16, 16]
+
+
 def test_network_and_overlap_fit():
     rng, model = np.random.default_rng(3), CostModel(2)
     for sizes in ([8, 8], [16, 16], [32, 32], [64, 64], [128, 128]):

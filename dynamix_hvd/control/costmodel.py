@@ -33,10 +33,14 @@ not fill takes as long as for k_i samples. The fit:
   per sample alone would then bend the slope, and steps already at the new speed would be rescaled
   too. A line of one size is not identified until the next sizes are seen (see below). Not tested:
   intervals known only by their means, and token budgets (a step's time follows the lengths it drew);
+- a change of speed at a new size (a start-up transient that ends as the split moves the rank): the
+  test above cannot see it, but the line through both speeds needs a fixed cost far below zero
+  (`impossible_fixed`), which no cost of a batch has; the line then starts again from that interval;
 - identifiability: the slope needs at least two batch sizes. While a rank's (weighted) sizes spread
   less than `min_spread`, or its slope's standard error exceeds `max_rel_se` of it, its fit is
-  `identified = False` and the two uses differ: the split assumes
-  no fixed cost (sizes proportional to speed, which never pushes a rank below its equalising share),
+  `identified = False` and the two uses differ: the split takes the rank as a scaled copy of the
+  identified ranks' lines through its own mean point, or, with none identified, assumes no fixed
+  cost (sizes proportional to speed, which never pushes a rank below its equalising share),
   the throughput model pins a_i to `pinned_fixed_share` of the measured time (AdaptDL pins alpha_c to
   about half the compute, optimistic but bounded about larger batches). Policies that hold sizes
   still dither them a little to keep the fits identified (see :mod:`dynamix_hvd.control.proposal`);
@@ -116,14 +120,22 @@ class CostConfig:
     its line starts again after the first of them (module docstring). 0: never; lines then follow a
     change by forgetting alone."""
 
+    impossible_fixed: float = 0.5
+    """A rank whose least-squares line (without the a >= 0 bound) has a fixed cost below minus this
+    fraction of the line's time at the smallest size it saw, beyond two standard errors, mixes two
+    speeds (a change of speed that coincided with a change of size, which the test at seen sizes
+    cannot find): its line starts again from the last interval. A convex cost (t = b ** 1.3 between
+    sizes 11 and 16) gives about -0.4; a 2x transient that ended as the split moved the rank, -0.9.
+    0: never."""
+
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
                 and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
                 and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1
-                and self.attention_t >= 0 and self.shift_threshold >= 0):
+                and self.attention_t >= 0 and self.shift_threshold >= 0 and self.impossible_fixed >= 0):
             raise ValueError(f"invalid CostConfig {self}: half_life_steps, net_half_life_steps, huber_k > 0; capacity >= 2; "
                              f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
-                             f"0 <= knee_residual < 1; attention_t, shift_threshold >= 0")
+                             f"0 <= knee_residual < 1; attention_t, shift_threshold, impossible_fixed >= 0")
 
 
 @dataclass
@@ -159,9 +171,21 @@ class CostFit:
         return a + c * np.maximum(np.asarray(sizes, dtype=np.float64), self.knee)
 
     def split_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
-        """(a, c) for splitting a batch: unidentified ranks as proportional to speed (a = 0)."""
-        a = np.where(self.identified, self.fixed_s, 0.0)
-        c = np.where(self.identified, self.per_sample_s, self.mean_time / self.mean_batch)
+        """(a, c) for splitting a batch. An unidentified rank (one size seen) is taken as a scaled copy
+        of the identified ranks' lines through its own mean point: at its mean size, the fixed share
+        of time their lines have there (the median over them). With no rank identified: proportional
+        to speed (a = 0), which never pushes a rank below its equalising share. (Proportional next to
+        identified lines with large fixed costs would make the rank at the smaller size look slower
+        per sample because it is smaller, and keep a split that no speed difference supports.)"""
+        ident = self.identified
+        b, t = self.mean_batch, self.mean_time
+        share = np.zeros_like(b)
+        if ident.any() and not ident.all():
+            a_i, c_i = self.fixed_s[ident], self.per_sample_s[ident]
+            for r in np.flatnonzero(~ident):
+                share[r] = float(np.median(a_i / (a_i + c_i * max(b[r], self.knee[r]))))
+        a = np.where(ident, self.fixed_s, share * t)
+        c = np.where(ident, self.per_sample_s, (1.0 - share) * t / b)
         return a, c
 
     def time_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
@@ -322,6 +346,8 @@ class CostModel:
         self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
         self._live = np.concatenate([self._live, np.ones((len(keep), R))])[-cap:]
         self._fit = self._net = None
+        if self.cfg.impossible_fixed > 0 and not (q[ok] > 0).any():
+            self._restart_impossible_lines()
 
     def _follow_speed(self, b: np.ndarray, t: np.ndarray) -> None:
         """Each rank whose new steps (sizes `b`, arrivals `t` [n, R], the last `self.steps`) are off
@@ -358,6 +384,42 @@ class CostModel:
                 self._fit = None
             else:
                 self._pending[r], self._pending_end[r] = off, self.steps
+
+    def _restart_impossible_lines(self) -> None:
+        """Each rank whose last interval ran at sizes its line had not seen (which the shift test
+        leaves alone) and whose line, fitted without the bound a >= 0, now crosses zero time at a
+        positive batch by far more than its scatter allows (`impossible_fixed`): no cost of a batch
+        looks like that, two speeds at two sizes do (a transient that ended when the split moved the
+        rank to a new size). The bound would turn it into a line through the origin that keeps the
+        old speed for as long as its points weigh (half-lives); instead the rank's line starts again
+        from the last recorded interval, as after a change of speed found by the test at seen sizes."""
+        w = self.line_weights()
+        latest = self._at > self._latest_after
+        for r in range(self.world_size):
+            wr, b, t = w[:, r], self._b[:, r], self._t[:, r]
+            if not (latest & (wr > 0)).any() or not ((~latest) & (wr > 0)).any():
+                continue
+            new = np.unique(b[latest])  # sizes the line had seen are the shift test's (a blip is not a change)
+            near = np.abs(b[~latest][None, :] / new[:, None] - 1.0) <= SEEN_WITHIN
+            if ((near * wr[~latest]).sum(1) >= SEEN_SHARE * wr[~latest].sum()).any():
+                continue
+            sw = wr.sum()
+            mb, mt = (wr * b).sum() / sw, (wr * t).sum() / sw
+            vb = (wr * (b - mb) ** 2).sum() / sw
+            if not np.sqrt(vb) >= max(self.cfg.min_spread, 1e-9) * mb:
+                continue
+            c = (wr * (b - mb) * (t - mt)).sum() / sw / vb
+            a = mt - c * mb
+            n_eff = sw ** 2 / (wr ** 2).sum()
+            sigma2 = (wr * (t - a - c * b) ** 2).sum() / sw * n_eff / max(n_eff - 2, 1e-9)
+            se_a = math.sqrt(sigma2 * (1 / n_eff + mb ** 2 / (n_eff * vb)))
+            at_smallest = a + c * b[wr > 0].min()
+            if a < -self.cfg.impossible_fixed * at_smallest and a + 2 * se_a < 0:
+                old = ~latest & (self._live[:, r] > 0)
+                self.shift[r] = math.exp(float(np.log(t[latest] / max(mt, 1e-12)).mean()))
+                self._live[old, r] = 0.0
+                self._pending[r] = 0.0
+                self._fit = None
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step
