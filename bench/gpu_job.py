@@ -237,7 +237,7 @@ def summarize_train(ranks: list[dict[str, Any]], dev: torch.device) -> dict[str,
     worst = {k: max((c[k] for c in checks), default=math.nan)
              for k in ("local_sq_err", "global_sq_err", "fused_per_param_err", "allreduce_rel_err")}
     # The local norms are taken in the gradient's precision (float32 here): ~1e-7. The fused kernel on
-    # CUDA accumulates in float64 (~1e-15); the CPU data plane's multi-tensor norm in float32 (~1e-7).
+    # CUDA accumulates in float64 (~1e-15); the CPU data plane's dot products in float32 (~1e-7).
     # The global ones went through a float32 allreduce too (sums of two ranks rounded): ~1e-7.
     fused_tol = 1e-9 if cuda else 1e-5
     out["statistics_match_float64"] = dict(worst, checked_steps=len(checks), pass_=bool(checks)

@@ -9,7 +9,7 @@ import torch
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.config import POLICY_NAMES, ControllerConfig, make_policy
-from dynamix_hvd.control.costmodel import CostConfig, CostModel, NetworkFit
+from dynamix_hvd.control.costmodel import CostConfig, CostModel, NetworkFit, record_reports
 from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, equalise, propose, round_split
 from dynamix_hvd.control.refine import refine
@@ -178,24 +178,37 @@ def test_one_size_is_not_identified_until_dithered():
 def test_a_line_through_two_speeds_at_two_sizes_starts_again_and_a_convex_one_does_not():
     """Rank 0 runs 2x slower at 16 for two intervals (a start-up transient), then at its new size 10 at
     full speed: the shift test cannot see it (10 was never seen), but the line through both would need
-    a fixed cost far below zero. The line starts again from the interval at 10 (shift < 1 says so).
-    A convex cost (t = c b ** 1.3), whose least-squares line also dips below zero at b = 0, is a cost
-    and is kept whole; so are rank 1's ordinary points."""
+    a fixed cost far below zero. The line starts again from the interval at 10, and `shift` is its
+    factor over the earlier line's prediction there (proportional through 16: 0.70). Left alone: a
+    convex cost (t = c b ** 1.3) moved 16 -> 11 (its line dips to about -0.4 of its time at 11) or
+    doubled, rank 1's ordinary line, a slower interval at a new size (a blip for the shift test), and
+    intervals known only by their means."""
     rng, model = np.random.default_rng(11), CostModel(2)
     a, c = np.array([0.012, 0.012]), np.array([4e-4, 4e-4])
     for _ in range(2):
         model.record(*interval(rng, [16, 16], a=a * [2.0, 1.0], c=c * [2.0, 1.0], steps=12, jitter=0.05))
     assert (model.shift == 1).all()
     model.record(*interval(rng, [10, 22], a=a, c=c, steps=12, jitter=0.05))
-    assert model.shift[0] < 0.8 and model.shift[1] == 1
+    assert model.shift[0] == pytest.approx(16 / (2 * 18.4 * 10 / 16), rel=0.05) and model.shift[1] == 1
     assert model._live[:, 0].sum() == 12 and model._live[:, 1].all()
     assert not model.fit().identified[0], "one size left: not identified until the next"
-    rng, convex = np.random.default_rng(12), CostModel(2)
-    for sizes in ([16, 16], [16, 16], [11, 21]):
-        b = np.tile(np.asarray(sizes, dtype=float), (12, 1))
-        t = 1e-3 * b ** 1.3 * np.exp(rng.normal(0, 0.03, b.shape))
-        convex.record(b, t, t.max(1))
-    assert (convex.shift == 1).all() and convex._live.all()
+    for moves in (([16, 16], [16, 16], [11, 21]), ([16, 16], [16, 16], [32, 32])):
+        rng, convex = np.random.default_rng(12), CostModel(2)
+        for sizes in moves:
+            b = np.tile(np.asarray(sizes, dtype=float), (12, 1))
+            t = 1e-3 * b ** 1.3 * np.exp(rng.normal(0, 0.03, b.shape))
+            convex.record(b, t, t.max(1))
+        assert (convex.shift == 1).all() and convex._live.all(), moves
+    slow = CostModel(2)  # 2x slower after moving up to 22: one such interval is the shift test's blip
+    rng = np.random.default_rng(14)
+    for _ in range(2):
+        slow.record(*interval(rng, [16, 16], a=a, c=c, steps=12, jitter=0.05))
+    slow.record(*interval(rng, [10, 22], a=a * [1.0, 2.0], c=c * [1.0, 2.0], steps=12, jitter=0.05))
+    assert (slow.shift == 1).all() and slow._live.all()
+    means = CostModel(2)  # the transient, known only by interval means: no scatter to test against
+    for sizes, k in (([16, 16], 2.0), ([16, 16], 2.0), ([10, 22], 1.0)):
+        record_reports(means, sizes, list((a + c * np.array(sizes)) * [k, 1.0]), 0.04, 0.001, 12)
+    assert (means.shift == 1).all() and means._live.all()
     with pytest.raises(ValueError, match="impossible_fixed"):
         CostConfig(impossible_fixed=-0.5)
 
@@ -216,6 +229,8 @@ def test_an_unidentified_rank_borrows_the_shape_of_the_identified_lines_for_the_
     assert fit.arrival(np.array([16, 16]), split=True) == pytest.approx([0.0184, 0.0184], rel=0.04)
     lo, hi = np.ones(2), np.full(2, 32.0)
     assert round_split(equalise(32.0, a_s, c_s, lo, hi)[0], 32, a_s, c_s, lo, hi) == [16, 16]
+    a_p, c_p = fit.split_coefficients(borrowed=False)  # what confident growth and the policy features use
+    assert a_p[0] == 0 and c_p[0] == pytest.approx(0.016 / 10, rel=0.04) and a_p[1] == a_s[1]
 
 
 def test_network_and_overlap_fit():

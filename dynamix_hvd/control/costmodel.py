@@ -121,12 +121,14 @@ class CostConfig:
     change by forgetting alone."""
 
     impossible_fixed: float = 0.5
-    """A rank whose least-squares line (without the a >= 0 bound) has a fixed cost below minus this
-    fraction of the line's time at the smallest size it saw, beyond two standard errors, mixes two
-    speeds (a change of speed that coincided with a change of size, which the test at seen sizes
-    cannot find): its line starts again from the last interval. A convex cost (t = b ** 1.3 between
-    sizes 11 and 16) gives about -0.4; a 2x transient that ended as the split moved the rank, -0.9.
-    0: never."""
+    """A rank whose last interval, at sizes its line had not seen, ran faster than the line predicted
+    there and whose least-squares line through all its points (without the a >= 0 bound) then has a
+    fixed cost below minus this fraction of the line's time at the smallest size it saw (and below
+    zero by more than two standard errors) mixes two speeds (a change of speed that coincided with a
+    change of size, which the test at seen sizes cannot find): its line starts again from the last
+    interval. A 2x transient that ended as the split moved the rank from 16 to 10 gives about -0.9; a
+    convex cost (t = b ** 1.3) moved from 16 to 11 about -0.4 (moved up, it runs slower than the
+    line predicted and is not tested). 0: never."""
 
     def __post_init__(self) -> None:
         if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
@@ -165,25 +167,27 @@ class CostFit:
         if self.knee is None:
             self.knee = np.zeros_like(self.fixed_s)
 
-    def arrival(self, sizes: np.ndarray, split: bool = False) -> np.ndarray:
-        """Predicted arrival times of per-rank sizes ``[..., R]`` (`split`: the split's coefficients)."""
-        a, c = self.split_coefficients() if split else self.time_coefficients()
+    def arrival(self, sizes: np.ndarray, split: bool = False, borrowed: bool = True) -> np.ndarray:
+        """Predicted arrival times of per-rank sizes ``[..., R]`` (`split`: the split's coefficients,
+        `borrowed=False`: with unidentified ranks proportional to speed, guessing no fixed cost)."""
+        a, c = self.split_coefficients(borrowed) if split else self.time_coefficients()
         return a + c * np.maximum(np.asarray(sizes, dtype=np.float64), self.knee)
 
-    def split_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
-        """(a, c) for splitting a batch. An unidentified rank (one size seen) is taken as a scaled copy
-        of the identified ranks' lines through its own mean point: at its mean size, the fixed share
-        of time their lines have there (the median over them). With no rank identified: proportional
-        to speed (a = 0), which never pushes a rank below its equalising share. (Proportional next to
-        identified lines with large fixed costs would make the rank at the smaller size look slower
-        per sample because it is smaller, and keep a split that no speed difference supports.)"""
+    def split_coefficients(self, borrowed: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(a, c) for splitting a batch. A rank whose sizes do not pin its slope down (unidentified) is
+        taken as a scaled copy of the identified ranks' lines through its own mean point: at its mean
+        size, the fixed share of time their lines have there (the median over them). With no rank
+        identified, or `borrowed=False`: proportional to speed (a = 0), which guesses no fixed cost
+        and never pushes a rank below its equalising share. (Proportional next to identified lines
+        with large fixed costs makes the rank at the smaller size look slower per sample because it
+        is smaller, and keeps a split that no speed difference supports.)"""
         ident = self.identified
         b, t = self.mean_batch, self.mean_time
         share = np.zeros_like(b)
-        if ident.any() and not ident.all():
-            a_i, c_i = self.fixed_s[ident], self.per_sample_s[ident]
+        if borrowed and ident.any() and not ident.all():
+            a_i, c_i, k_i = self.fixed_s[ident], self.per_sample_s[ident], np.asarray(self.knee)[ident]
             for r in np.flatnonzero(~ident):
-                share[r] = float(np.median(a_i / (a_i + c_i * max(b[r], self.knee[r]))))
+                share[r] = float(np.median(a_i / (a_i + c_i * np.maximum(b[r], k_i))))
         a = np.where(ident, self.fixed_s, share * t)
         c = np.where(ident, self.per_sample_s, (1.0 - share) * t / b)
         return a, c
@@ -363,7 +367,7 @@ class CostModel:
         if fit is None or len(b) < MIN_STEPS:
             return
         w = self.line_weights()
-        predicted = fit.arrival(b, split=True)  # an unidentified line: proportional, at the size it saw
+        predicted = fit.arrival(b, split=True, borrowed=False)  # an unidentified line: proportional, at the size it saw
         for r in range(self.world_size):
             sizes, which = np.unique(b[:, r], return_inverse=True)
             near = np.abs(self._b[:, r][None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
@@ -387,39 +391,47 @@ class CostModel:
 
     def _restart_impossible_lines(self) -> None:
         """Each rank whose last interval ran at sizes its line had not seen (which the shift test
-        leaves alone) and whose line, fitted without the bound a >= 0, now crosses zero time at a
-        positive batch by far more than its scatter allows (`impossible_fixed`): no cost of a batch
-        looks like that, two speeds at two sizes do (a transient that ended when the split moved the
-        rank to a new size). The bound would turn it into a line through the origin that keeps the
-        old speed for as long as its points weigh (half-lives); instead the rank's line starts again
-        from the last recorded interval, as after a change of speed found by the test at seen sizes."""
+        leaves alone), faster than its line through the earlier points predicted there, and whose
+        line through all of them, fitted without the bound a >= 0, would cross zero time at a positive
+        batch (a fixed cost below minus `impossible_fixed` of its time at the smallest size, and below
+        zero by more than two standard errors): no cost of a batch looks like that, two speeds at two
+        sizes do (a transient that ended when the split moved the rank to a new size). The bound would
+        turn it into a line through the origin that keeps the old speed for as long as its points
+        weigh (half-lives); instead the rank's line starts again from the last interval, as after a
+        change of speed found by the test at seen sizes, and `shift` is its factor over the earlier
+        line. A slower interval at a new size is left to the shift test (one slow interval is a
+        blip: a warm-up after a change of size, a neighbour). Not for intervals known only by their
+        means (fewer than `MIN_STEPS` points: no scatter to test against)."""
         w = self.line_weights()
         latest = self._at > self._latest_after
+        if latest.sum() < MIN_STEPS:
+            return
         for r in range(self.world_size):
             wr, b, t = w[:, r], self._b[:, r], self._t[:, r]
-            if not (latest & (wr > 0)).any() or not ((~latest) & (wr > 0)).any():
+            old = ~latest & (wr > 0)
+            if not old.any():
                 continue
             new = np.unique(b[latest])  # sizes the line had seen are the shift test's (a blip is not a change)
-            near = np.abs(b[~latest][None, :] / new[:, None] - 1.0) <= SEEN_WITHIN
-            if ((near * wr[~latest]).sum(1) >= SEEN_SHARE * wr[~latest].sum()).any():
+            near = np.abs(b[old][None, :] / new[:, None] - 1.0) <= SEEN_WITHIN
+            if ((near * wr[old]).sum(1) >= SEEN_SHARE * wr[old].sum()).any():
                 continue
-            sw = wr.sum()
-            mb, mt = (wr * b).sum() / sw, (wr * t).sum() / sw
-            vb = (wr * (b - mb) ** 2).sum() / sw
-            if not np.sqrt(vb) >= max(self.cfg.min_spread, 1e-9) * mb:
+            line = _least_squares(b, t, wr, self.cfg.min_spread)
+            if line is None:
                 continue
-            c = (wr * (b - mb) * (t - mt)).sum() / sw / vb
-            a = mt - c * mb
-            n_eff = sw ** 2 / (wr ** 2).sum()
-            sigma2 = (wr * (t - a - c * b) ** 2).sum() / sw * n_eff / max(n_eff - 2, 1e-9)
-            se_a = math.sqrt(sigma2 * (1 / n_eff + mb ** 2 / (n_eff * vb)))
-            at_smallest = a + c * b[wr > 0].min()
-            if a < -self.cfg.impossible_fixed * at_smallest and a + 2 * se_a < 0:
-                old = ~latest & (self._live[:, r] > 0)
-                self.shift[r] = math.exp(float(np.log(t[latest] / max(mt, 1e-12)).mean()))
-                self._live[old, r] = 0.0
-                self._pending[r] = 0.0
-                self._fit = None
+            a, c, se_a = line
+            if not (a < -self.cfg.impossible_fixed * (a + c * b[wr > 0].min()) and a + 2 * se_a < 0):
+                continue
+            earlier = _least_squares(b[old], t[old], wr[old], self.cfg.min_spread)
+            if earlier is None or earlier[0] < 0:  # one size, or no fixed cost: through the origin
+                slope = float((wr[old] * b[old] * t[old]).sum() / (wr[old] * b[old] ** 2).sum())
+                earlier = (0.0, slope, 0.0)
+            offset = float(np.mean(np.log(t[latest] / (earlier[0] + earlier[1] * b[latest]))))
+            if offset >= 0:
+                continue
+            self.shift[r] = math.exp(offset)
+            self._live[~latest, r] = 0.0
+            self._pending[r] = 0.0
+            self._fit = None
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step
@@ -608,6 +620,24 @@ class CostModel:
 
 
 _ARRAYS = ("b", "s", "t", "live", "sync", "arrival", "overhead", "at", "mult", "latency")
+
+
+def _least_squares(x: np.ndarray, y: np.ndarray, w: np.ndarray, min_spread: float) -> tuple[float, float, float] | None:
+    """Weighted least-squares line y = a + c x without bounds: (a, c, standard error of a); None where
+    the x spread less than `min_spread` (coefficient of variation) or the points are too few (an
+    effective count of 3 or less) for a standard error."""
+    sw = w.sum()
+    if not sw > 0:
+        return None
+    mx, my = (w * x).sum() / sw, (w * y).sum() / sw
+    vx = (w * (x - mx) ** 2).sum() / sw
+    n_eff = sw ** 2 / (w ** 2).sum()
+    if not (np.sqrt(vx) >= max(min_spread, 1e-9) * mx and n_eff > 3):
+        return None
+    c = (w * (x - mx) * (y - my)).sum() / sw / vx
+    a = my - c * mx
+    sigma2 = (w * (y - a - c * x) ** 2).sum() / sw * n_eff / (n_eff - 2)
+    return float(a), float(c), math.sqrt(sigma2 * (1 / n_eff + mx ** 2 / (n_eff * vx)))
 
 
 def _line_sse(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:

@@ -252,7 +252,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         lo, hi = limits[p]
         shares = equalise(np.asarray(Bs, dtype=np.float64) / p, a_s, c_s, lo, hi)
         # confident: an unidentified rank's time is all per-sample (no guessed fixed cost to amortise)
-        step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth).max(1), p))
+        step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth, borrowed=False).max(1), p))
         total = p * shares.sum(1)
         # phi unknown (nothing measured): no gain from a larger batch
         return total * statistical_efficiency(noise, total, initial_batch, unknown="no_gain") / step, step, shares
@@ -293,7 +293,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if cfg.dither > 0 and early and not fit.identified.all() and R > 1 and even is None:
         out = _dither(out, cfg.dither, index, a_s, c_s, bounds)
         dithered = True
-    step_new = np.atleast_1d(net.step_time(fit.arrival(out[None, :], split=cfg.confident_growth).max(1), p_new))
+    step_new = np.atleast_1d(net.step_time(fit.arrival(out[None, :], split=cfg.confident_growth, borrowed=False).max(1), p_new))
     b_min = min(int(math.ceil(B_lo - 1e-9)), B_keep, B_new)
     b_max = max(int(math.floor(B_hi + 1e-9)), B_keep, B_new)
     if not cfg.search_batch:  # B is kept: a refinement of the proposal (PPO's batch row) keeps it too

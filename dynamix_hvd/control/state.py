@@ -108,9 +108,9 @@ def rank_features(reports: Sequence[RankReport], fit: CostFit | None) -> torch.T
     R = len(reports)
     b = np.array([max(r.local_batch, 1) for r in reports], dtype=np.float64)
     if fit is not None and len(fit.per_sample_s) == R:
-        a, c = fit.split_coefficients()
+        a, c = fit.split_coefficients(borrowed=False)  # the features the shipped policy was trained on
         rel = np.log2(c / c.mean())
-        arrival = fit.arrival(b, split=True)
+        arrival = fit.arrival(b, split=True, borrowed=False)
         fixed_share = a / arrival
         late = np.maximum(np.log2(arrival / arrival.max()), -4.0)
         conf = np.where(fit.identified, np.clip(fit.per_sample_se / fit.per_sample_s, 0.0, 1.0), 1.0)

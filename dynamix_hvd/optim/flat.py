@@ -51,8 +51,9 @@ class FlatGradients:
         # (one launch over the buffer). CPU: a dot product per parameter (or torch's multi-tensor norm),
         # which spares every process the load of the Numba CPU kernel at its first step.
         cuda = self.buffers[0].device.type == "cuda"
-        self.backend = (backend_for(self.buffers[0]) if cuda
-                        else "torch-dot" if all(self._by_dot) else "torch-foreach")
+        by_dot = [all(self._by_dot[i] for i in members) for members in self.members]
+        self.backend = (backend_for(self.buffers[0]) if cuda else "torch-dot" if all(by_dot)
+                        else "torch-foreach" if not any(by_dot) else "torch-dot+foreach")
         self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._cpu_norms(members)
                        for buf, off, members in zip(self.buffers, self.offsets, self.members)]
         self.attach()

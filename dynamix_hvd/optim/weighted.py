@@ -636,8 +636,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         factor = self.lr_coupling.plan(self.lr_rule, batch, self.base_batch_size, self.lr_gain,
                                        math.ceil(self.loader.epoch_size / batch))
         groups = self.param_groups
-        saved = [g["lr"] for g in groups] if factor != 1.0 else None
-        if saved is not None:
+        saved = [g["lr"] for g in groups]
+        if factor != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * factor
         own = vars(self)
@@ -647,9 +647,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             self._inner_step(self)
         finally:
             own.update(hidden)
-            if saved is not None:
-                for g, base in zip(groups, saved):
-                    g["lr"] = base
+            for g, base in zip(groups, saved):  # the base LR, whatever the inner step did to it
+                g["lr"] = base
         return lr
 
     def _skip(self, reason: str, tracker: Any, grad_norm: float) -> None:
