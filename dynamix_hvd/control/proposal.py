@@ -226,6 +226,10 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     B_cur = int(per_step.sum())
     upper = np.array([bounds.upper(r) for r in range(R)], dtype=np.int64)
     a_s, c_s = fit.split_coefficients()
+    # The batch search splits each candidate B with unidentified ranks proportional to speed, the same
+    # lines it times them with (confident growth credits no guessed fixed cost); only the split of
+    # the chosen B borrows the identified lines' shape for them.
+    a_g, c_g = fit.split_coefficients(borrowed=False)
     knee = np.floor(fit.knee)
 
     def micro_bounds(p: int) -> tuple[np.ndarray, np.ndarray]:
@@ -250,7 +254,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
 
     def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lo, hi = limits[p]
-        shares = equalise(np.asarray(Bs, dtype=np.float64) / p, a_s, c_s, lo, hi)
+        shares = equalise(np.asarray(Bs, dtype=np.float64) / p, a_g, c_g, lo, hi)
         # confident: an unidentified rank's time is all per-sample (no guessed fixed cost to amortise)
         step = np.asarray(net.step_time(fit.arrival(shares, split=cfg.confident_growth, borrowed=False).max(1), p))
         total = p * shares.sum(1)
@@ -279,9 +283,10 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         if best[0] > (1 + margin) * keep_gp[0]:
             _, B_new, p_new = best
             switched = True
-    gp_new, step_new, shares = goodput(np.array([B_new]), p_new)
+    gp_new, step_new, _ = goodput(np.array([B_new]), p_new)
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
+    shares = equalise(np.array([float(micro)]), a_s, c_s, lo, hi)
     out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
     margin = cfg.split_margin if split_margin is None else split_margin
     even, split_gain = _neutral_split(margin, fit, out, cur, micro, neutral, a_s, c_s, lo, hi, split_confirmed,
