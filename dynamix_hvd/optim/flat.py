@@ -43,10 +43,8 @@ class FlatGradients:
         # where each view's data starts in its buffer (None: a view of no elements)
         self._home_ptrs: list[int | None] = [buf.data_ptr() + start * buf.element_size() if v.numel() else None
                                              for v, (buf, start) in zip(self.views, self._homes)]
-        # per parameter: its squared norm as one dot product where torch.dot takes it (not 16-bit,
-        # complex or longer than cuBLAS counts)
-        self._by_dot = [v.dtype not in (torch.float16, torch.bfloat16) and not v.is_complex()
-                        and v.numel() <= _DOT_MAX for v in self.views]
+        # per parameter: its squared norm as one dot product where `sq_norm` would take one
+        self._by_dot = [_by_dot(v) for v in self.views]
         # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
         # (one launch over the buffer). CPU: a dot product per parameter (or torch's multi-tensor norm),
         # which spares every process the load of the Numba CPU kernel at its first step.
@@ -119,12 +117,17 @@ def sq_norm(grad: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm as a 0-d tensor on the gradient's device: in the gradient's precision (a float64
     cast would copy the whole gradient) as one dot product, 16-bit gradients accumulated in float32
     (they could overflow)."""
+    if _by_dot(grad):
+        flat = grad.reshape(-1)
+        return torch.dot(flat, flat)
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-    if grad.is_complex() or grad.numel() > _DOT_MAX:
-        return torch.linalg.vector_norm(grad).square()
-    flat = grad.reshape(-1)
-    return torch.dot(flat, flat)
+    return torch.linalg.vector_norm(grad).square()
+
+
+def _by_dot(t: torch.Tensor) -> bool:
+    """Whether `sq_norm` takes one dot product: not 16-bit, complex or longer than cuBLAS counts."""
+    return t.dtype not in (torch.float16, torch.bfloat16) and not t.is_complex() and t.numel() <= _DOT_MAX
 
 
 _DOT_MAX = 2**31 - 1
