@@ -129,13 +129,23 @@ def collect(results: Path, targets: dict[str, float] | None = None) -> pd.DataFr
         key = {k: r[k] for k in ("workload", "condition", "arm", "seed")}
         run_dir = Path(r["run_dir"])
         try:
-            if run_dir.exists() or evals is None:
+            if _same_run(run_dir, r) or evals is None:
                 rows.append({**key, **job_numbers(run_dir, targets.get(r["workload"]))})
             else:
                 rows.append({**key, **numbers_from_results(r, evals, targets.get(r["workload"]))})
         except (OSError, KeyError, ValueError) as exc:
             print(f"skipping {run_dir}: {exc!r}", file=sys.stderr)
     return pd.DataFrame(rows)
+
+
+def _same_run(run_dir: Path, row: dict[str, Any]) -> bool:
+    """Whether `run_dir` still holds the run of this runs.csv row: a later run of the same configuration
+    writes to the same folder, so a results directory kept under another name must not read it."""
+    try:
+        res = json.loads((run_dir / "suite_result.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return math.isclose(float(res.get("train_s", math.nan)), float(row["train_s"]), rel_tol=1e-9)
 
 
 def _limit_from_none(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
@@ -215,7 +225,7 @@ def headline(jobs: pd.DataFrame) -> str:
 
 
 def rank_steps(results: Path) -> str:
-    """Per run (its folder still on disk): each rank's median samples and forward+backward ms per
+    """Per run (its folder still on disk, holding that run): each rank's median samples and forward+backward ms per
     step after the first epoch, the median step, and the median rest of a step (the step minus the
     slower rank's compute in the same step: data, the allreduce's wait, the optimizer)."""
     runs = pd.read_csv(results / "runs.csv")
@@ -223,7 +233,7 @@ def rank_steps(results: Path) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in runs[runs.status == "ok"].to_dict("records"):
         steps_csv = Path(r["run_dir"]) / "suite_steps.csv"
-        if not steps_csv.exists():
+        if not steps_csv.exists() or not _same_run(Path(r["run_dir"]), r):
             continue
         steps = pd.read_csv(steps_csv)
         steps = steps[steps.epoch >= 1] if (steps.epoch >= 1).any() else steps
@@ -250,6 +260,8 @@ def critical_batch(results: Path) -> str:
         points, noise, lower = [], [], []
         for r in g.to_dict("records"):
             run_dir = Path(r["run_dir"])
+            if not _same_run(run_dir, r):
+                continue
             res = json.loads((run_dir / "suite_result.json").read_text())
             evals = pd.read_csv(run_dir / "suite_evals.csv").drop_duplicates("samples", keep="last")
             t = smoothed_time(evals, float(res["target"]), res.get("metric", "accuracy") == "accuracy")
@@ -275,7 +287,7 @@ def critical_batch(results: Path) -> str:
 
 
 def equal_rank_splits(results: Path) -> str:
-    """Per job and arm under conditions without a straggler (run folders still on disk): the
+    """Per job and arm under conditions without a straggler (run folders still on disk, holding those runs): the
     controller's decisions, how many put a rank more than one sample off the mean (an uneven split
     between equal ranks; one sample off is rounding), and where: decision number, sizes and the
     recorded intervals of measured gap that led to it. Empty when no run has its decisions."""
@@ -287,7 +299,7 @@ def equal_rank_splits(results: Path) -> str:
     for r in runs[runs.status == "ok"].to_dict("records"):
         cond = CONDITIONS.get(str(r["condition"]))
         decisions = Path(r["run_dir"]) / "decisions.csv"
-        if cond is None or cond.slow_rank >= 0 or not decisions.exists():
+        if cond is None or cond.slow_rank >= 0 or not decisions.exists() or not _same_run(decisions.parent, r):
             continue
         d = pd.read_csv(decisions)
         sizes = [json.loads(str(x)) for x in d["sizes"]]

@@ -144,14 +144,34 @@ def test_the_per_rank_step_table_reads_the_run_folders(tmp_path):
     steps = steps_of({0: (48, 0.006), 1: (16, 0.002)}, 0.010, epochs=3)
     steps.loc[(steps["rank"] == 1) & (steps.epoch == 1), "compute_s"] = 0.008  # rank 1 the later one here
     steps.to_csv(run / "suite_steps.csv", index=False)
-    pd.DataFrame([{"workload": "zoo:mnist-cnn", "condition": "slow2x", "arm": "model", "seed": 0, "status": "ok",
-                   "run_dir": str(run)}, {"workload": "zoo:mnist-cnn", "condition": "slow2x", "arm": "plain-horovod",
-                                          "seed": 0, "status": "ok", "run_dir": str(tmp_path / "gone")}]).to_csv(
-        tmp_path / "runs.csv", index=False)
+    (run / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
+    rows = [{"workload": "zoo:mnist-cnn", "condition": "slow2x", "arm": "model", "seed": 0, "status": "ok",
+             "run_dir": str(run), "train_s": 9.0}, {"workload": "zoo:mnist-cnn", "condition": "slow2x",
+                                                     "arm": "plain-horovod", "seed": 0, "status": "ok",
+                                                     "run_dir": str(tmp_path / "gone"), "train_s": 9.0}]
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
     table = rank_steps(tmp_path)
     # epoch 0 left out; per step the rest is 0.010 minus the slower rank's compute (0.006 or 0.008): median 0.003
     assert "| mnist-cnn | slow2x | model | 0 | 48 in 6.00, 16 in 5.00 | 10.00 | 3.00 |" in table, table
     assert "plain-horovod" not in table  # its folder is gone
+    rows[0]["train_s"] = 12.0  # the folder now holds a later run of the same configuration
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    assert "| model |" not in rank_steps(tmp_path)
+
+
+def test_a_results_folder_does_not_read_a_run_folder_that_a_later_run_overwrote(tmp_path):
+    write_results_folder(tmp_path, "zoo:mnist-cnn", "net10", {"plain-horovod": 10.0, "ppo-progress": 5.0},
+                         [0.5, 0.6, 0.95, 0.96], eval_s=0.5)
+    runs = pd.read_csv(tmp_path / "runs.csv")
+    for run_dir in runs.run_dir:  # a later run wrote the same folders: other times, other evaluations
+        later = Path(run_dir)
+        later.mkdir(parents=True)
+        (later / "suite_result.json").write_text(json.dumps({"train_s": 99.0, "target": 0.9, "final": 0.1}))
+        steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006).to_csv(later / "suite_steps.csv", index=False)
+        pd.DataFrame({"epoch": [0], "samples": [1000], "train_s": [99.0], "value": [0.1]}).to_csv(
+            later / "suite_evals.csv", index=False)
+    jobs = collect(tmp_path)
+    assert set(jobs.ttt_s) == {20.0, 10.0} and set(jobs.budget_s) == {40.0, 20.0}, jobs
 
 
 def test_the_equal_rank_table_counts_splits_off_neutral(tmp_path):
@@ -163,10 +183,11 @@ def test_the_equal_rank_table_counts_splits_off_neutral(tmp_path):
         run.mkdir()
         pd.DataFrame({"decision": range(len(sizes)), "sizes": [str(b) for b in sizes],
                       "gap_intervals": [0, 1, 1, 2, 0][:len(sizes)]}).to_csv(run / "decisions.csv", index=False)
+        (run / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
         runs.append({"workload": "zoo:mnist-cnn", "condition": "none", "arm": "model", "seed": seed, "status": "ok",
-                     "run_dir": str(run)})
+                     "run_dir": str(run), "train_s": 9.0})
     runs.append({"workload": "zoo:mnist-cnn", "condition": "slow3x", "arm": "model", "seed": 0, "status": "ok",
-                 "run_dir": str(tmp_path / "run0")})  # a straggler's splits are not counted
+                 "run_dir": str(tmp_path / "run0"), "train_s": 9.0})  # a straggler's splits are not counted
     pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
     table = equal_rank_splits(tmp_path)
     assert "| mnist-cnn | model | 9 | 1 | 1 | s0 decision 3: [80, 48] after 2 interval(s) |" in table, table
