@@ -221,7 +221,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
     bounds, the step p slowest arrivals plus the allreduce after the last (see
     :meth:`NetworkFit.step_time`), so accumulation wins only where memory caps the one-pass batch and
-    the larger B is worth its time. The trust region bounds each rank's samples per step."""
+    the larger B is worth its time. The trust region bounds B's change and each rank's growth in
+    samples per step."""
     R = len(sizes)
     cur = np.asarray(sizes, dtype=np.int64)
     per_step = passes * cur                      # each rank's samples per optimizer step now
@@ -255,6 +256,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if cfg.trust is not None and may_grow:
         B_lo = max(B_lo, B_cur / cfg.trust)
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
+    if cfg.trust is not None:  # the ranks' bounds may add up to more (a rank's way back to its neutral share)
+        B_hi = min(B_hi, cfg.trust * B_cur)
     if not may_grow:
         B_hi = min(B_hi, float(initial_batch))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
