@@ -10,8 +10,8 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   micro-batches] that maximises predicted goodput B * E(B) / T_step(B) (with p micro-batches
   accumulated, T_step = p slowest arrivals + the allreduce after the last), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
-  `trust`x per decision, a rank's size grows by at most that or back to its neutral share, and falls
-  as far as the others' growth allows) and with hysteresis (B changes only when the predicted
+  `trust`x per decision, a rank's size grows by at most that and falls as far as the others' growth
+  allows) and with hysteresis (B changes only when the predicted
   goodput improves by more than `hysteresis`, as AdaptDL); in the first `hold_unidentified` decisions
   B does not grow while some rank's cost line is not identified (its fixed cost, and with it the whole
   gain of a larger batch, is then a guess: the first decision after one size was seen raised the CNN's
@@ -57,8 +57,8 @@ class ProposalConfig:
     hysteresis: float = 0.05
     """Change B only for a predicted goodput gain above this fraction."""
     trust: float | None = 2.0
-    """Largest factor by which B may change per decision, and a rank's size grow (past its neutral
-    share); a rank's size may fall as far as the others' growth allows (None: no limit)."""
+    """Largest factor by which B may change per decision, and a rank's size grow; a rank's size may
+    fall as far as the others' growth allows (None: no limit)."""
     noise: str = "lower"
     """Noise scale used in E(B): "lower" (a lower confidence bound) or "point" (the estimate)."""
     dither: float = 0.04
@@ -235,16 +235,12 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     a_g, c_g = fit.split_coefficients(borrowed=False)
     knee = np.floor(fit.knee)
 
-    home = neutral_shares(R, neutral) * B_cur  # each rank's samples per step at the neutral split
-
     def micro_bounds(p: int) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = np.full(R, bounds.min_batch, dtype=np.int64), upper
         if cfg.trust is not None:
-            # A rank's samples grow by at most `trust`x, or back to its neutral share (the user's own
-            # split is never a leap); they fall as far as the others' growth allows, so a rank found
-            # slow is relieved in one decision, not halved decision after decision.
-            grow = np.maximum(np.floor(per_step * cfg.trust / p + 1e-9), np.ceil(home / p - 1e-9))
-            hi = np.maximum(np.minimum(hi, grow), lo).astype(np.int64)
+            # A rank's samples grow by at most `trust`x; they fall as far as the others' growth allows,
+            # so a rank found slow is relieved in one decision, not halved decision after decision.
+            hi = np.maximum(np.minimum(hi, np.floor(per_step * cfg.trust / p + 1e-9)), lo).astype(np.int64)
         # below its knee a rank's samples are free: the split never leaves it there (within its bounds)
         return np.maximum(lo, np.minimum(knee, hi)).astype(np.int64), hi
 
@@ -256,8 +252,6 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if cfg.trust is not None and may_grow:
         B_lo = max(B_lo, B_cur / cfg.trust)
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
-    if cfg.trust is not None:  # the ranks' bounds may add up to more (a rank's way back to its neutral share)
-        B_hi = min(B_hi, cfg.trust * B_cur)
     if not may_grow:
         B_hi = min(B_hi, float(initial_batch))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows

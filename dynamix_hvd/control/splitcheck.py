@@ -12,7 +12,7 @@ a larger batch by the loss:
   global batch the split keeps (a different B is a different step and resets the reference);
 - verdict: the mean step of the first `judged` intervals at the split must be shorter than the
   reference by at least `keep` of the gain the cost model predicts for the sizes that ran (the first
-  intervals may run a partial split: a fast rank's growth bounded by the trust region, the dither).
+  intervals may run a partial split: a rank's growth bounded by the trust region, the dither).
   Otherwise the split is undone and, for the rest of the job (a new world starts afresh), leaving
   neutral needs a predicted gain of `raise_by` times the one that failed (at most `max_margin`), so a
   real straggler that appears later is still split.
