@@ -54,12 +54,6 @@ class FlatGradients:
                         else "torch-foreach" if not any(by_dot) else "torch-dot+foreach")
         self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._cpu_norms(members)
                        for buf, off, members in zip(self.buffers, self.offsets, self.members)]
-        self.dots: Callable[[], list[torch.Tensor]] | None = None
-        """With one CPU buffer whose norms are all dot products: the per-parameter squared norms as
-        0-d tensors in the buffer's dtype, parameter order, for a caller that stacks them with others."""
-        if not cuda and len(self.buffers) == 1 and all(by_dot):
-            lines = self._lines
-            self.dots = lambda: [torch.dot(line, line) for line in lines]
         self.attach()
 
     def _cpu_norms(self, members: list[int]) -> Callable[[], torch.Tensor]:

@@ -223,10 +223,6 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._local_parts: list[torch.Tensor | None] = [None] * len(self._params)
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._no_local = torch.zeros(len(self._params), dtype=torch.float64, device=device)
-        # One flat buffer whose norms are dot products (CPU, float32/64): local and global squared
-        # norms become one [2, P] tensor in a single stack, as few tensor calls as the step allows.
-        self._pair_by_dot = self.flat.dots is not None
-        self._zero_dot = torch.zeros((), dtype=self.flat.buffers[0].dtype, device=device)
         # Per-parameter sums over the steps since the controller last read them (no host sync).
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
         self._layer_steps = 0
@@ -278,7 +274,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if step is not planned:
             planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
-            # Squared norm of this rank's local gradient (times the step's unit in _norm_pair()).
+            # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
             self._local_parts[index] = self.flat.sq_norm(index)
         if not after:
             grad.mul_(scale)
@@ -398,24 +394,13 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._oom_samples = 0
         return [int(v) for v in hvd.allreduce(status, name="dx.step_status", op=hvd.Sum).tolist()]
 
-    def _norm_pair(self, unit: float) -> torch.Tensor:
-        """[2, P] float64: this step's local squared norms per parameter (times `unit`; 0 where no
-        gradient came or with ``track_grad_norms`` off) and the global ones, read from the buffers now."""
-        if self._pair_by_dot:
-            zero = self._zero_dot
-            local = [zero if t is None else t for t in self._local_parts] if self.track_grad_norms \
-                else [zero] * len(self._params)
-            pair = torch.stack(local + self.flat.dots()).to(torch.float64).view(2, len(self._params))
-            if unit != 1.0 and self.track_grad_norms:
-                pair[0].mul_(unit)
-            return pair
-        if self.track_grad_norms:
-            local = torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
-            local = local if unit == 1.0 else local * unit
-        else:
-            local = self._no_local
-        global_sq = self.flat.sq_norms()
-        return torch.stack([local.to(global_sq.device), global_sq])
+    def _local_sq(self) -> torch.Tensor:
+        """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
+        if not self.track_grad_norms:
+            return self._no_local
+        local = torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
+        unit = self._step_scale[2]
+        return local if unit == 1.0 else local * unit
 
     def _clear_local(self) -> None:
         self._local_parts = [None] * len(self._params)
@@ -539,13 +524,14 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for view in self.flat.views:
                 self._weigh(view)
         self._engine.synchronize()
-        self.flat.attach()  # Horovod's synchronize() ends with p.grad.set_(output), which may move a view off its buffer
-        step, scale, unit, after = self._step_scale
+        self.flat.attach()  # compression may have replaced p.grad with a new tensor
+        step, scale, _, after = self._step_scale
         if after and step is not None and scale != 1.0:  # the factor every rank shares, once, on the sum
             for buf in self.flat.buffers:
                 buf.mul_(scale)
         tracker.synchronized()
         local_n = global_n = 0
+        local_sq = self._local_sq()
         if self._micro and (self.backward_passes_per_step > 1 or not self._global_known()):
             local_n, global_n = self._group_counts()
             if global_n <= 0:
@@ -554,8 +540,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / global_n)
             if self.backward_passes_per_step > 1:
-                unit = unit / max(local_n, 1) ** 2
-        self._synced = {"pair": self._norm_pair(unit), "local_n": local_n, "global_n": global_n}
+                local_sq = local_sq / max(local_n, 1) ** 2
+        self._synced = {"global_sq": self.flat.sq_norms(), "local_sq": local_sq,
+                        "local_n": local_n, "global_n": global_n}
 
     def _loss_scale(self) -> float:
         called_by_scaler = "found_inf" in vars(self)
@@ -586,15 +573,16 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         assert synced is not None
         tracker = self.loader.tracker
         scale = self._loss_scale()
+        global_sq = synced["global_sq"]
         # [local, global] squared norms per parameter (the layer sums add this pair as it is)
-        pair = synced["pair"]
+        pair = torch.stack([synced["local_sq"].to(global_sq.device), global_sq])
         if scale != 1.0:
             pair = pair / scale**2
         found_inf = vars(self).get("found_inf")
         # The one read-back of the step: the non-finite check needs the norm on the host.
         totals = pair.sum(1)
         if found_inf is not None:
-            totals = torch.cat([totals, found_inf.to(pair.device, torch.float64).reshape(1)])
+            totals = torch.cat([totals, found_inf.to(global_sq.device, torch.float64).reshape(1)])
         read = totals.tolist()
         local_total, grad_norm = read[0], read[1] ** 0.5
         if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
