@@ -537,7 +537,7 @@ def test_proposal_accumulates_only_where_memory_caps_a_batch_worth_growing():
     assert step.global_batch <= 2 * 64 and step.passes * max(step.sizes) <= 2 * 32
     # from an accumulating state: the current B is p x the micro-batches
     back = propose(ProposalConfig(), fit, heavy, [40, 40], capped, 64, 1.0, 5, passes=4)
-    assert back.global_batch >= 320 / 2 and back.passes * max(back.sizes) >= 160 / 2, "at most /2 per decision"
+    assert back.global_batch >= 320 / 2, "B at most /2 per decision"
 
 
 def test_rules_accumulate_to_a_target_past_the_memory_bounds():

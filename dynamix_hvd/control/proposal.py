@@ -239,7 +239,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         lo, hi = np.full(R, bounds.min_batch, dtype=np.int64), upper
         if cfg.trust is not None:
             # A rank's samples grow by at most `trust`x; they fall as far as the others' growth allows,
-            # so a rank found slow is relieved in one decision, not halved decision after decision.
+            # so a rank found slow is set to its equalising size in one decision.
             hi = np.maximum(np.minimum(hi, np.floor(per_step * cfg.trust / p + 1e-9)), lo).astype(np.int64)
         # below its knee a rank's samples are free: the split never leaves it there (within its bounds)
         return np.maximum(lo, np.minimum(knee, hi)).astype(np.int64), hi
