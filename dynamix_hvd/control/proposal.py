@@ -287,7 +287,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         if best[0] > (1 + margin) * keep_gp[0]:
             _, B_new, p_new = best
             switched = True
-    gp_new, step_new, _ = goodput(np.array([B_new]), p_new)
+    gp_new = goodput(np.array([B_new]), p_new)[0] if switched else keep_gp  # unswitched: B_keep, as scored
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
     shares = equalise(np.array([float(micro)]), a_s, c_s, lo, hi)
