@@ -10,8 +10,8 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   micro-batches] that maximises predicted goodput B * E(B) / T_step(B) (with p micro-batches
   accumulated, T_step = p slowest arrivals + the allreduce after the last), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
-  `trust`x per decision, a rank's size grows by at most that and falls as far as the others' growth
-  allows) and with hysteresis (B changes only when the predicted
+  `trust`x per decision, a rank's size grows by at most that, or back to its neutral share of the
+  chosen B, and falls as far as the others' growth allows) and with hysteresis (B changes only when the predicted
   goodput improves by more than `hysteresis`, as AdaptDL); in the first `hold_unidentified` decisions
   B does not grow while some rank's cost line is not identified (its fixed cost, and with it the whole
   gain of a larger batch, is then a guess: the first decision after one size was seen raised the CNN's
@@ -57,8 +57,9 @@ class ProposalConfig:
     hysteresis: float = 0.05
     """Change B only for a predicted goodput gain above this fraction."""
     trust: float | None = 2.0
-    """Largest factor by which B may change per decision, and a rank's size grow; a rank's size may
-    fall as far as the others' growth allows (None: no limit)."""
+    """Largest factor by which B may change per decision, and a rank's size grow (in the split of the
+    chosen B, a rank below its neutral share may also grow back to it); a rank's size may fall as far
+    as the others' growth allows (None: no limit)."""
     noise: str = "lower"
     """Noise scale used in E(B): "lower" (a lower confidence bound) or "point" (the estimate)."""
     dither: float = 0.04
@@ -290,6 +291,13 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     gp_new = goodput(np.array([B_new]), p_new)[0] if switched else keep_gp  # unswitched: B_keep, as scored
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
+    if cfg.trust is not None:
+        # A rank relieved earlier regains its neutral share of B in one decision (a slowdown that
+        # lifted): the job's own split is no extrapolation, and 2x per decision took a rank cut to
+        # one sample five decisions to get back. Only here: scoring the candidate B with it made a
+        # larger B look cheap right after a split.
+        back = np.floor(micro * neutral_shares(R, neutral) + 1e-9).astype(np.int64)
+        hi = np.maximum(hi, np.minimum(back, upper))
     shares = equalise(np.array([float(micro)]), a_s, c_s, lo, hi)
     out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
     margin = cfg.split_margin if split_margin is None else split_margin
