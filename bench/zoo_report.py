@@ -105,12 +105,15 @@ def numbers_from_results(run: dict[str, Any], evals: pd.DataFrame, target: float
     run folder is gone: no per-step records, so no first-epoch time and no measured speeds; a
     straggler row's limit is runs.csv's whole-run `balanced_fraction` where it has one (unknown
     otherwise)."""
+    from bench.suite import WORKLOADS
     from bench.zoo import JOBS
 
-    job = JOBS[str(run["workload"]).removeprefix("zoo:").split(":")[0]]  # zoo:JOB or zoo:JOB:long
+    job = JOBS[str(run["workload"]).removeprefix("zoo:").split(":")[0]]  # zoo:JOB, zoo:JOB:long or zoo:JOB:xK
+    if target is None:  # the workload's own target (a longer variant's may differ from the job's)
+        target = WORKLOADS[run["workload"]].target if run["workload"] in WORKLOADS else job.target
     mine = evals[(evals.workload == run["workload"]) & (evals.condition == run["condition"])
                  & (evals.arm == run["arm"]) & (evals.seed == run["seed"])]
-    return {**eval_numbers(mine, job.target if target is None else target, job.higher_is_better, float(run["train_s"])),
+    return {**eval_numbers(mine, target, job.higher_is_better, float(run["train_s"])),
             "budget_s": float(run["train_s"]), "first_epoch_s": math.nan, "first_excess_s": math.nan,
             "compute_per_sample_s": math.nan,
             "final": float(run["final"]),
