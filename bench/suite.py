@@ -124,10 +124,11 @@ WORKLOADS.update({f"zoo:{n}:long": replace(WORKLOADS[f"zoo:{n}"], name=f"zoo:{n}
                   for n, k in LONG_ZOO.items()})
 HEADLINE_ZOO = {"lstm-rows": (3, 0.94)}
 """Epoch multipliers and targets of the headline's evaluation jobs that their own length leaves too
-short (``zoo:JOB:xK``). At 8 epochs lstm-rows reaches its target in about 3 s of training, 8-16
-evaluations in, where one evaluation's noise decides the time; at 24, 0.94 is reached after 12-15
-epochs (plain Horovod's first 24 epochs in bench/results/zoo-long, the same training), and the
-headline stays within the hour."""
+short (``zoo:JOB:xK``). At 8 epochs lstm-rows trains about 5 s; at 24 about 12 s, with 96
+evaluations, so its budget time (the whole run) is a longer measurement. Its accuracy flattens
+early: plain Horovod's median of three evaluations passes the target 0.94 (the job's own is 0.935)
+after 5.5-7 epochs and ends at 0.959-0.963 (three seeds, bench/results/zoo-headline), so no target
+is both late and reached by every seed."""
 WORKLOADS.update({f"zoo:{n}:x{k}": replace(WORKLOADS[f"zoo:{n}"], name=f"zoo:{n}:x{k}",
                                            epochs=WORKLOADS[f"zoo:{n}"].epochs * k, target=target,
                                            plain_s=WORKLOADS[f"zoo:{n}"].plain_s * k)
