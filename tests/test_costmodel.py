@@ -359,8 +359,14 @@ def test_proposal_trust_region_initial_batch_memory_and_hysteresis():
         faster.record(b, t, t.max(1), overhead_s=1e-3)
     ahead = propose(cfg, faster.fit(), net, [60, 4], bounds, 64, 1.0, 0)
     assert ahead.sizes == [32, 32], ahead.sizes
-    uneven = propose(cfg, faster.fit(), net, [32, 32], bounds, 64, 1.0, 0)
-    assert uneven.sizes[1] > 32 and uneven.sizes[1] <= 64, "past the neutral share by at most 2x"
+    grows = propose(cfg, faster.fit(), net, [60, 4], bounds, 64, 1e6, 0)  # B grows: no way back at once
+    assert grows.switched and sum(grows.sizes) > 64 and grows.sizes[1] <= 8, grows.sizes
+    quicker = CostModel(2)  # rank 1 4x faster: past its neutral share by at most 2x
+    for sizes in ([40, 24], [42, 22], [38, 26]):
+        b = np.tile(np.asarray(sizes, dtype=float), (40, 1))
+        t = 0.002 + np.array([1e-4, 2.5e-5]) * b
+        quicker.record(b, t, t.max(1), overhead_s=1e-3)
+    assert propose(cfg, quicker.fit(), net, [40, 24], bounds, 64, 1.0, 0).sizes == [16, 48]
     free = propose(ProposalConfig(trust=None), fit, net, [32, 32], bounds, 64, 1e6, 0)
     assert sum(free.sizes) > 4 * 128
     small = propose(cfg, fit, net, [32, 32], bounds, 64, 1.0, 0)  # nothing gained by a larger batch

@@ -10,8 +10,8 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   micro-batches] that maximises predicted goodput B * E(B) / T_step(B) (with p micro-batches
   accumulated, T_step = p slowest arrivals + the allreduce after the last), E(B) = (phi + B0) / (phi + B) with phi a lower confidence bound on the noise
   scale (a noisy estimate errs towards smaller batches); within a trust region (B changes by at most
-  `trust`x per decision, a rank's size grows by at most that, or back to its neutral share of the
-  chosen B, and falls as far as the others' growth allows) and with hysteresis (B changes only when the predicted
+  `trust`x per decision, a rank's size grows by at most that, or, where B does not grow, back to
+  its neutral share, and falls as far as the others' growth allows) and with hysteresis (B changes only when the predicted
   goodput improves by more than `hysteresis`, as AdaptDL); in the first `hold_unidentified` decisions
   B does not grow while some rank's cost line is not identified (its fixed cost, and with it the whole
   gain of a larger batch, is then a guess: the first decision after one size was seen raised the CNN's
@@ -57,9 +57,9 @@ class ProposalConfig:
     hysteresis: float = 0.05
     """Change B only for a predicted goodput gain above this fraction."""
     trust: float | None = 2.0
-    """Largest factor by which B may change per decision, and a rank's size grow (in the split of the
-    chosen B, a rank below its neutral share may also grow back to it); a rank's size may fall as far
-    as the others' growth allows (None: no limit)."""
+    """Largest factor by which B may change per decision, and a rank's size grow (in the split of a B
+    that does not grow, a rank below its neutral share may also grow back to it); a rank's size may
+    fall as far as the others' growth allows (None: no limit)."""
     noise: str = "lower"
     """Noise scale used in E(B): "lower" (a lower confidence bound) or "point" (the estimate)."""
     dither: float = 0.04
@@ -291,15 +291,22 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     gp_new = goodput(np.array([B_new]), p_new)[0] if switched else keep_gp  # unswitched: B_keep, as scored
     lo, hi = limits[p_new]
     micro = int(round(B_new / p_new))
-    if cfg.trust is not None:
-        # A rank relieved earlier regains its neutral share of B in one decision (a slowdown that
+    lo_eq, hi_eq = lo, hi
+    if cfg.trust is not None and p_new * micro <= B_cur:
+        # A rank relieved earlier may regain its neutral share of B in one decision (a slowdown that
         # lifted): the job's own split is no extrapolation, and 2x per decision took a rank cut to
-        # one sample five decisions to get back. Only here: scoring the candidate B with it made a
-        # larger B look cheap right after a split.
+        # one sample five decisions to get back. Only for the equalising split: not in the batch
+        # search (with it a larger B looked cheap right after a split), nor where B grows (a line
+        # fitted on a relieved rank's few samples extrapolates worst to a larger B's share: one
+        # jumped from 14 to 62 samples), nor for the neutral split below, which a split that failed
+        # its check returns to: at once, a slow rank bound by its fixed cost flapped between the two
+        # (each split held B for its check, so B never grew).
         back = np.floor(micro * neutral_shares(R, neutral) + 1e-9).astype(np.int64)
-        hi = np.maximum(hi, np.minimum(back, upper))
-    shares = equalise(np.array([float(micro)]), a_s, c_s, lo, hi)
-    out = np.array(round_split(shares[0], micro, a_s, c_s, lo, hi), dtype=np.int64)
+        hi_eq = np.maximum(hi, np.minimum(back, upper))
+        wider = np.maximum(lo, np.minimum(knee, hi_eq)).astype(np.int64)  # the knee floor, where B fits
+        lo_eq = wider if wider.sum() <= micro else lo
+    shares = equalise(np.array([float(micro)]), a_s, c_s, lo_eq, hi_eq)
+    out = np.array(round_split(shares[0], micro, a_s, c_s, lo_eq, hi_eq), dtype=np.int64)
     margin = cfg.split_margin if split_margin is None else split_margin
     even, split_gain = _neutral_split(margin, fit, out, cur, micro, neutral, a_s, c_s, lo, hi, split_confirmed,
                                       force_neutral)
