@@ -236,3 +236,13 @@ def test_the_report_takes_a_later_target_for_a_long_job(tmp_path):
     assert sorted(own.ttt_s) == [24.0, 30.0] and sorted(late.ttt_s) == [48.0, 60.0]
     row = next(line for line in headline(late).splitlines() if "| model |" in line)
     assert "| lstm-rows:long | none | 1.00 (1.00) | model | 0.80 [0.00] |" in row, row
+
+
+def test_the_report_takes_a_headline_variants_own_target(tmp_path):
+    """zoo:lstm-rows:x3 runs to 0.94, not its job's 0.935: a folder whose run folders are gone is
+    scored against the workload's target."""
+    assert suite.WORKLOADS["zoo:lstm-rows:x3"].target == 0.94 and JOBS["lstm-rows"].target == 0.935
+    write_results_folder(tmp_path, "zoo:lstm-rows:x3", "none", {"plain-horovod": 10.0, "model": 8.0},
+                         [0.90, 0.936, 0.937, 0.945, 0.95, 0.95], eval_s=1.0)
+    jobs = collect(tmp_path)  # median of three: past 0.935 at the 3rd evaluation, past 0.94 at the 5th
+    assert sorted(jobs.ttt_s) == [40.0, 50.0], jobs.ttt_s
