@@ -359,6 +359,8 @@ def test_proposal_trust_region_initial_batch_memory_and_hysteresis():
         faster.record(b, t, t.max(1), overhead_s=1e-3)
     ahead = propose(cfg, faster.fit(), net, [60, 4], bounds, 64, 1.0, 0)
     assert ahead.sizes == [32, 32], ahead.sizes
+    failed = propose(cfg, faster.fit(), net, [60, 4], bounds, 64, 1.0, 0, force_neutral=True)
+    assert failed.sizes == [56, 8] and failed.neutral, "a failed split goes back towards neutral at 2x"
     grows = propose(cfg, faster.fit(), net, [60, 4], bounds, 64, 1e6, 0)  # B grows: no way back at once
     assert grows.switched and sum(grows.sizes) > 64 and grows.sizes[1] <= 8, grows.sizes
     quicker = CostModel(2)  # rank 1 4x faster: past its neutral share by at most 2x

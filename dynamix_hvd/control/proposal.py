@@ -298,9 +298,10 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
         # one sample five decisions to get back. Only for the equalising split: not in the batch
         # search (with it a larger B looked cheap right after a split), nor where B grows (a line
         # fitted on a relieved rank's few samples extrapolates worst to a larger B's share: one
-        # jumped from 14 to 62 samples), nor for the neutral split below, which a split that failed
-        # its check returns to: at once, a slow rank bound by its fixed cost flapped between the two
-        # (each split held B for its check, so B never grew).
+        # jumped from 14 to 62 samples), nor for the neutral split below (the fallback where a split
+        # does not pay or failed its check, and the reference of its predicted gain): returning to it
+        # at once, a slow rank bound by its fixed cost flapped between the two (each split held B
+        # for its check, so B never grew). So that fallback is neutral only within the 2x bounds.
         back = np.floor(micro * neutral_shares(R, neutral) + 1e-9).astype(np.int64)
         hi_eq = np.maximum(hi, np.minimum(back, upper))
         wider = np.maximum(lo, np.minimum(knee, hi_eq)).astype(np.int64)  # the knee floor, where B fits

@@ -72,7 +72,8 @@ class SplitCheck:
         """One interval's reports; `neutral_ran`: it ran at the neutral split; `global_batch`: samples per
         step it ran with; `predicted_gain`: the cost model's step-time gain of its sizes over the neutral
         split; `speed_changed`: some rank's speed changed in it; `speed_pending`: it may have (one
-        interval off a line). True when a split under trial has just failed (return to neutral now)."""
+        interval off a line). True when a split under trial has just failed (back towards neutral now,
+        within the proposal's trust region)."""
         steps = [r.step_s for r in reports if math.isfinite(r.step_s) and r.step_s > 0 and r.steps > 0]
         if speed_changed:  # steps before the change compare with none after it
             self._end_trial()
