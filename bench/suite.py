@@ -118,9 +118,16 @@ WORKLOADS.update(zoo_workloads())
 LONG_ZOO = {"gru-charlm": 4, "lstm-rows": 10}
 """Epoch multipliers that make plain Horovod train the two shortest-step evaluation jobs for about a
 minute on the 2-core VM (``zoo:JOB:long``: same target, evaluations half as often per epoch)."""
-WORKLOADS.update({f"zoo:{n}:long": replace(WORKLOADS[f"zoo:{n}"], name=f"zoo:{n}:long",
-                                           epochs=WORKLOADS[f"zoo:{n}"].epochs * k,
-                                           eval_samples=WORKLOADS[f"zoo:{n}"].eval_samples * k // 2, plain_s=65.0)
+
+
+def longer(job: str, k: int, name: str, **changes: Any) -> Workload:
+    """Zoo job `job` trained k times its epochs, as workload `name` (other fields in `changes`)."""
+    base = WORKLOADS[f"zoo:{job}"]
+    return replace(base, name=name, epochs=base.epochs * k, **changes)
+
+
+WORKLOADS.update({f"zoo:{n}:long": longer(n, k, f"zoo:{n}:long", plain_s=65.0,
+                                          eval_samples=WORKLOADS[f"zoo:{n}"].eval_samples * k // 2)
                   for n, k in LONG_ZOO.items()})
 HEADLINE_ZOO = {"lstm-rows": (3, 0.94)}
 """Epoch multipliers and targets of the headline's evaluation jobs that their own length leaves too
@@ -129,9 +136,8 @@ evaluations, so its budget time (the whole run) is a longer measurement. Its acc
 early: plain Horovod's median of three evaluations passes the target 0.94 (the job's own is 0.935)
 after 5.5-7 epochs and ends at 0.959-0.963 (three seeds, bench/results/zoo-headline), so no target
 is both late and reached by every seed."""
-WORKLOADS.update({f"zoo:{n}:x{k}": replace(WORKLOADS[f"zoo:{n}"], name=f"zoo:{n}:x{k}",
-                                           epochs=WORKLOADS[f"zoo:{n}"].epochs * k, target=target,
-                                           plain_s=WORKLOADS[f"zoo:{n}"].plain_s * k)
+WORKLOADS.update({f"zoo:{n}:x{k}": longer(n, k, f"zoo:{n}:x{k}", target=target,
+                                            plain_s=WORKLOADS[f"zoo:{n}"].plain_s * k)
                   for n, (k, target) in HEADLINE_ZOO.items()})
 
 def periodic_schedule(every: float, length: float, during: float, after: float, until: float = 300.0) -> str:
@@ -283,7 +289,7 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
                  "arms": ["plain", "static", "speed-split", "ppo"], "seeds": 3}],
 }
 ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
-ZOO_HEADLINE = [next((f"{w}:x{HEADLINE_ZOO[n][0]}" for n in HEADLINE_ZOO if w == f"zoo:{n}"), w) for w in ZOO_EVAL]
+ZOO_HEADLINE = [f"{w}:x{HEADLINE_ZOO[n][0]}" if (n := w.removeprefix("zoo:")) in HEADLINE_ZOO else w for w in ZOO_EVAL]
 ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:charlm-transformer", "zoo:bag-code"]
 # the workload zoo's headline: its evaluation half, with and without stragglers, the shipped PPO policy
 # deployed (which decides as the default proposal does) against plain Horovod and the best fixed split
