@@ -101,9 +101,10 @@ def test_a_rank_that_changes_speed_is_followed_within_two_intervals(threshold):
 
 
 def test_a_pending_change_waits_across_untested_sizes_lapses_and_is_not_checkpointed():
-    """Off once at 32, then an interval at sizes the line has not seen (not tested), then off again at
-    32: a change, and the line keeps the two intervals after the first. A first verdict older
-    than a half-life lapses; a restored model holds none (its first interval has start-up costs)."""
+    """Off once at 32, then an interval at sizes the line has not seen and too far from those it has
+    (8: 4x from 32) to test, then off again at 32: a change, and the line keeps the two intervals
+    after the first. A first verdict older than a half-life lapses; a restored model holds none (its
+    first interval has start-up costs)."""
     rng, model = np.random.default_rng(7), CostModel(2)
     a, c = A[[0, 0]], C[[0, 0]]
     for k in range(16):
@@ -114,8 +115,8 @@ def test_a_pending_change_waits_across_untested_sizes_lapses_and_is_not_checkpoi
     restored = CostModel(2)
     restored.load_state_dict(model.state_dict())
     assert not restored.change_pending
-    model.record(*interval(rng, [44, 20], a=a * slow, c=c * slow, steps=8, jitter=0.05))
-    assert model.change_pending and (model.shift == 1).all(), "20 was not seen: not tested, still pending"
+    model.record(*interval(rng, [56, 8], a=a * slow, c=c * slow, steps=8, jitter=0.05))
+    assert model.change_pending and (model.shift == 1).all(), "8 was not seen: not tested, still pending"
     model.record(*interval(rng, [32, 32], a=a * slow, c=c * slow, steps=8, jitter=0.05))
     assert model.shift[1] > 1.4 and not model.change_pending
     assert model._live[:, 1].sum() == 16, "the line starts again after the first interval off it"
@@ -126,6 +127,39 @@ def test_a_pending_change_waits_across_untested_sizes_lapses_and_is_not_checkpoi
     assert model.change_pending
     model.record(*interval(rng, [32, 32], a=a, c=c, steps=4, jitter=0.05))  # past a half-life: lapsed
     assert not model.change_pending
+
+
+@pytest.mark.parametrize("after", [0.5, 2.0])
+def test_a_change_is_confirmed_at_a_nearby_new_size_beyond_the_lines_possible_error(after):
+    """Rank 1, 3x slower and cut to 5-6 samples, speeds up to 1.5x (or slows to 6x); the split moves it
+    at once, so its next interval is at 8, a size its line has not seen. Off the line there by more
+    than any line through 5-6 can be at 8 (a factor up to 8/6), the same way as the interval before:
+    the change is confirmed there, and the line starts again. A blip at 6 followed by an interval at
+    8 at the old speed confirms nothing (off by less than 8/6 can explain)."""
+    a, c = A[[0, 0]], C[[0, 0]]
+    slow = np.array([1.0, 3.0])
+
+    def split_at_3x(seed):
+        rng, model = np.random.default_rng(seed), CostModel(2)
+        for k in range(12):
+            model.record(*interval(rng, [58 + (k % 2), 6 - (k % 2)], a=a * slow, c=c * slow, steps=16, jitter=0.05))
+        assert model.fit().identified[1] and (model.shift == 1).all()  # 5-6: rank 1's line is identified
+        return rng, model
+
+    rng, model = split_at_3x(11)
+    now = slow * np.array([1.0, after])
+    model.record(*interval(rng, [58, 6], a=a * now, c=c * now, steps=16, jitter=0.05))
+    assert model.change_pending and (model.shift == 1).all()
+    model.record(*interval(rng, [56, 8], a=a * now, c=c * now, steps=16, jitter=0.05))
+    assert not model.change_pending and model.shift[0] == 1
+    assert model.shift[1] == pytest.approx(after, rel=0.25), "the new steps' factor over the old line"
+    assert model._live[:, 1].sum() == 16, "rank 1's line: the interval at 8 only"
+    rng, model = split_at_3x(12)
+    blip = slow * np.array([1.0, after])
+    model.record(*interval(rng, [58, 6], a=a * blip, c=c * blip, steps=16, jitter=0.05))
+    assert model.change_pending
+    model.record(*interval(rng, [56, 8], a=a * slow, c=c * slow, steps=16, jitter=0.05))
+    assert (model.shift == 1).all() and model._live.all()
 
 
 def test_no_speed_change_is_read_into_noise_blips_or_sizes_a_line_has_not_seen():

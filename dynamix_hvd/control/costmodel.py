@@ -23,9 +23,12 @@ not fill takes as long as for k_i samples. The fit:
   prediction by more than `shift_threshold` (log ratio, after a one-sided 99% bound of the steps'
   scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts). Intervals at sizes the line has not seen are not tested and
-  may lie between the two (the split moves after the first); a first verdict older than a
-  half-life lapses. The first of the two (the change fell somewhere in it) and the points before
+  is a blip, common on shared hosts). Intervals at sizes the line has not seen give no verdict of
+  their own and may lie between the two (the split moves after the first), but they confirm a
+  pending one where their steps are off the line, the same way, by more than the line can be off
+  at a size that near one it has seen (a step's time between two sizes grows by a factor between 1
+  and their ratio): the split moves a rank right after its speed changes, so its next intervals are
+  mostly at new sizes. A first verdict older than a half-life lapses. The first of the two (the change fell somewhere in it) and the points before
   it no longer count for the rank's line, which starts again from the intervals after it (the
   robust weights would otherwise take the new steps for outliers until they held half the weight,
   and forgetting needs several half-lives). Rescaling the
@@ -358,10 +361,11 @@ class CostModel:
         its line the same way as the last interval that could be tested: that interval and the points
         before it stop counting for its line (module docstring; the change fell somewhere in it, so
         it may hold both speeds). Sets `shift`: the new steps' factor over the line, which the earlier
-        interval's steps already pulled towards them (so it understates the change). Only steps at
-        sizes the line has seen are tested (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own
-        error, not the steps' scatter, would decide. Intervals known only by their means (fewer
-        than `MIN_STEPS` steps) are not tested."""
+        interval's steps already pulled towards them (so it understates the change). Verdicts come
+        from steps at sizes the line has seen (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own
+        error, not the steps' scatter, would decide; there, only a deviation beyond the most that
+        error can be confirms a pending verdict. Intervals known only by their means (fewer than
+        `MIN_STEPS` steps) are not tested."""
         self._pending[self._latest_after - self._pending_end > self.cfg.half_life_steps] = 0.0  # lapsed
         fit = self.fit()
         if fit is None or len(b) < MIN_STEPS:
@@ -371,23 +375,57 @@ class CostModel:
         for r in range(self.world_size):
             sizes, which = np.unique(b[:, r], return_inverse=True)
             near = np.abs(self._b[:, r][None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
-            seen = (near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum()
+            seen_size = (near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum()
             if not fit.identified[r]:  # proportional through its mean size: near that size only
-                seen &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
-            seen = seen[which]
+                seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
+            seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
-                continue  # nothing to test: an earlier interval's verdict waits for the next
+                # At sizes the line has not seen, a pending verdict may still be confirmed (never set
+                # or cleared): by steps off the line beyond what its error there can be (see
+                # `_extrapolation_allowance`). Without this, a rank moved to a new size right after
+                # its speed changed (the split follows the change at once) would never be tested
+                # again at a seen size before the verdict lapsed, and its line would follow the new
+                # speed only by forgetting, over half-lives.
+                if self._pending[r] != 0.0:
+                    allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
+                    near_enough = allowance <= math.log(2.0)
+                    if near_enough.sum() >= MIN_STEPS:
+                        d = np.log(t[near_enough, r] / predicted[near_enough, r])
+                        beyond = np.sign(d) * np.maximum(np.abs(d) - allowance[near_enough], 0.0)
+                        off = float(shrunk_mean(beyond[:, None])[0])
+                        if abs(off) > self.cfg.shift_threshold and off * self._pending[r] > 0:
+                            self._confirm_shift(r, float(d.mean()))
+                continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
             off = float(shrunk_mean(d[:, None])[0])
             if abs(off) <= self.cfg.shift_threshold:
                 self._pending[r] = 0.0
             elif off * self._pending[r] > 0:  # the second interval: a change, not a blip
-                self.shift[r] = math.exp(float(d.mean()))
-                self._live[self._at <= self._pending_end[r], r] = 0.0
-                self._pending[r] = 0.0
-                self._fit = None
+                self._confirm_shift(r, float(d.mean()))
             else:
                 self._pending[r], self._pending_end[r] = off, self.steps
+
+    def _confirm_shift(self, r: int, log_factor: float) -> None:
+        """Rank `r` changed speed: its pending interval and the points before it stop counting."""
+        self.shift[r] = math.exp(log_factor)
+        self._live[self._at <= self._pending_end[r], r] = 0.0
+        self._pending[r] = 0.0
+        self._fit = None
+
+    def _extrapolation_allowance(self, r: int, sizes: np.ndarray, weights: np.ndarray, fit: Any) -> np.ndarray:
+        """Per size in `sizes`: how far off (log ratio) rank `r`'s line can be there without any change
+        of speed, |log(size / nearest size the line has seen)| (an unidentified line: its mean size).
+        A step's time t(b) = a + c b with a, c >= 0 grows between two sizes by a factor between 1 and
+        their ratio, so a line right at one size is off at the other by at most the log of their ratio."""
+        if fit.identified[r]:
+            held = np.unique(self._b[weights > 0, r])
+            near = np.abs(self._b[:, r][None, :] / held[:, None] - 1.0) <= SEEN_WITHIN
+            anchors = held[(near * weights).sum(1) >= SEEN_SHARE * weights.sum()]
+        else:
+            anchors = np.array([fit.mean_batch[r]])
+        if not len(anchors):
+            return np.full(len(sizes), np.inf)
+        return np.abs(np.log(sizes[:, None] / anchors[None, :])).min(1)
 
     def _restart_impossible_lines(self) -> None:
         """Each rank whose last interval ran at sizes its line had not seen (which the shift test
