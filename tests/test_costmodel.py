@@ -160,6 +160,27 @@ def test_a_change_is_confirmed_at_a_nearby_new_size_beyond_the_lines_possible_er
     assert model.change_pending
     model.record(*interval(rng, [56, 8], a=a * slow, c=c * slow, steps=16, jitter=0.05))
     assert (model.shift == 1).all() and model._live.all()
+    assert model.change_pending, "an interval at a new size confirms a verdict or leaves it pending"
+
+
+def test_a_nearby_new_size_does_not_confirm_what_the_lines_error_there_explains():
+    """A rank whose step is almost all fixed cost, timed at one size only (its line: proportional
+    through that point), runs one fast interval (a blip), then 1.5x its size at its usual speed: the
+    steps there are 1.5x below the line (a fixed cost does not grow with the batch) but no further
+    off than a line through 32 can be at 48, so no change is confirmed, and the blip stays pending."""
+    rng, model = np.random.default_rng(13), CostModel(2)
+    a, c = np.array([0.010, 0.010]), np.array([1e-5, 1e-5])
+    for _ in range(12):
+        model.record(*interval(rng, [32, 32], a=a, c=c, steps=16, jitter=0.03))
+    assert not model.fit().identified.any()
+    fast = np.array([1.0, 0.6])
+    model.record(*interval(rng, [32, 32], a=a * fast, c=c * fast, steps=16, jitter=0.03))
+    assert model.change_pending
+    b, t, sync = interval(rng, [16, 48], a=a, c=c, steps=16, jitter=0.03)
+    off = np.log(t[:, 1] / model.fit().arrival(b, split=True, borrowed=False)[:, 1]).mean()
+    assert off < -0.3, "the steps are far below the line: only its possible error there explains them"
+    model.record(b, t, sync)
+    assert (model.shift == 1).all() and model.change_pending and model._live.all()
 
 
 def test_no_speed_change_is_read_into_noise_blips_or_sizes_a_line_has_not_seen():

@@ -25,10 +25,11 @@ not fill takes as long as for k_i samples. The fit:
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
   is a blip, common on shared hosts). Intervals at sizes the line has not seen give no verdict of
   their own and may lie between the two (the split moves after the first), but they confirm a
-  pending one where their steps are off the line, the same way, by more than the line can be off
-  at a size that near one it has seen (a step's time between two sizes grows by a factor between 1
-  and their ratio): the split moves a rank right after its speed changes, so its next intervals are
-  mostly at new sizes. A first verdict older than a half-life lapses. The first of the two (the change fell somewhere in it) and the points before
+  pending one where their steps are off the line, the same way, by more than the threshold beyond
+  what the line can be off at a size that near one it has seen (a step's time between two sizes
+  grows by a factor between 1 and their ratio): the split moves a rank right after its speed
+  changes, so its next intervals are mostly at new sizes. A first verdict older than a half-life
+  lapses. The first of the two (the change fell somewhere in it) and the points before
   it no longer count for the rank's line, which starts again from the intervals after it (the
   robust weights would otherwise take the new steps for outliers until they held half the weight,
   and forgetting needs several half-lives). Rescaling the
@@ -80,6 +81,8 @@ import numpy as np
 from .. import validate
 from .speedgap import MIN_STEPS, shrunk_mean
 
+MAX_EXTRAPOLATION = math.log(2.0)
+"""Sizes more than this log ratio from every size a rank's line has seen are not compared with it."""
 SEEN_SHARE, SEEN_WITHIN = 0.05, 0.10
 """A line has seen a size where `SEEN_SHARE` of its rank's weight lies within `SEEN_WITHIN` of it (a
 proportional line through one size is then off there by at most its fixed share of the time x 10%,
@@ -119,7 +122,8 @@ class CostConfig:
     tokens and squared lengths) to count; 0: never fitted."""
     shift_threshold: float = 0.1
     """A rank whose arrivals, at sizes its line has seen, differ from its line's prediction by more
-    than this log ratio (after the steps' 99% one-sided bound) in two tested intervals changed speed:
+    than this log ratio (after the steps' 99% one-sided bound) in two tested intervals (the second
+    may be at a nearby new size, beyond the line's possible error there) changed speed:
     its line starts again after the first of them (module docstring). 0: never; lines then follow a
     change by forgetting alone."""
 
@@ -381,19 +385,18 @@ class CostModel:
             seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
                 # At sizes the line has not seen, a pending verdict may still be confirmed (never set
-                # or cleared): by steps off the line beyond what its error there can be (see
-                # `_extrapolation_allowance`). Without this, a rank moved to a new size right after
-                # its speed changed (the split follows the change at once) would never be tested
-                # again at a seen size before the verdict lapsed, and its line would follow the new
-                # speed only by forgetting, over half-lives.
+                # or cleared), by steps off the line in its direction beyond what the line's error
+                # there can be (`_extrapolation_allowance`): the split moves a rank right after its
+                # speed changes, so the next intervals are mostly at new sizes, and the verdict would
+                # otherwise lapse while the line followed the new speed by forgetting alone.
                 if self._pending[r] != 0.0:
                     allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
-                    near_enough = allowance <= math.log(2.0)
-                    if near_enough.sum() >= MIN_STEPS:
-                        d = np.log(t[near_enough, r] / predicted[near_enough, r])
-                        beyond = np.sign(d) * np.maximum(np.abs(d) - allowance[near_enough], 0.0)
-                        off = float(shrunk_mean(beyond[:, None])[0])
-                        if abs(off) > self.cfg.shift_threshold and off * self._pending[r] > 0:
+                    testable = allowance <= MAX_EXTRAPOLATION
+                    if testable.sum() >= MIN_STEPS:
+                        way = math.copysign(1.0, self._pending[r])
+                        d = np.log(t[testable, r] / predicted[testable, r])
+                        off = float(shrunk_mean((d - way * allowance[testable])[:, None])[0])
+                        if off * way > self.cfg.shift_threshold:
                             self._confirm_shift(r, float(d.mean()))
                 continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
@@ -412,20 +415,31 @@ class CostModel:
         self._pending[r] = 0.0
         self._fit = None
 
-    def _extrapolation_allowance(self, r: int, sizes: np.ndarray, weights: np.ndarray, fit: Any) -> np.ndarray:
+    def _extrapolation_allowance(self, r: int, sizes: np.ndarray, weights: np.ndarray, fit: CostFit) -> np.ndarray:
         """Per size in `sizes`: how far off (log ratio) rank `r`'s line can be there without any change
-        of speed, |log(size / nearest size the line has seen)| (an unidentified line: its mean size).
-        A step's time t(b) = a + c b with a, c >= 0 grows between two sizes by a factor between 1 and
-        their ratio, so a line right at one size is off at the other by at most the log of their ratio."""
+        of speed, least over the sizes the line has seen (an unidentified line: its mean size) of
+        |log(size / seen size)| plus the line's own error at the seen size (the weighted mean log
+        residual of its points there; inf where it has none). Every line the fit gives (a, c >= 0,
+        a knee max(b, k) included) and every step time t(b) = a + c b grows between two sizes by a
+        factor between 1 and their ratio, so a line right at one is off at the other by at most the
+        log of the ratio."""
+        live = weights > 0
+        b = self._b[live, r]
+        residual = np.log(self._t[live, r] / fit.arrival(self._b[live], split=True, borrowed=False)[:, r])
         if fit.identified[r]:
-            held = np.unique(self._b[weights > 0, r])
-            near = np.abs(self._b[:, r][None, :] / held[:, None] - 1.0) <= SEEN_WITHIN
-            anchors = held[(near * weights).sum(1) >= SEEN_SHARE * weights.sum()]
+            held = np.unique(b)
+            near = np.abs(b[None, :] / held[:, None] - 1.0) <= SEEN_WITHIN
+            anchors = held[(near * weights[live]).sum(1) >= SEEN_SHARE * weights[live].sum()]
         else:
             anchors = np.array([fit.mean_batch[r]])
-        if not len(anchors):
-            return np.full(len(sizes), np.inf)
-        return np.abs(np.log(sizes[:, None] / anchors[None, :])).min(1)
+        allowance = np.full(len(sizes), np.inf)
+        for anchor in anchors:
+            near = np.abs(b / anchor - 1.0) <= SEEN_WITHIN
+            if not weights[live][near].sum() > 0:
+                continue
+            error = abs(float(np.average(residual[near], weights=weights[live][near])))
+            allowance = np.minimum(allowance, np.abs(np.log(sizes / anchor)) + error)
+        return allowance
 
     def _restart_impossible_lines(self) -> None:
         """Each rank whose last interval ran at sizes its line had not seen (which the shift test

@@ -17,7 +17,7 @@ a larger batch by the loss:
   neutral needs a predicted gain of `raise_by` times the one that failed (at most `max_margin`), so a
   real straggler that appears later is still split.
 
-A rank that changed speed (the cost model's lines found it in two tested intervals,
+A rank that changed speed (the cost model's lines found it in two intervals off its line,
 :mod:`dynamix_hvd.control.costmodel`) makes steps before and after the change incomparable: while a
 change is pending (one interval off its line) intervals are neither reference nor trial; once
 confirmed, the reference starts again from the confirming interval where it ran neutral (a split
