@@ -3,6 +3,7 @@ report, and one job trained end to end under mpirun, plain and with dynamix_hvd.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -106,6 +107,31 @@ def test_the_limit_balances_the_speeds_measured_in_the_same_run():
     noisy = steps_of({0: (32, 0.004), 1: (32, 0.004)}, 0.006)
     noisy.loc[(noisy["rank"] == 1) & (noisy.step == 0), "compute_s"] = 0.1
     assert balanced_fraction(noisy) == pytest.approx(1.0)
+
+
+def test_the_reachable_limit_charges_each_rank_its_fixed_cost():
+    from bench.reachable_limit import fixed_samples, reachable_fraction
+    from bench.suite_report import balanced_fraction
+
+    # rank 1 3x slower, both with a fixed cost of 16 samples' time: rank 0 takes 0.004 s for 32
+    # samples, i.e. c = 0.004 / 48 per sample; rank 1 c = 0.012 / 48. Best split of 64 samples:
+    # M = (64 + 32) / (48 / 0.004 + 48 / 0.012) = 0.006 s (rank 0 56 samples, rank 1 8): the same as
+    # the proportional limit's 0.006 s here, since both ranks' fixed costs are alike in samples ...
+    plain = steps_of({0: (32, 0.004), 1: (32, 0.012)}, 0.014)
+    assert reachable_fraction(plain, {0: 16.0, 1: 16.0}) == pytest.approx(0.008 / 0.014)
+    assert reachable_fraction(plain, {0: 0.0, 1: 0.0}) == pytest.approx(balanced_fraction(plain))
+    # ... but a slow rank whose fixed cost alone exceeds that (k = 96 samples: at one sample it takes
+    # 0.012 * 97 / 128 = 0.0091 s) sets the limit, whatever the split
+    assert reachable_fraction(plain, {0: 0.0, 1: 96.0}) == pytest.approx((0.012 * 97 / 128 + 0.002) / 0.014)
+    assert math.isnan(reachable_fraction(plain, {0: 0.0, 1: math.nan}))
+    # the fixed cost in samples from a rank's own steps at several sizes (after its first steps)
+    sizes = [8, 16, 24, 32] * 10
+    runs = pd.DataFrame([{"rank": r, "epoch": 0, "step": i, "local_batch": b,
+                          "compute_s": (0.001 * (1 + r) + 0.0001 * (1 + r) * b), "step_s": 0.01, "t_s": 0.01 * (i + 1)}
+                         for r in (0, 1) for i, b in enumerate(sizes)])
+    k = fixed_samples(runs)
+    assert k[0] == pytest.approx(10.0) and k[1] == pytest.approx(10.0)
+    assert math.isnan(fixed_samples(runs.assign(local_batch=32))[0]), "one size: no line"
 
 
 def write_results_folder(folder, workload: str, condition: str, arms: dict[str, float], values: list[float],

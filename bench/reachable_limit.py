@@ -1,0 +1,133 @@
+"""The straggler rows' limit with each rank's fixed per-step cost, beside the proportional one.
+
+    python -m bench.reachable_limit bench/results/zoo-headline
+
+`bench.zoo_report`'s attainable limit re-times the plain Horovod run's steps as if split so that
+every rank arrives together, assuming a rank's forward+backward time in proportion to its samples
+(`bench.suite_report.balanced_fraction`). Where a step has a fixed cost (kernel launches, Python,
+the optimizer's per-tensor work), that split is not reachable: the slow rank pays its fixed cost,
+slowed with it, whatever it is given. Here each rank's time is a + c b instead: its fixed cost in
+samples, k = a / c, comes from a least-squares line through the per-size medians of the default arm's
+own steps in the constant 3x run (2x where there is none) of the same job and seed (the ranks run
+many sizes there; a slowdown that scales the whole step leaves k as it is, so the same k serves the
+changing rows); the
+speeds c stay those of the plain run itself, per window of its steps, so the machine's speed
+drifting between runs does not move the limit. Per window the best split's compute is the least
+M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample:
+M = max((B + sum k_i) / sum (1 / c_i), max_i c_i (1 + k_i)); the rest of the step stays as measured.
+Printed per straggler row, medians over seeds: both limits and the default's time to target over
+plain Horovod's against each.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SKIP_STEPS = 10
+"""Each rank's first steps (lazy initialisation, cold caches) are left out of its line."""
+MIN_STEPS_PER_SIZE = 5
+
+
+def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
+    """Per rank, its fixed per-step cost in samples (a / c of a line a + c b through the medians of
+    its forward+backward seconds per size); NaN where it ran fewer than two sizes or the slope is
+    not positive; 0 where the line's fixed cost is below zero."""
+    out: dict[int, float] = {}
+    for rank, mine in steps.groupby("rank"):
+        mine = mine.sort_values("step").iloc[SKIP_STEPS:]
+        mine = mine[(mine.local_batch > 0) & (mine.compute_s > 0)]
+        per_size = mine.groupby("local_batch").compute_s.agg(["median", "count"])
+        per_size = per_size[per_size["count"] >= MIN_STEPS_PER_SIZE]
+        if len(per_size) < 2:
+            out[int(rank)] = math.nan
+            continue
+        b = per_size.index.to_numpy(dtype=float)
+        c, a = np.polyfit(b, per_size["median"].to_numpy(), 1, w=np.sqrt(per_size["count"].to_numpy()))
+        out[int(rank)] = max(a, 0.0) / c if c > 0 else math.nan
+    return out
+
+
+def reachable_fraction(steps: pd.DataFrame, fixed: dict[int, float], until_s: float = math.inf,
+                       window: int = 25) -> float:
+    """`balanced_fraction` with rank i's forward+backward time c_i (b + k_i), k_i = `fixed[i]`
+    (module docstring): the time the run's steps would take at the best split, over their time."""
+    if steps.empty or steps["rank"].nunique() < 2 or any(not math.isfinite(k) for k in fixed.values()):
+        return math.nan
+    steps = steps[steps.t_s <= until_s]
+    best = taken = 0.0
+    for _, part in steps.groupby([steps.epoch, steps.step // window]):
+        per_rank = part.groupby("rank").agg(b=("local_batch", "median"), t=("compute_s", "median"),
+                                            step=("step_s", "median"), n=("step", "count"))
+        working = per_rank[(per_rank.b > 0) & (per_rank.t > 0)]
+        if working.empty:
+            continue
+        k = np.array([fixed.get(int(r), math.nan) for r in working.index])
+        c = working.t.to_numpy() / (working.b.to_numpy() + k)  # seconds per sample, fixed cost aside
+        compute = max((float(working.b.sum()) + k.sum()) / (1.0 / c).sum(), float((c * (1.0 + k)).max()))
+        step = float(per_rank.step.max())
+        rest = max(step - float(working.t.max()), 0.0)
+        n = int(per_rank.n.min())
+        best += n * (compute + rest)
+        taken += n * step
+    return best / taken if taken > 0 else math.nan
+
+
+def table(results: Path) -> str:
+    from bench.suite_report import balanced_fraction
+    from bench.zoo_report import PLAIN, collect
+
+    runs = pd.read_csv(results / "runs.csv")
+    runs = runs[runs.status == "ok"]
+    numbers = collect(results).set_index(["workload", "condition", "arm", "seed"])
+    steps_of = {}  # (workload, condition, arm, seed) -> per-step records
+
+    def steps(w: str, c: str, arm: str, seed: int) -> pd.DataFrame | None:
+        key = (w, c, arm, seed)
+        if key not in steps_of:
+            row = runs[(runs.workload == w) & (runs.condition == c) & (runs.arm == arm) & (runs.seed == seed)]
+            path = Path(row.run_dir.iloc[0]) / "suite_steps.csv" if len(row) else None
+            steps_of[key] = pd.read_csv(path) if path is not None and path.exists() else None
+        return steps_of[key]
+
+    model = next(a for a in runs.arm.unique() if a not in (PLAIN, "split-speed"))
+    constant = [c for c in ("slow3x", "slow2x") if c in set(runs.condition)]
+    if not constant:
+        raise SystemExit(f"{results}: no constant straggler (slow3x or slow2x) to fit the fixed costs on")
+    lines = ["| job | condition | fixed cost, samples: rank 0 / rank 1 | limit | reachable limit | default / plain "
+             "| / limit | / reachable limit |", "|---|---|---|---|---|---|---|---|"]
+    for (w, c), group in runs[runs.condition != "none"].groupby(["workload", "condition"], sort=False):
+        rows = []
+        for seed in sorted(group.seed.unique()):
+            plain, mine, fit_on = steps(w, c, PLAIN, seed), steps(w, c, model, seed), steps(w, constant[0], model, seed)
+            if plain is None or mine is None or fit_on is None:
+                continue
+            k = fixed_samples(fit_on)
+            until = float(numbers.loc[(w, c, PLAIN, seed), "ttt_s"])
+            ratio = float(numbers.loc[(w, c, model, seed), "ttt_s"]) / until
+            limit = balanced_fraction(plain, until_s=until)
+            reachable = reachable_fraction(plain, k, until_s=until)
+            rows.append((k.get(0, math.nan), k.get(1, math.nan), limit, reachable, ratio))
+        if not rows:
+            continue
+        k0, k1, limit, reachable, ratio = (float(np.median(col)) for col in zip(*rows))
+        per_seed = np.array(rows)
+        lines.append(f"| {w.removeprefix('zoo:')} | {c} | {k0:.1f} / {k1:.1f} | {limit:.2f} | {reachable:.2f} | "
+                     f"{ratio:.2f} | {float(np.median(per_seed[:, 4] / per_seed[:, 2])):.2f} | "
+                     f"{float(np.median(per_seed[:, 4] / per_seed[:, 3])):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", type=Path, help="a zoo suite's results folder (runs.csv; its run folders must exist)")
+    args = ap.parse_args(argv)
+    print(table(args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
