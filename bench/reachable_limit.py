@@ -14,7 +14,8 @@ changing rows); the
 speeds c stay those of the plain run itself, per window of its steps, so the machine's speed
 drifting between runs does not move the limit. Per window the best split's compute is the least
 M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample:
-M = max((B + sum k_i) / sum (1 / c_i), max_i c_i (1 + k_i)); the rest of the step stays as measured.
+M = max((B + sum k_i) / sum (1 / c_i), max_i c_i (1 + k_i)); the rest of the step stays as measured
+(`bench.suite_report.balanced_fraction` with `fixed=`).
 Printed per straggler row, medians over seeds: both limits and the default's time to target over
 plain Horovod's against each.
 """
@@ -51,31 +52,6 @@ def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
     return out
 
 
-def reachable_fraction(steps: pd.DataFrame, fixed: dict[int, float], until_s: float = math.inf,
-                       window: int = 25) -> float:
-    """`balanced_fraction` with rank i's forward+backward time c_i (b + k_i), k_i = `fixed[i]`
-    (module docstring): the time the run's steps would take at the best split, over their time."""
-    if steps.empty or steps["rank"].nunique() < 2 or any(not math.isfinite(k) for k in fixed.values()):
-        return math.nan
-    steps = steps[steps.t_s <= until_s]
-    best = taken = 0.0
-    for _, part in steps.groupby([steps.epoch, steps.step // window]):
-        per_rank = part.groupby("rank").agg(b=("local_batch", "median"), t=("compute_s", "median"),
-                                            step=("step_s", "median"), n=("step", "count"))
-        working = per_rank[(per_rank.b > 0) & (per_rank.t > 0)]
-        if working.empty:
-            continue
-        k = np.array([fixed.get(int(r), math.nan) for r in working.index])
-        c = working.t.to_numpy() / (working.b.to_numpy() + k)  # seconds per sample, fixed cost aside
-        compute = max((float(working.b.sum()) + k.sum()) / (1.0 / c).sum(), float((c * (1.0 + k)).max()))
-        step = float(per_rank.step.max())
-        rest = max(step - float(working.t.max()), 0.0)
-        n = int(per_rank.n.min())
-        best += n * (compute + rest)
-        taken += n * step
-    return best / taken if taken > 0 else math.nan
-
-
 def table(results: Path) -> str:
     from bench.suite_report import balanced_fraction
     from bench.zoo_report import PLAIN, collect
@@ -109,7 +85,7 @@ def table(results: Path) -> str:
             until = float(numbers.loc[(w, c, PLAIN, seed), "ttt_s"])
             ratio = float(numbers.loc[(w, c, model, seed), "ttt_s"]) / until
             limit = balanced_fraction(plain, until_s=until)
-            reachable = reachable_fraction(plain, k, until_s=until)
+            reachable = balanced_fraction(plain, until_s=until, fixed=k)
             rows.append((k.get(0, math.nan), k.get(1, math.nan), limit, reachable, ratio))
         if not rows:
             continue

@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import pandas as pd
 
 PLAIN = "plain-horovod"
@@ -56,7 +57,8 @@ def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
             else math.nan}
 
 
-def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: int = 25) -> float:
+def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: int = 25,
+                      fixed: Mapping[int, float] | None = None) -> float:
     """The time a run's steps would take at the split that makes every rank arrive together, over the
     time they took, from the run's own per-step records (each rank's samples and forward+backward
     seconds per step); only the steps that ended by `until_s` training seconds (e.g. its time to
@@ -73,7 +75,12 @@ def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: in
     runs cannot move it. Assumed: each rank's compute scales with its samples (on the slow rank a
     fixed per-step cost makes the limit unreachable, on a fast one it makes it easy), the ranks
     compute as fast side by side as they did when the fast ones waited, and the global batch is the
-    run's own (an arm that grows it can pass the limit)."""
+    run's own (an arm that grows it can pass the limit).
+
+    `fixed` (rank -> samples) charges each rank a fixed per-step cost instead: rank i's compute is
+    c_i (b + k_i), so the balanced compute is the least M with sum_i (M / c_i - k_i) >= the window's
+    samples and every rank given at least one, M = max((B + sum k) / sum (1 / c), max c (1 + k))
+    (`bench.reachable_limit`); NaN where a working rank's k is not known."""
     if steps.empty or steps["rank"].nunique() < 2:
         return 1.0
     steps = steps[steps.t_s <= until_s] if "t_s" in steps else steps
@@ -87,7 +94,14 @@ def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: in
         n = int(per_rank.n.min())
         step = float(per_rank.step.max())
         rest = max(step - float(working.c.max()), 0.0)
-        balanced += n * (float(working.b.sum()) / float((working.b / working.c).sum()) + rest)
+        if fixed is None:
+            compute = float(working.b.sum()) / float((working.b / working.c).sum())
+        else:
+            k = np.array([fixed.get(int(r), math.nan) for r in working.index])
+            per_sample = working.c.to_numpy() / (working.b.to_numpy() + k)
+            compute = max((float(working.b.sum()) + k.sum()) / (1.0 / per_sample).sum(),
+                          float((per_sample * (1.0 + k)).max()))
+        balanced += n * (compute + rest)
         taken += n * step
     return balanced / taken if taken > 0 else math.nan
 

@@ -110,8 +110,11 @@ def test_the_limit_balances_the_speeds_measured_in_the_same_run():
 
 
 def test_the_reachable_limit_charges_each_rank_its_fixed_cost():
-    from bench.reachable_limit import fixed_samples, reachable_fraction
+    from bench.reachable_limit import fixed_samples
     from bench.suite_report import balanced_fraction
+
+    def reachable_fraction(steps, fixed):
+        return balanced_fraction(steps, fixed=fixed)
 
     # rank 1 3x slower, both with a fixed cost of 16 samples' time: rank 0 takes 0.004 s for 32
     # samples, i.e. c = 0.004 / 48 per sample; rank 1 c = 0.012 / 48. Best split of 64 samples:
