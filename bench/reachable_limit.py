@@ -17,7 +17,9 @@ M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample:
 M = max((B + sum k_i) / sum (1 / c_i), max_i c_i (1 + k_i)); the rest of the step stays as measured
 (`bench.suite_report.balanced_fraction` with `fixed=`).
 Printed per straggler row, medians over seeds: both limits and the default's time to target over
-plain Horovod's against each.
+plain Horovod's against each (two ranks: rank 0's and rank 1's fixed costs). Only run folders that
+still hold the results folder's runs are read (a later run of the same configuration overwrites
+them); none left is an error.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
 
 def table(results: Path) -> str:
     from bench.suite_report import balanced_fraction
-    from bench.zoo_report import PLAIN, collect
+    from bench.zoo_report import PLAIN, _same_run, collect
 
     runs = pd.read_csv(results / "runs.csv")
     runs = runs[runs.status == "ok"]
@@ -65,8 +67,10 @@ def table(results: Path) -> str:
         key = (w, c, arm, seed)
         if key not in steps_of:
             row = runs[(runs.workload == w) & (runs.condition == c) & (runs.arm == arm) & (runs.seed == seed)]
-            path = Path(row.run_dir.iloc[0]) / "suite_steps.csv" if len(row) else None
-            steps_of[key] = pd.read_csv(path) if path is not None and path.exists() else None
+            # a later run of the same configuration writes to the same run folder: only this run's
+            run_dir = Path(row.run_dir.iloc[0]) if len(row) else None
+            same = run_dir is not None and _same_run(run_dir, row.iloc[0].to_dict())
+            steps_of[key] = pd.read_csv(run_dir / "suite_steps.csv") if same else None
         return steps_of[key]
 
     model = next(a for a in runs.arm.unique() if a not in (PLAIN, "split-speed"))
@@ -74,7 +78,7 @@ def table(results: Path) -> str:
     if not constant:
         raise SystemExit(f"{results}: no constant straggler (slow3x or slow2x) to fit the fixed costs on")
     lines = ["| job | condition | fixed cost, samples: rank 0 / rank 1 | limit | reachable limit | default / plain "
-             "| / limit | / reachable limit |", "|---|---|---|---|---|---|---|---|"]
+             "| / limit | / reachable limit | seeds |", "|---|---|---|---|---|---|---|---|---|"]
     for (w, c), group in runs[runs.condition != "none"].groupby(["workload", "condition"], sort=False):
         rows = []
         for seed in sorted(group.seed.unique()):
@@ -89,11 +93,13 @@ def table(results: Path) -> str:
             rows.append((k.get(0, math.nan), k.get(1, math.nan), limit, reachable, ratio))
         if not rows:
             continue
-        k0, k1, limit, reachable, ratio = (float(np.median(col)) for col in zip(*rows))
         per_seed = np.array(rows)
+        k0, k1, limit, reachable, ratio = np.nanmedian(per_seed, axis=0)
         lines.append(f"| {w.removeprefix('zoo:')} | {c} | {k0:.1f} / {k1:.1f} | {limit:.2f} | {reachable:.2f} | "
-                     f"{ratio:.2f} | {float(np.median(per_seed[:, 4] / per_seed[:, 2])):.2f} | "
-                     f"{float(np.median(per_seed[:, 4] / per_seed[:, 3])):.2f} |")
+                     f"{ratio:.2f} | {float(np.nanmedian(per_seed[:, 4] / per_seed[:, 2])):.2f} | "
+                     f"{float(np.nanmedian(per_seed[:, 4] / per_seed[:, 3])):.2f} | {len(rows)} |")
+    if len(lines) == 2:
+        raise SystemExit(f"{results}: no straggler row whose run folders still hold this run's steps")
     return "\n".join(lines)
 
 

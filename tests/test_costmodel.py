@@ -183,6 +183,24 @@ def test_a_nearby_new_size_does_not_confirm_what_the_lines_error_there_explains(
     assert (model.shift == 1).all() and model.change_pending and model._live.all()
 
 
+def test_a_size_farther_than_2x_from_any_seen_one_confirms_nothing():
+    """A pending 3x slowdown at 32, then an interval at 12 (2.7x from 32) at the new speed: far past
+    anything a line through 32 can be off there by, but too far to compare with it at all; the
+    verdict waits for a size the line can speak for."""
+    rng, model = np.random.default_rng(9), CostModel(2)
+    a, c = A[[0, 0]], C[[0, 0]]
+    for _ in range(12):
+        model.record(*interval(rng, [32, 32], a=a, c=c, steps=16, jitter=0.03))
+    slow = np.array([1.0, 3.0])
+    model.record(*interval(rng, [32, 32], a=a * slow, c=c * slow, steps=16, jitter=0.03))
+    assert model.change_pending
+    b, t, sync = interval(rng, [52, 12], a=a * slow, c=c * slow, steps=16, jitter=0.03)
+    off = np.log(t[:, 1] / model.fit().arrival(b, split=True, borrowed=False)[:, 1]).mean()
+    assert off - math.log(32 / 12) > 0.5, "beyond the allowance by far: only the 2x cut keeps it out"
+    model.record(b, t, sync)
+    assert (model.shift == 1).all() and model.change_pending
+
+
 def test_no_speed_change_is_read_into_noise_blips_or_sizes_a_line_has_not_seen():
     """Equal ranks timed with 10% jitter and a pause now and then: no interval of 8 steps in 300 moves
     a line; nor does one interval of a rank 1.5x slower between normal ones (a blip). A size far from

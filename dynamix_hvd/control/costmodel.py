@@ -82,7 +82,9 @@ from .. import validate
 from .speedgap import MIN_STEPS, shrunk_mean
 
 MAX_EXTRAPOLATION = math.log(2.0)
-"""Sizes more than this log ratio from every size a rank's line has seen are not compared with it."""
+"""Steps at a size where a rank's line can be off by more than this log ratio without any change of
+speed (`CostModel._extrapolation_allowance`: the size's distance from the nearest one the line has
+seen plus the line's error there) are not compared with it."""
 SEEN_SHARE, SEEN_WITHIN = 0.05, 0.10
 """A line has seen a size where `SEEN_SHARE` of its rank's weight lies within `SEEN_WITHIN` of it (a
 proportional line through one size is then off there by at most its fixed share of the time x 10%,
@@ -384,8 +386,8 @@ class CostModel:
                 seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
             seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
-                # At sizes the line has not seen, a pending verdict may still be confirmed (never set
-                # or cleared), by steps off the line in its direction beyond what the line's error
+                # At sizes the line has not seen, a pending verdict may still be confirmed (a verdict
+                # is never started or dropped here), by steps off the line in its direction beyond what the line's error
                 # there can be (`_extrapolation_allowance`): the split moves a rank right after its
                 # speed changes, so the next intervals are mostly at new sizes, and the verdict would
                 # otherwise lapse while the line followed the new speed by forgetting alone.
