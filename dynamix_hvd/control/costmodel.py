@@ -387,10 +387,11 @@ class CostModel:
             seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
                 # At sizes the line has not seen, a pending verdict may still be confirmed (a verdict
-                # is never started or dropped here), by steps off the line in its direction beyond what the line's error
-                # there can be (`_extrapolation_allowance`): the split moves a rank right after its
-                # speed changes, so the next intervals are mostly at new sizes, and the verdict would
-                # otherwise lapse while the line followed the new speed by forgetting alone.
+                # is never started or dropped here), by steps off the line in its direction beyond
+                # what the line's error there can be (`_extrapolation_allowance`): the split moves a
+                # rank right after its speed changes, so the next intervals are mostly at new sizes,
+                # and the verdict would otherwise lapse while the line followed the new speed by
+                # forgetting alone.
                 if self._pending[r] != 0.0:
                     allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
                     testable = allowance <= MAX_EXTRAPOLATION
