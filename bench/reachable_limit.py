@@ -41,7 +41,7 @@ def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
     not positive; 0 where the line's fixed cost is below zero."""
     out: dict[int, float] = {}
     for rank, mine in steps.groupby("rank"):
-        mine = mine.sort_values("step").iloc[SKIP_STEPS:]
+        mine = mine.sort_values(["epoch", "step"]).iloc[SKIP_STEPS:]
         mine = mine[(mine.local_batch > 0) & (mine.compute_s > 0)]
         per_size = mine.groupby("local_batch").compute_s.agg(["median", "count"])
         per_size = per_size[per_size["count"] >= MIN_STEPS_PER_SIZE]

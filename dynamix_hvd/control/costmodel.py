@@ -380,8 +380,7 @@ class CostModel:
         predicted = fit.arrival(b, split=True, borrowed=False)  # an unidentified line: proportional, at the size it saw
         for r in range(self.world_size):
             sizes, which = np.unique(b[:, r], return_inverse=True)
-            near = np.abs(self._b[:, r][None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
-            seen_size = (near * w[:, r]).sum(1) >= SEEN_SHARE * w[:, r].sum()
+            seen_size = _seen(sizes, self._b[:, r], w[:, r])
             if not fit.identified[r]:  # proportional through its mean size: near that size only
                 seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
             seen = seen_size[which]
@@ -431,8 +430,7 @@ class CostModel:
         residual = np.log(self._t[live, r] / fit.arrival(self._b[live], split=True, borrowed=False)[:, r])
         if fit.identified[r]:
             held = np.unique(b)
-            near = np.abs(b[None, :] / held[:, None] - 1.0) <= SEEN_WITHIN
-            anchors = held[(near * weights[live]).sum(1) >= SEEN_SHARE * weights[live].sum()]
+            anchors = held[_seen(held, b, weights[live])]
         else:
             anchors = np.array([fit.mean_batch[r]])
         allowance = np.full(len(sizes), np.inf)
@@ -467,8 +465,7 @@ class CostModel:
             if not old.any():
                 continue
             new = np.unique(b[latest])  # sizes the line had seen are the shift test's (a blip is not a change)
-            near = np.abs(b[old][None, :] / new[:, None] - 1.0) <= SEEN_WITHIN
-            if ((near * wr[old]).sum(1) >= SEEN_SHARE * wr[old].sum()).any():
+            if _seen(new, b[old], wr[old]).any():
                 continue
             line = _least_squares(b, t, wr, self.cfg.min_spread)
             if line is None:
@@ -675,6 +672,13 @@ class CostModel:
 
 
 _ARRAYS = ("b", "s", "t", "live", "sync", "arrival", "overhead", "at", "mult", "latency")
+
+
+def _seen(sizes: np.ndarray, points: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per size in `sizes`: whether a line through `points` (one rank's sizes) with `weights` has
+    seen it (`SEEN_SHARE` of the weight within `SEEN_WITHIN` of it)."""
+    near = np.abs(points[None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
+    return (near * weights).sum(1) >= SEEN_SHARE * weights.sum()
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, w: np.ndarray, min_spread: float) -> tuple[float, float, float] | None:
