@@ -58,6 +58,9 @@ ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "horovod-again": "a second plain Horovod set-up (A/A: the noise floor of the paired ratio)",
     "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
     "controller-nothreads": "controller without its resource sampler thread (resource_period_s=0)",
+    "horovod-flat": "plain Horovod with every gradient a view into one flat buffer, zeroed in place (the data "
+                    "plane's gradient layout, without its weighting)",
+    "horovod-sum": "plain Horovod with op=Sum and the LR divided by the ranks (the data plane's reduction op)",
 }
 PHASES = ("data", "forward+backward", "step", "controller", "main-thread CPU")
 
@@ -90,10 +93,20 @@ class Setup:
             self.model, opt, _ = build(job, max(1, len(dataset) // (batch * hvd.size())))
         self.clip = job.clip if job is not None else 0.0
         self.controller = None
-        if variant in ("horovod", "horovod-again"):
+        self.flat = None
+        if variant.startswith("horovod"):
             self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
             self.loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler)
-            self.opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(), op=hvd.Average)
+            op = hvd.Average
+            if variant == "horovod-sum":
+                op = hvd.Sum
+                for group in opt.param_groups:
+                    group["lr"] /= hvd.size()
+            self.opt = hvd.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(), op=op)
+            if variant == "horovod-flat":
+                from dynamix_hvd.optim.flat import FlatGradients
+
+                self.flat = FlatGradients([p for p in self.model.parameters() if p.requires_grad])
         else:
             self.sampler = None
             self.loader = dx.AdaptiveLoader(dataset, [batch] * hvd.size(), hvd.rank(), seed=0)
@@ -152,7 +165,10 @@ class Setup:
         t0, c0 = clock(), cpu()
         for x, y in batches:  # the controller decides inside next() (a loader step-end callback)
             t1 = clock()
-            self.opt.zero_grad()
+            if self.flat is not None:
+                self.flat.zero()
+            else:
+                self.opt.zero_grad()
             loss = self.loss(x, y)
             loss.backward()
             t2 = clock()
