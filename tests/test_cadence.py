@@ -21,20 +21,22 @@ def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spa
 
 
 def test_automatic_cadence_ramps_up_then_spreads_target_decisions():
-    # 4 decisions over 2 epochs of 60 steps: every 30; the first after 8, then 16 more
-    assert walk(DecisionCadence(None, 4, 8, 2), 2, 60) == [(0, 8), (0, 24), (0, 60), (1, 30), (1, 60)]
+    # 4 decisions over 2 epochs of 60 steps: every 30; the first two after 8 each (a split needs two
+    # intervals of evidence), then 16 more
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 60) == [(0, 8), (0, 16), (0, 32), (0, 60), (1, 30), (1, 60)]
     # 32 over 4 epochs of 60: the interval (8) is the ramp's start: every 8 steps, every epoch end
     assert walk(DecisionCadence(None, 32, 8, 4), 1, 60) == [(0, s) for s in (8, 16, 24, 32, 40, 48, 56, 60)]
     # no total_epochs: the ramp, then 4 a epoch (every 50 of 200 steps; none in the last half-interval)
-    assert walk(DecisionCadence(None, 32, 8, None), 2, 200) == [(0, 8), (0, 24), (0, 56), (0, 106), (0, 156),
-                                                                 (0, 200), (1, 50), (1, 100), (1, 150), (1, 200)]
+    assert walk(DecisionCadence(None, 32, 8, None), 2, 200) == [(0, 8), (0, 16), (0, 32), (0, 64), (0, 114),
+                                                                 (0, 164), (0, 200), (1, 50), (1, 100), (1, 150),
+                                                                 (1, 200)]
 
 
 def test_budget_spacing_holds_back_later_decisions_epoch_ends_included():
     """The first FREE_DECISIONS (the ramp that finds the split) ignore the spacing; after them no
     decision comes sooner than `spacing` steps after the last, not even at an epoch end."""
     assert FREE_DECISIONS == 4
-    # unlimited: the ramp (8, 16, 32), then the epoch end and every 8 steps... (see above)
+    # unlimited: the ramp (8, 8, 16, ...; capped at the interval, 8), then every 8 steps (see above)
     free = walk(DecisionCadence(None, 32, 8, 4), 3, 60)
     spaced = walk(DecisionCadence(None, 32, 8, 4), 3, 60, spacing=70)
     assert spaced[:4] == free[:4] == [(0, 8), (0, 16), (0, 24), (0, 32)]
@@ -55,8 +57,8 @@ def test_a_fresh_cadence_answers_as_one_that_lived_through_the_job():
     """A rank that joins after an elastic reset, or a job restored from a checkpoint, builds a fresh
     cadence while the others keep theirs: from the same shared state they must decide at the same
     steps, also when the shared history was rolled back to fewer decisions than a survivor saw."""
-    lived = DecisionCadence(None, 6, 8, 3)  # every 50 steps of 100 once ramped up (8, 16, 32, 50)
-    assert walk(lived, 1, 100) == [(0, 8), (0, 24), (0, 56), (0, 100)]
+    lived = DecisionCadence(None, 6, 8, 3)  # every 50 steps of 100 once ramped up (8, 8, 16, 32, 50)
+    assert walk(lived, 1, 100) == [(0, 8), (0, 16), (0, 32), (0, 64), (0, 100)]
     for decisions in (1, 2, 3, 0):  # rolled back to the start of epoch 0 after `decisions` decisions
         fresh = DecisionCadence(None, 6, 8, 3)
         assert walk(lived, 2, 100, decisions, 0) == walk(fresh, 2, 100, decisions, 0), decisions

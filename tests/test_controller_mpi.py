@@ -88,14 +88,14 @@ def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path):
 
 
 def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
-    """The first decisions come after min_decision_steps (8), then twice that, until the interval that
+    """The first two decisions come min_decision_steps (8) apart, then twice that, until the interval that
     spreads target_decisions over the job (4 over 2 epochs of 60 steps: every 30) is reached."""
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "-1",
            "--policy", "static", "--target-decisions", "4", "--decision-budget", "0")
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     assert results[1]["when"] == results[0]["when"]
-    # epoch 0: 8, 8 + 16; the next at 24 + 30 = 54 would leave under half an interval: the end decides
-    assert results[0]["when"] == [[0, 8, 60], [0, 24, 60], [0, 60, 60], [1, 30, 60], [1, 60, 60]]
+    # epoch 0: 8, 16, 16 + 16; the next at 32 + 30 = 62 is past the epoch: the end decides
+    assert results[0]["when"] == [[0, 8, 60], [0, 16, 60], [0, 32, 60], [0, 60, 60], [1, 30, 60], [1, 60, 60]]
 
 
 def test_silent_rank_triggers_timeout_naming_it():

@@ -78,7 +78,7 @@ def test_live_cadence_decides_where_the_controller_would_over_finite_epochs() ->
         if end:
             pos, step, epoch = 0, 0, epoch + 1
     assert lengths == expect[:len(lengths)]
-    assert lengths[:3] == [4, 8, 8]  # the ramp (4, 8, ...) up to 32 steps / ceil(24 / 6) per epoch
+    assert lengths[:3] == [4, 4, 8]  # the ramp (4, 4, 8, ...) up to 32 steps / ceil(24 / 6) per epoch
     assert 24 <= len(lengths) <= 40
     with pytest.raises(ValueError, match="cadence='sometimes'"):
         spec(2, cadence="sometimes")

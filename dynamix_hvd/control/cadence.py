@@ -22,8 +22,9 @@ class DecisionCadence:
     """``every`` None: at every epoch end and inside epochs every ceil(epoch steps / per epoch) steps,
     per epoch = ceil(target_decisions / total_epochs) (`UNKNOWN_LENGTH_PER_EPOCH` without
     total_epochs), at least `min_steps` apart and none in an epoch's last half-interval; the job's
-    first intervals ramp up to that: min_steps, twice that, ... ``every`` k > 0: every k steps, and at
-    an epoch end at least k/2 steps after the last decision; 0: at epoch ends only.
+    first intervals ramp up to that: min_steps, min_steps again, twice that, ... ``every`` k > 0:
+    every k steps, and at an epoch end at least k/2 steps after the last decision; 0: at epoch ends
+    only.
 
     ``spacing`` (default cadence only, after the first `FREE_DECISIONS`): no decision, epoch ends
     included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
@@ -56,8 +57,10 @@ class DecisionCadence:
             self._epoch_steps = epoch_length()
             per_epoch = -(-self.target // self.total_epochs) if self.total_epochs else UNKNOWN_LENGTH_PER_EPOCH
             # The first split matters most and later decisions mostly confirm it: the first intervals
-            # are short and double until the spacing that spreads target_decisions over the job.
-            ramp = self.min_steps * 2 ** min(decisions, 30)
+            # are short and double until the spacing that spreads target_decisions over the job. The
+            # first two are both min_steps: a split needs two intervals of evidence (a paired test
+            # on each), and every step before it runs at the straggler's pace.
+            ramp = self.min_steps * 2 ** min(max(decisions - 1, 0), 30)
             self._interval = min(ramp, max(self.min_steps, -(-self._epoch_steps // per_epoch)))
         # No decision in the last half-interval of an epoch: its end decides anyway.
         return steps_since >= self._interval and self._epoch_steps - step >= self._interval // 2

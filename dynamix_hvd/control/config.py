@@ -133,7 +133,7 @@ class ControllerConfig:
     ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps (4 per epoch when total_epochs
     is not given), at least `min_decision_steps` apart and not in an epoch's last half-interval, so
     that a short job still gets dozens of decisions; the job's first intervals ramp up to that
-    (min_decision_steps, twice that, ...), so the first split comes after a few steps (both in
+    (min_decision_steps twice, then twice that, ...), so the first split comes after a few steps (both in
     ``advanced``). k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
     decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
     decision_budget: float = 0.01
