@@ -15,7 +15,8 @@ its optimizer, clipping and loss; ``--batch`` defaults to the job's):
 * ``default``: the controller as a user turns it on (``ControllerConfig`` defaults: the cost-model proposal, decisions
   inside epochs on the default cadence, ``model=`` given); it may move the sizes, which the summary
   reports (a move on equal ranks is itself harm);
-* ablations (``--variants``, see ``ABLATIONS``) that take one part away at a time.
+* ablations (``--variants``, see ``ABLATIONS``) that take one part away from the data plane, or add one
+  of its parts to plain Horovod, at a time.
 
 Every variant trains epoch after epoch of ``--steps`` steps. After a throw-away plain set-up has taken
 the process's own warm-up (``--chunk`` steps), each variant's first epoch is timed alone (minus
@@ -60,7 +61,8 @@ ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "controller-nothreads": "controller without its resource sampler thread (resource_period_s=0)",
     "horovod-flat": "plain Horovod with every gradient a view into one flat buffer, zeroed in place (the data "
                     "plane's gradient layout, without its weighting)",
-    "horovod-sum": "plain Horovod with op=Sum and the LR divided by the ranks (the data plane's reduction op)",
+    "horovod-sum": "plain Horovod with op=Sum and the LR divided by the ranks (the data plane's reduction op; "
+                   "the same updates as op=Average for SGD only)",
 }
 PHASES = ("data", "forward+backward", "step", "controller", "main-thread CPU")
 

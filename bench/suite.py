@@ -134,7 +134,7 @@ HEADLINE_ZOO = {"lstm-rows": (3, 0.94)}
 short (``zoo:JOB:xK``). At 8 epochs lstm-rows trains about 5 s; at 24 about 12 s, with 96
 evaluations, so its budget time (the whole run) is a longer measurement. Its accuracy flattens
 early: plain Horovod's median of three evaluations passes the target 0.94 (the job's own is 0.935)
-after 5.5-7 epochs and ends at 0.959-0.963 (three seeds, bench/results/zoo-headline), so no target
+after 5.5-7 epochs and ends at 0.959-0.963 (three seeds, bench/results/zoo-headline-2026-12-05-0034), so no target
 is both late and reached by every seed."""
 WORKLOADS.update({f"zoo:{n}:x{k}": longer(n, k, f"zoo:{n}:x{k}", target=target,
                                             plain_s=WORKLOADS[f"zoo:{n}"].plain_s * k)

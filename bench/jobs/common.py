@@ -47,7 +47,7 @@ def add_common_flags(ap: argparse.ArgumentParser, *, epochs: int, out: str, defa
     ap.add_argument("--decide-every", type=int, default=decide_every,
                     help="decide every k steps (0: at the end of every epoch only; -1 or the default: at "
                          "every epoch end and inside epochs, so that the run gets about 32 decisions, the "
-                         "first ones after 8, 16, ... steps)")
+                         "first ones after 8, 8 more, then 16, ... steps)")
     ap.add_argument("--max-batch", type=int, default=1024,
                     help="largest local batch (per micro-batch) the controller may give a rank (its memory bound)")
     ap.add_argument("--max-passes", type=int, default=1,
