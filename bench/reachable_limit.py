@@ -56,21 +56,18 @@ def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
 
 def table(results: Path) -> str:
     from bench.suite_report import balanced_fraction
-    from bench.zoo_report import PLAIN, _same_run, collect
+    from bench.zoo_report import PLAIN, collect, run_steps
 
     runs = pd.read_csv(results / "runs.csv")
     runs = runs[runs.status == "ok"]
     numbers = collect(results).set_index(["workload", "condition", "arm", "seed"])
-    steps_of = {}  # (workload, condition, arm, seed) -> per-step records
+    rows_of = runs.set_index(["workload", "condition", "arm", "seed"])
+    steps_of: dict[tuple, pd.DataFrame | None] = {}  # (workload, condition, arm, seed) -> per-step records
 
     def steps(w: str, c: str, arm: str, seed: int) -> pd.DataFrame | None:
         key = (w, c, arm, seed)
         if key not in steps_of:
-            row = runs[(runs.workload == w) & (runs.condition == c) & (runs.arm == arm) & (runs.seed == seed)]
-            # a later run of the same configuration writes to the same run folder: only this run's
-            run_dir = Path(row.run_dir.iloc[0]) if len(row) else None
-            same = run_dir is not None and _same_run(run_dir, row.iloc[0].to_dict())
-            steps_of[key] = pd.read_csv(run_dir / "suite_steps.csv") if same else None
+            steps_of[key] = run_steps(rows_of.loc[key].to_dict()) if key in rows_of.index else None
         return steps_of[key]
 
     model = next(a for a in runs.arm.unique() if a not in (PLAIN, "split-speed"))
@@ -88,7 +85,7 @@ def table(results: Path) -> str:
             k = fixed_samples(fit_on)
             until = float(numbers.loc[(w, c, PLAIN, seed), "ttt_s"])
             ratio = float(numbers.loc[(w, c, model, seed), "ttt_s"]) / until
-            limit = balanced_fraction(plain, until_s=until)
+            limit = float(numbers.loc[(w, c, PLAIN, seed), "balanced_to_target"])  # zoo_report's limit
             reachable = balanced_fraction(plain, until_s=until, fixed=k)
             rows.append((k.get(0, math.nan), k.get(1, math.nan), limit, reachable, ratio))
         if not rows:

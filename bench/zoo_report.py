@@ -227,6 +227,14 @@ def headline(jobs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def run_steps(row: dict[str, Any]) -> pd.DataFrame | None:
+    """The per-step records of a runs.csv row's run, None where its folder no longer holds that run."""
+    run_dir = Path(row["run_dir"])
+    if not (run_dir / "suite_steps.csv").exists() or not _same_run(run_dir, row):
+        return None
+    return pd.read_csv(run_dir / "suite_steps.csv")
+
+
 def rank_steps(results: Path) -> str:
     """Per run (its folder still on disk, holding that run): each rank's median samples and forward+backward ms per
     step after the first epoch, the median step, and the median rest of a step (the step minus the
@@ -235,10 +243,9 @@ def rank_steps(results: Path) -> str:
     lines = ["| job | condition | arm | seed | per rank: samples, forward+backward ms | step ms | rest ms |",
              "|---|---|---|---|---|---|---|"]
     for r in runs[runs.status == "ok"].to_dict("records"):
-        steps_csv = Path(r["run_dir"]) / "suite_steps.csv"
-        if not steps_csv.exists() or not _same_run(Path(r["run_dir"]), r):
+        steps = run_steps(r)
+        if steps is None:
             continue
-        steps = pd.read_csv(steps_csv)
         steps = steps[steps.epoch >= 1] if (steps.epoch >= 1).any() else steps
         ranks = steps.groupby("rank").agg(b=("local_batch", "median"), c=("compute_s", "median"))
         by_step = steps.groupby(["epoch", "step"]).agg(step=("step_s", "max"), c=("compute_s", "max"))
