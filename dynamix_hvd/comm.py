@@ -441,32 +441,46 @@ def abort_world(message: str, code: int = ABORT_CODE) -> NoReturn:
     os._exit(code)
 
 
-_TAG_PING, _TAG_PONG = 7321, 7322
+_TAG_PING, _TAG_PONG, _TAG_CLOSED = 7321, 7322, 7323
 
 
 class StallWatchdog:
-    """Ends the job when this rank has waited `deadline_s` in the gradient allreduce and some rank no
-    longer answers (stopped, dead, or wedged holding the GIL).
+    """Ends the job when some rank no longer answers (stopped, dead, or wedged holding the GIL) while
+    this rank waits for it: in the gradient allreduce, or anywhere else (a collective of the user's,
+    e.g. an epoch-end ``hvd.broadcast_object``) once no step has finished for `deadline_s`.
 
-    A background thread answers liveness probes from the other ranks and, once this rank's current
-    wait in the gradient allreduce (``waiting_since()``: its start in `time.perf_counter` seconds, or
-    None when not waiting) passes `deadline_s`, probes every other rank. A rank that does not answer
-    within `probe_s` is named and the MPI world is aborted (`abort_world`). Ranks that answer but are
-    busy elsewhere (e.g. one rank evaluates while the others wait) are logged, and waited for: for
-    those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. MPI only (under Gloo,
-    Horovod's own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE, which Horovod asks for.
+    A background thread answers liveness probes from the other ranks and probes every other rank
+    - once this rank's current wait in the gradient allreduce (``waiting_since()``: its start in
+      `time.perf_counter` seconds, or None when not waiting) passes `deadline_s`: a rank that does not
+      answer within `probe_s` is named and the MPI world is aborted (`abort_world`). The wait is about
+      as long as the silent rank's silence, since the ranks entered the allreduce together;
+    - once no step has finished on this rank for `deadline_s` (``progress_at()``: the last time its
+      loader or optimizer made progress), wherever this rank is. Its idleness says nothing about when
+      a peer went silent (this rank may have evaluated for most of it), so a peer is named only after
+      it has failed every probe for `deadline_s`: a peer stopped for less than `deadline_s` is never
+      taken for a dead one.
+    Ranks that answer but are busy elsewhere (e.g. one rank evaluates while the others wait) are
+    waited for: for those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. A closed
+    watchdog tells the others, so a rank that has finished training is not taken for a stopped one.
+    MPI only (under Gloo, Horovod's own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE,
+    which Horovod asks for.
     """
 
     def __init__(self, channel: ControlChannel, waiting_since: Callable[[], float | None], deadline_s: float,
-                 probe_s: float | None = None, poll_s: float = 0.2) -> None:
+                 probe_s: float | None = None, poll_s: float = 0.2,
+                 progress_at: Callable[[], float] | None = None) -> None:
         from mpi4py import MPI
 
         self.channel, self.waiting_since, self.deadline_s = channel, waiting_since, deadline_s
+        self.progress_at = progress_at
         self.probe_s = probe_s if probe_s is not None else min(10.0, 2.0 + 0.1 * deadline_s)
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._sends: list = []
         self._probe = 0
+        self._closed: set[int] = set()         # peers whose watchdog has closed (they finished training)
+        self._silent: dict[int, float] = {}    # peer -> when it first failed an idle probe still unanswered
+        self._started = time.perf_counter()
         if channel._comm is None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             self._thread = None
             return
@@ -484,10 +498,17 @@ class StallWatchdog:
         return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
-        """Stop the thread (before the channel's communicator is freed). Idempotent."""
+        """Stop the thread (before the channel's communicator is freed) and tell the other ranks'
+        watchdogs that this rank no longer answers because it is done. Idempotent."""
         import atexit
 
         atexit.unregister(self.close)
+        if self.active and self._alive():
+            # Sent while the thread still answers: a peer that probes before the news arrives gets a pong.
+            comm = self.channel._comm
+            for dst in range(self.channel.size):
+                if dst != self.channel.rank:
+                    self._sends.append(comm.isend(None, dest=dst, tag=_TAG_CLOSED))
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -501,7 +522,8 @@ class StallWatchdog:
         return not self._stop.is_set() and self.channel._comm is not None and not MPI.Is_finalized()
 
     def _answer(self) -> dict[int, Any]:
-        """Answer every pending probe; return the answers to our own probes that arrived ({rank: status})."""
+        """Answer every pending probe, note closed peers; return the answers to our own probes that
+        arrived ({rank: status})."""
         from mpi4py import MPI
 
         comm, pongs, status_ = self.channel._comm, {}, MPI.Status()
@@ -520,35 +542,61 @@ class StallWatchdog:
             source, (probe, status) = status_.Get_source(), message.recv()
             if probe == self._probe:
                 pongs[source] = status
+        while True:
+            message = comm.improbe(tag=_TAG_CLOSED, status=status_)
+            if message is None:
+                break
+            message.recv()
+            self._closed.add(status_.Get_source())
         self._sends = [r for r in self._sends if not r.Test()]
         return pongs
 
+    def _idle_since(self) -> float | None:
+        """When this rank last made progress (or the watchdog started); None without a progress clock."""
+        return None if self.progress_at is None else max(self._started, self.progress_at())
+
     def _run(self) -> None:
         checked_wait = None  # the wait we already probed for, and when to probe again
-        recheck_at = 0.0
+        recheck_at = idle_recheck_at = 0.0
         while self._alive():
             self._answer()
-            since = self.waiting_since()
+            since, idle = self.waiting_since(), self._idle_since()
             now = time.perf_counter()
             if since is not None and now - since > self.deadline_s and (checked_wait != since or now > recheck_at):
                 checked_wait, recheck_at = since, now + self.deadline_s
                 self._probe_peers(now - since)
+            elif since is None and idle is not None and now - idle > self.deadline_s and (
+                    self._silent or now > idle_recheck_at):
+                # While a peer is silent, probe it again at once: it is named after `deadline_s` of failures.
+                idle_recheck_at = now + self.deadline_s
+                self._probe_idle(now - idle)
+            elif since is not None or idle is None or now - idle <= self.deadline_s:
+                self._silent.clear()  # progress again: silences counted later start afresh
             self._stop.wait(self.poll_s)
 
-    def _probe_peers(self, waited_s: float) -> None:
-        rank, size, comm = self.channel.rank, self.channel.size, self.channel._comm
+    def _ask(self, peers: list[int]) -> dict[int, Any]:
+        """Probe `peers`; their answers within `probe_s` ({rank: seconds waited in the allreduce or None})."""
+        comm = self.channel._comm
         self._probe += 1
-        peers = [r for r in range(size) if r != rank]
         for dst in peers:
             self._sends.append(comm.isend(self._probe, dest=dst, tag=_TAG_PING))
         answers: dict[int, Any] = {}
         end = time.perf_counter() + self.probe_s
         while self._alive() and len(answers) < len(peers) and time.perf_counter() < end:
             answers.update(self._answer())
+            answers = {r: s for r, s in answers.items() if r in peers}
             time.sleep(0.01)
+        return answers
+
+    def _peers(self) -> list[int]:
+        return [r for r in range(self.channel.size) if r != self.channel.rank and r not in self._closed]
+
+    def _probe_peers(self, waited_s: float) -> None:
+        rank, peers = self.channel.rank, self._peers()
+        answers = self._ask(peers)
         if not self._alive():
             return
-        missing = [r for r in peers if r not in answers]
+        missing = [r for r in peers if r not in answers and r not in self._closed]
         waiting = sorted([rank, *(r for r, s in answers.items() if s is not None)])
         if missing:
             abort_world(f"rank {rank}: waited {waited_s:.0f} s in the gradient allreduce (deadline {self.deadline_s:g} s); "
@@ -559,11 +607,32 @@ class StallWatchdog:
             sys.stderr.write(f"[dynamix_hvd] rank {rank}: waited {waited_s:.0f} s in the gradient allreduce; rank(s) "
                              f"{busy} are alive but elsewhere (e.g. evaluating); still waiting\n")
 
+    def _probe_idle(self, idle_s: float) -> None:
+        rank, peers = self.channel.rank, self._peers()
+        asked_at = time.perf_counter()
+        answers = self._ask(peers)
+        if not self._alive():
+            return
+        for r in peers:
+            if r in answers or r in self._closed:
+                self._silent.pop(r, None)
+            else:
+                self._silent.setdefault(r, asked_at)
+        now = time.perf_counter()
+        silent = sorted(r for r, t in self._silent.items() if now - t >= self.deadline_s)
+        if silent:
+            abort_world(f"rank {rank}: no training step finished here for {idle_s:.0f} s (deadline "
+                        f"{self.deadline_s:g} s); rank(s) {silent} did not answer a liveness probe for "
+                        f"{now - min(self._silent[r] for r in silent):.0f} s (stopped, crashed or hung) while "
+                        f"this rank waited outside the gradient allreduce (e.g. in a collective of the "
+                        f"training script).")
+
 
 # Horovod's own stall handling (read by hvd.init()): a warning naming the ranks that did not submit a
 # tensor after CHECK seconds, and Horovod shut down after SHUTDOWN seconds (0: never). It covers a rank
 # that is alive but away from the gradient allreduce (e.g. hung in its data loader); a stopped or dead
-# rank blocks Horovod's own negotiation too, and is caught by `StallWatchdog` instead.
+# rank blocks Horovod's own negotiation too, and is caught by `StallWatchdog` instead (within about
+# 2 timeout_s wherever the others wait).
 STALL_DEFAULTS = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "60", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "900"}
 
 

@@ -36,6 +36,9 @@ def _kill_victim(out: Path) -> None:
     ("checkpointer", 2, ["--ckpt", "CKPT"], "preemption check"),       # stuck in the preemption vote
     ("allreduce", 3, [], "in the gradient allreduce"),                 # no collective of ours: the watchdog
     ("decide-every-step", 2, ["--every", "1"], "decision"),            # stuck in the controller's gather
+    # the others wait in the script's own epoch-end broadcast, where only the watchdog's idle probe
+    # sees the stopped rank: timeout_s without a step, then timeout_s of unanswered probes
+    ("user-collective", 2, ["--epoch-vote"], "outside the gradient allreduce"),
 ])
 def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names):
     extra = [str(tmp_path / "ck") if a == "CKPT" else a for a in extra]
@@ -64,4 +67,34 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names
     assert any(f"rank {r}:" in out for r in waiting) and "ending the job" in out, out[-4000:]
     if case == "allreduce":
         assert "rank(s) [0, 2] were waiting in the allreduce" in out, out[-4000:]
-    assert took < TIMEOUT_S + MARGIN_S, f"{case}: took {took:.1f} s"
+    bound = TIMEOUT_S + MARGIN_S + (TIMEOUT_S + 2.0 + 0.1 * TIMEOUT_S if case == "user-collective" else 0.0)
+    assert took < bound, f"{case}: took {took:.1f} s (bound {bound:g} s)"
+
+
+def _finishes(tmp_path: Path, ranks: int, timeout_s: float, *extra: str) -> str:
+    argv = [sys.executable, str(WORKERS / "stall.py"), "--out", str(tmp_path), "--timeout", str(timeout_s), *extra]
+    try:
+        done = subprocess.run(command("mpirun", ranks, argv), env=job_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=240, start_new_session=True)
+    finally:
+        _kill_victim(tmp_path)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}"
+    for r in range(ranks):
+        assert f"rank {r}: FINISHED" in done.stdout, done.stdout[-4000:]
+    return done.stdout
+
+
+def test_stop_shorter_than_timeout_outside_the_allreduce_is_waited_for(tmp_path):
+    # The victim "evaluates" 4 s after the last step, then stops for 7 s: rank 0, idle since that
+    # step, probes it from 8 s and gets no answer until 11 s. 7 s of silence is under timeout_s (8 s):
+    # the job carries on (a watchdog that named any peer failing one probe would end it at ~10.8 s).
+    out = _finishes(tmp_path, 2, 8.0, "--epoch-vote", "--busy", "4", "--stop-for", "7")
+    assert (tmp_path / "victim.json").exists(), "the victim never stopped: the test proved nothing"
+    assert "did not answer" not in out, out[-4000:]
+
+
+def test_rank_that_finished_is_not_taken_for_a_stopped_one(tmp_path):
+    # Rank 1 finishes and exits (its watchdog closes and says so) while rank 0 stays in the job for
+    # 3 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop.
+    out = _finishes(tmp_path, 2, 3.0, "--victim", "-1", "--linger", "10")
+    assert "did not answer" not in out, out[-4000:]

@@ -142,7 +142,8 @@ class ControllerConfig:
     decision costs several steps: rank 0 measures each decision and the step time and spaces the next
     at least decision time / (budget x step time) steps later, epoch ends included. 0: no limit."""
     timeout_s: float = 120.0
-    """Deadline of every control-plane collective."""
+    """Deadline of every control-plane collective; under MPI also how long a rank may wait in the
+    gradient allreduce, or go without finishing a step, before it probes the others for a stopped one."""
     ppo: dict[str, Any] = field(default_factory=dict)
     """PPO settings to override, {PPOConfig field: value}, e.g. {"learning_rate": 1e-4, "seed": 3}; only
     the fields named here override the policy file's (see the class docstring for the precedence).

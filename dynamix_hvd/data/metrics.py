@@ -91,6 +91,7 @@ class StepTracker:
     _t_batch: float = field(default=0.0, init=False)
     _t_step: float = field(default=0.0, init=False)
     _t_sync: float = field(default=0.0, init=False)
+    _t_done: float = field(default=0.0, init=False)
     _events: tuple | None = field(default=None, init=False)
     _sq_group: int = field(default=0, init=False)
     _group: list = field(default_factory=list, init=False)
@@ -139,9 +140,15 @@ class StepTracker:
         t_step, t_sync = self._t_step, self._t_sync
         return t_step if t_step > t_sync else None
 
+    def progress_at(self) -> float:
+        """The last time (``time.perf_counter()``) this rank got a batch, entered or left the gradient
+        allreduce or finished a step; 0 before its first batch (read by the stall watchdog's thread)."""
+        return max(self._t_batch, self._t_step, self._t_sync, self._t_done)
+
     def step_finished(self, **extra: Any) -> StepRecord | None:
         """Close the open step; `extra` fills optional fields (lr, grad norms; ``micro_batches``: the
         loader steps accumulated into this one, whose data waits and compute are then summed)."""
+        self._t_done = time.perf_counter()
         rec = self._open
         group, self._group = self._group, []
         if rec is None:

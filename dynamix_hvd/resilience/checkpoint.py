@@ -155,9 +155,9 @@ class Checkpointer:
         self._steps = 0
         self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
-        # Without a controller nobody else watches the gradient allreduce for a stopped rank (MPI only).
-        self.watchdog = (StallWatchdog(self.channel, lambda: self.loader.tracker.sync_wait_started(),
-                                       self.timeout_s)
+        # Without a controller nobody else watches for a stopped rank (MPI only).
+        self.watchdog = (StallWatchdog(self.channel, loader.tracker.sync_wait_started, self.timeout_s,
+                                       progress_at=loader.tracker.progress_at)
                          if controller is None and self.channel.backend == "mpi4py" else None)
 
     # --- signals -----------------------------------------------------------------------------------

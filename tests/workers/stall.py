@@ -1,8 +1,12 @@
-"""Worker: rank --victim stops itself with SIGSTOP at global step --stop-at; the others must end the job.
+"""Worker: rank --victim stops itself with SIGSTOP at global step --stop-at (or, with --epoch-vote,
+at the end of the first epoch, before the script's own epoch-end ``hvd.broadcast_object``); the others
+must end the job, unless --stop-for S resumes it after S seconds (a helper process sends SIGCONT).
 
 Before stopping, the victim writes <out>/victim.json (its pid and the wall time); the test kills it
 (SIGCONT + SIGKILL) at teardown if it is still there. --ckpt adds a Checkpointer (preemption vote at
-every step), --every k decides every k steps (0: at the end of every epoch).
+every step), --every k decides every k steps (0: at the end of every epoch), --busy S makes the victim
+sleep S seconds before it stops (as if evaluating), --linger S makes rank 0 sleep S seconds after
+training, with its controller still open, while the others have finished and exit.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -28,8 +33,12 @@ def main() -> None:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--every", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=4.0)
-    ap.add_argument("--victim", type=int, default=1)
+    ap.add_argument("--victim", type=int, default=1, help="-1: nobody stops")
     ap.add_argument("--stop-at", type=int, default=5)
+    ap.add_argument("--epoch-vote", action="store_true")
+    ap.add_argument("--stop-for", type=float, default=0.0)
+    ap.add_argument("--busy", type=float, default=0.0)
+    ap.add_argument("--linger", type=float, default=0.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -53,10 +62,23 @@ def main() -> None:
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             step += 1
-            if rank == args.victim and step == args.stop_at:
-                Path(args.out, "victim.json").write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if rank == args.victim and step == args.stop_at and not args.epoch_vote:
+                stop(args)
+        if args.epoch_vote:
+            if rank == args.victim and epoch == 0:
+                stop(args)
+            hvd.broadcast_object(epoch, root_rank=0, name=f"stall.epoch.{epoch}")
+    if rank == 0:
+        time.sleep(args.linger)
     print(f"rank {rank}: FINISHED", flush=True)
+
+
+def stop(args: argparse.Namespace) -> None:
+    time.sleep(args.busy)
+    Path(args.out, "victim.json").write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+    if args.stop_for:
+        subprocess.Popen(["sh", "-c", f"sleep {args.stop_for}; kill -CONT {os.getpid()}"], start_new_session=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 if __name__ == "__main__":
