@@ -31,6 +31,7 @@ checkpointer, with the controller's ``timeout_s`` as deadline; `LIBRARY_COLLECTI
 """
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -441,7 +442,13 @@ def abort_world(message: str, code: int = ABORT_CODE) -> NoReturn:
     os._exit(code)
 
 
-_TAG_PING, _TAG_PONG, _TAG_CLOSED = 7321, 7322, 7323
+# Watchdog messages travel on the library channel, which lives until the process exits: a message
+# still in flight when a controller's own communicator is freed would land in the next communicator
+# that reuses its context id and, out of sequence there, block that communicator's later messages
+# from the same peer. Each watchdog has its own three tags (ping, pong, closed), from a count that
+# every rank advances alike (watchdogs are made at collective points: a controller or a checkpointer).
+_TAG_BASE, _TAG_SLOTS = 7000, 900  # below the control collectives' tags (from 10_000)
+_WATCHDOG_COUNT = itertools.count()
 
 
 class StallWatchdog:
@@ -481,6 +488,7 @@ class StallWatchdog:
         self._closed: set[int] = set()         # peers whose watchdog has closed (they finished training)
         self._silent: dict[int, float] = {}    # peer -> when it first failed an idle probe still unanswered
         self._started = time.perf_counter()
+        self._comm: Any = None
         if channel._comm is None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             self._thread = None
             return
@@ -488,7 +496,9 @@ class StallWatchdog:
 
         # The library channel's exit barrier keeps every rank from shutting Horovod down (which finalizes
         # MPI on all ranks) while another rank's watchdog may still be polling: that would crash it.
-        library_channel()
+        self._comm = library_channel()._comm
+        slot = _TAG_BASE + 3 * (next(_WATCHDOG_COUNT) % _TAG_SLOTS)
+        self._ping, self._pong, self._closing = slot, slot + 1, slot + 2
         self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # after Horovod's handler, so it runs first: stopped before MPI is finalized
@@ -505,10 +515,9 @@ class StallWatchdog:
         atexit.unregister(self.close)
         if self.active and self._alive():
             # Sent while the thread still answers: a peer that probes before the news arrives gets a pong.
-            comm = self.channel._comm
             for dst in range(self.channel.size):
                 if dst != self.channel.rank:
-                    self._sends.append(comm.isend(None, dest=dst, tag=_TAG_CLOSED))
+                    self._sends.append(self._comm.isend(None, dest=dst, tag=self._closing))
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -526,24 +535,24 @@ class StallWatchdog:
         arrived ({rank: status})."""
         from mpi4py import MPI
 
-        comm, pongs, status_ = self.channel._comm, {}, MPI.Status()
+        comm, pongs, status_ = self._comm, {}, MPI.Status()
         while True:
-            message = comm.improbe(tag=_TAG_PING, status=status_)
+            message = comm.improbe(tag=self._ping, status=status_)
             if message is None:
                 break
             source, probe = status_.Get_source(), message.recv()
             since = self.waiting_since()
             status = None if since is None else time.perf_counter() - since
-            self._sends.append(comm.isend((probe, status), dest=source, tag=_TAG_PONG))
+            self._sends.append(comm.isend((probe, status), dest=source, tag=self._pong))
         while True:
-            message = comm.improbe(tag=_TAG_PONG, status=status_)
+            message = comm.improbe(tag=self._pong, status=status_)
             if message is None:
                 break
             source, (probe, status) = status_.Get_source(), message.recv()
             if probe == self._probe:
                 pongs[source] = status
         while True:
-            message = comm.improbe(tag=_TAG_CLOSED, status=status_)
+            message = comm.improbe(tag=self._closing, status=status_)
             if message is None:
                 break
             message.recv()
@@ -576,10 +585,9 @@ class StallWatchdog:
 
     def _ask(self, peers: list[int]) -> dict[int, Any]:
         """Probe `peers`; their answers within `probe_s` ({rank: seconds waited in the allreduce or None})."""
-        comm = self.channel._comm
         self._probe += 1
         for dst in peers:
-            self._sends.append(comm.isend(self._probe, dest=dst, tag=_TAG_PING))
+            self._sends.append(self._comm.isend(self._probe, dest=dst, tag=self._ping))
         answers: dict[int, Any] = {}
         end = time.perf_counter() + self.probe_s
         while self._alive() and len(answers) < len(peers) and time.perf_counter() < end:
