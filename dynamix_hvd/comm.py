@@ -111,7 +111,7 @@ def launched_under_mpi() -> bool:
 class ControlChannel:
     """The collectives of this module on one communicator (see the module docstring)."""
 
-    def __init__(self, poll_s: float = 0.0005) -> None:
+    def __init__(self, poll_s: float = 0.0005, *, _library: bool = False) -> None:
         self.poll_s = poll_s
         if launched_under_mpi():
             from mpi4py import MPI
@@ -119,6 +119,11 @@ class ControlChannel:
             self._comm = MPI.COMM_WORLD.Dup()
             self._rank, self._size = self._comm.Get_rank(), self._comm.Get_size()
             self.backend = "mpi4py"
+            if not _library:
+                # Its exit barrier keeps a rank that is done from shutting Horovod down (which finalizes
+                # MPI on every rank) while another still waits in one of this channel's collectives.
+                # Made after this channel's Dup, once, on every rank alike (channels are made collectively).
+                library_channel()
         else:
             self._comm = None
             self._rank = self._size = -1
@@ -395,7 +400,7 @@ def library_channel() -> ControlChannel:
     at the same point of the program, which holds because they all run the same one."""
     global _LIBRARY_CHANNEL
     if _LIBRARY_CHANNEL is None:
-        _LIBRARY_CHANNEL = ControlChannel()
+        _LIBRARY_CHANNEL = ControlChannel(_library=True)
         if _LIBRARY_CHANNEL._comm is not None:
             import atexit
 
@@ -445,10 +450,18 @@ def abort_world(message: str, code: int = ABORT_CODE) -> NoReturn:
 # Watchdog messages travel on the library channel, which lives until the process exits: a message
 # still in flight when a controller's own communicator is freed would land in the next communicator
 # that reuses its context id and, out of sequence there, block that communicator's later messages
-# from the same peer. Each watchdog has its own three tags (ping, pong, closed), from a count that
-# every rank advances alike (watchdogs are made at collective points: a controller or a checkpointer).
+# from the same peer. Each watchdog has its own three tags (ping, pong, closed) and its number in
+# every message, from a count that every rank advances alike (watchdogs are made at collective
+# points: a controller, a checkpointer); a message left over from an earlier watchdog is dropped.
 _TAG_BASE, _TAG_SLOTS = 7000, 900  # below the control collectives' tags (from 10_000)
 _WATCHDOG_COUNT = itertools.count()
+
+
+def _failing() -> bool:
+    """Whether this process is leaving because of an error: an exception in flight (a ``with`` block
+    or ``finally`` left by one), or one that ended the program (set before the exit handlers run)."""
+    return sys.exc_info()[0] is not None or any(getattr(sys, name, None) is not None
+                                                for name in ("last_exc", "last_value"))
 
 
 class StallWatchdog:
@@ -459,18 +472,19 @@ class StallWatchdog:
     A background thread answers liveness probes from the other ranks and probes every other rank
     - once this rank's current wait in the gradient allreduce (``waiting_since()``: its start in
       `time.perf_counter` seconds, or None when not waiting) passes `deadline_s`: a rank that does not
-      answer within `probe_s` is named and the MPI world is aborted (`abort_world`). The wait is about
-      as long as the silent rank's silence, since the ranks entered the allreduce together;
-    - once no step has finished on this rank for `deadline_s` (``progress_at()``: the last time its
-      loader or optimizer made progress), wherever this rank is. Its idleness says nothing about when
-      a peer went silent (this rank may have evaluated for most of it), so a peer is named only after
-      it has failed every probe for `deadline_s`: a peer stopped for less than `deadline_s` is never
-      taken for a dead one.
+      answer within `probe_s`, or whose watchdog has closed (it left training and will never join
+      this allreduce), is named and the MPI world is aborted (`abort_world`);
+    - once this rank has made no progress for `deadline_s` (``progress_at()``: the last time it got a
+      batch, entered or left the allreduce or finished a step), wherever it is. Its idleness says
+      nothing about when a peer went silent (this rank may have evaluated for most of it), so a peer
+      is named only after it has failed every probe for a further `deadline_s`: a peer stopped for
+      less than `deadline_s` is never taken for a dead one.
     Ranks that answer but are busy elsewhere (e.g. one rank evaluates while the others wait) are
-    waited for: for those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. A closed
-    watchdog tells the others, so a rank that has finished training is not taken for a stopped one.
-    MPI only (under Gloo, Horovod's own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE,
-    which Horovod asks for.
+    waited for: for those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. A watchdog
+    closed without an error tells the others, so a rank that finished training is not taken for a
+    stopped one outside the allreduce; one closed on an error (an exception leaving the controller's
+    ``with`` block, a crash at exit) does not, so the others name it. MPI only (under Gloo, Horovod's
+    own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE, which Horovod asks for.
     """
 
     def __init__(self, channel: ControlChannel, waiting_since: Callable[[], float | None], deadline_s: float,
@@ -483,9 +497,9 @@ class StallWatchdog:
         self.probe_s = probe_s if probe_s is not None else min(10.0, 2.0 + 0.1 * deadline_s)
         self.poll_s = poll_s
         self._stop = threading.Event()
-        self._sends: list = []
+        self._sends: list = []                 # touched by the thread only
         self._probe = 0
-        self._closed: set[int] = set()         # peers whose watchdog has closed (they finished training)
+        self._closed: set[int] = set()         # peers whose watchdog closed without an error
         self._silent: dict[int, float] = {}    # peer -> when it first failed an idle probe still unanswered
         self._started = time.perf_counter()
         self._comm: Any = None
@@ -497,7 +511,8 @@ class StallWatchdog:
         # The library channel's exit barrier keeps every rank from shutting Horovod down (which finalizes
         # MPI on all ranks) while another rank's watchdog may still be polling: that would crash it.
         self._comm = library_channel()._comm
-        slot = _TAG_BASE + 3 * (next(_WATCHDOG_COUNT) % _TAG_SLOTS)
+        self._number = next(_WATCHDOG_COUNT)
+        slot = _TAG_BASE + 3 * (self._number % _TAG_SLOTS)
         self._ping, self._pong, self._closing = slot, slot + 1, slot + 2
         self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
         self._thread.start()
@@ -508,16 +523,15 @@ class StallWatchdog:
         return self._thread is not None and self._thread.is_alive()
 
     def close(self) -> None:
-        """Stop the thread (before the channel's communicator is freed) and tell the other ranks'
-        watchdogs that this rank no longer answers because it is done. Idempotent."""
+        """Stop the thread (before the channel's communicator is freed) and, unless an error is ending
+        this process (`_failing`), tell the other ranks' watchdogs that this rank is done. Idempotent."""
         import atexit
 
         atexit.unregister(self.close)
-        if self.active and self._alive():
+        if self.active and self._alive() and not _failing():
             # Sent while the thread still answers: a peer that probes before the news arrives gets a pong.
-            for dst in range(self.channel.size):
-                if dst != self.channel.rank:
-                    self._sends.append(self._comm.isend(None, dest=dst, tag=self._closing))
+            _ABANDONED.extend(self._comm.isend(self._number, dest=dst, tag=self._closing)
+                              for dst in range(self.channel.size) if dst != self.channel.rank)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
@@ -536,27 +550,20 @@ class StallWatchdog:
         from mpi4py import MPI
 
         comm, pongs, status_ = self._comm, {}, MPI.Status()
-        while True:
-            message = comm.improbe(tag=self._ping, status=status_)
-            if message is None:
-                break
-            source, probe = status_.Get_source(), message.recv()
-            since = self.waiting_since()
-            status = None if since is None else time.perf_counter() - since
-            self._sends.append(comm.isend((probe, status), dest=source, tag=self._pong))
-        while True:
-            message = comm.improbe(tag=self._pong, status=status_)
-            if message is None:
-                break
-            source, (probe, status) = status_.Get_source(), message.recv()
-            if probe == self._probe:
+        while (message := comm.improbe(tag=self._ping, status=status_)) is not None:
+            source, (number, probe) = status_.Get_source(), message.recv()
+            if number == self._number:
+                since = self.waiting_since()
+                status = None if since is None else time.perf_counter() - since
+                self._sends.append(comm.isend((number, probe, status), dest=source, tag=self._pong))
+        while (message := comm.improbe(tag=self._pong, status=status_)) is not None:
+            source, (number, probe, status) = status_.Get_source(), message.recv()
+            if number == self._number and probe == self._probe:
                 pongs[source] = status
-        while True:
-            message = comm.improbe(tag=self._closing, status=status_)
-            if message is None:
-                break
-            message.recv()
-            self._closed.add(status_.Get_source())
+        while (message := comm.improbe(tag=self._closing, status=status_)) is not None:
+            source, number = status_.Get_source(), message.recv()
+            if number == self._number:
+                self._closed.add(source)
         self._sends = [r for r in self._sends if not r.Test()]
         return pongs
 
@@ -573,12 +580,12 @@ class StallWatchdog:
             now = time.perf_counter()
             if since is not None and now - since > self.deadline_s and (checked_wait != since or now > recheck_at):
                 checked_wait, recheck_at = since, now + self.deadline_s
-                self._probe_peers(now - since)
+                self._probe_peers(since)
             elif since is None and idle is not None and now - idle > self.deadline_s and (
                     self._silent or now > idle_recheck_at):
                 # While a peer is silent, probe it again at once: it is named after `deadline_s` of failures.
                 idle_recheck_at = now + self.deadline_s
-                self._probe_idle(now - idle)
+                self._probe_idle(idle)
             elif since is not None or idle is None or now - idle <= self.deadline_s:
                 self._silent.clear()  # progress again: silences counted later start afresh
             self._stop.wait(self.poll_s)
@@ -587,7 +594,7 @@ class StallWatchdog:
         """Probe `peers`; their answers within `probe_s` ({rank: seconds waited in the allreduce or None})."""
         self._probe += 1
         for dst in peers:
-            self._sends.append(self._comm.isend(self._probe, dest=dst, tag=self._ping))
+            self._sends.append(self._comm.isend((self._number, self._probe), dest=dst, tag=self._ping))
         answers: dict[int, Any] = {}
         end = time.perf_counter() + self.probe_s
         while self._alive() and len(answers) < len(peers) and time.perf_counter() < end:
@@ -599,27 +606,41 @@ class StallWatchdog:
     def _peers(self) -> list[int]:
         return [r for r in range(self.channel.size) if r != self.channel.rank and r not in self._closed]
 
-    def _probe_peers(self, waited_s: float) -> None:
-        rank, peers = self.channel.rank, self._peers()
+    def _probe_peers(self, since: float) -> None:
+        rank = self.channel.rank
+        peers = self._peers()
         answers = self._ask(peers)
-        if not self._alive():
+        if self._closed:
+            # A peer that closed may have done so right after the allreduce this rank is about to leave:
+            # named only if this rank still waits in it `probe_s` later.
+            end = time.perf_counter() + self.probe_s
+            while self._alive() and self.waiting_since() == since and time.perf_counter() < end:
+                self._answer()
+                time.sleep(0.01)
+        # Only while this rank still waits in the same allreduce: the peers may have joined it meanwhile.
+        if not self._alive() or self.waiting_since() != since:
             return
+        waited_s = time.perf_counter() - since
         missing = [r for r in peers if r not in answers and r not in self._closed]
+        left = sorted(self._closed)
         waiting = sorted([rank, *(r for r, s in answers.items() if s is not None)])
-        if missing:
+        if missing or left:
             abort_world(f"rank {rank}: waited {waited_s:.0f} s in the gradient allreduce (deadline {self.deadline_s:g} s); "
-                        f"rank(s) {missing} did not answer a liveness probe within {self.probe_s:g} s (stopped, "
-                        f"crashed or hung); rank(s) {waiting} were waiting in the allreduce.")
+                        + (f"rank(s) {missing} did not answer a liveness probe within {self.probe_s:g} s (stopped, "
+                           f"crashed or hung); " if missing else "")
+                        + (f"rank(s) {left} have closed their controller (left training); " if left else "")
+                        + f"rank(s) {waiting} were waiting in the allreduce.")
         busy = sorted(r for r, s in answers.items() if s is None)
         if busy:
             sys.stderr.write(f"[dynamix_hvd] rank {rank}: waited {waited_s:.0f} s in the gradient allreduce; rank(s) "
                              f"{busy} are alive but elsewhere (e.g. evaluating); still waiting\n")
 
-    def _probe_idle(self, idle_s: float) -> None:
+    def _probe_idle(self, idle: float) -> None:
         rank, peers = self.channel.rank, self._peers()
         asked_at = time.perf_counter()
         answers = self._ask(peers)
-        if not self._alive():
+        # Only while this rank is still idle since then: progress means the peers answered in kind.
+        if not self._alive() or self._idle_since() != idle or self.waiting_since() is not None:
             return
         for r in peers:
             if r in answers or r in self._closed:
@@ -629,7 +650,7 @@ class StallWatchdog:
         now = time.perf_counter()
         silent = sorted(r for r, t in self._silent.items() if now - t >= self.deadline_s)
         if silent:
-            abort_world(f"rank {rank}: no training step finished here for {idle_s:.0f} s (deadline "
+            abort_world(f"rank {rank}: no training step finished here for {now - idle:.0f} s (deadline "
                         f"{self.deadline_s:g} s); rank(s) {silent} did not answer a liveness probe for "
                         f"{now - min(self._silent[r] for r in silent):.0f} s (stopped, crashed or hung) while "
                         f"this rank waited outside the gradient allreduce (e.g. in a collective of the "

@@ -39,6 +39,10 @@ def _kill_victim(out: Path) -> None:
     # the others wait in the script's own epoch-end broadcast, where only the watchdog's idle probe
     # sees the stopped rank: timeout_s without a step, then timeout_s of unanswered probes
     ("user-collective", 2, ["--epoch-vote"], "outside the gradient allreduce"),
+    # the victim raises there instead: its controller closes on an error, so it does not say it is done
+    ("user-collective-error", 2, ["--epoch-vote", "--fail"], "outside the gradient allreduce"),
+    # the victim leaves training (its controller closes cleanly) while the other waits in the allreduce
+    ("left-training", 2, ["--leave"], "in the gradient allreduce"),
 ])
 def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names):
     extra = [str(tmp_path / "ck") if a == "CKPT" else a for a in extra]
@@ -57,18 +61,26 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names
     assert (tmp_path / "victim.json").exists(), f"the victim never stopped: the test proved nothing\n{out[-3000:]}"
     took = ended - json.loads((tmp_path / "victim.json").read_text())["t"]
     print(f"{case}: job ended {took:.1f} s after rank 1 stopped (timeout_s {TIMEOUT_S:g}, bound "
-          f"{TIMEOUT_S + MARGIN_S:g} s), exit code {proc.returncode}")
+          f"{_bound(case):g} s), exit code {proc.returncode}")
     assert proc.returncode == ABORT_CODE, f"{case}: exit {proc.returncode}\n{out[-4000:]}"
     assert "FINISHED" not in out, out[-4000:]
-    assert "rank(s) [1] did not answer" in out and names in out, out[-4000:]
+    named = "rank(s) [1] have closed their controller" if case == "left-training" else "rank(s) [1] did not answer"
+    assert named in out and names in out, out[-4000:]
     # Any rank left waiting may be the first whose watchdog fires (a race between equals): what matters
     # is that the message names the stopped rank, which the line above checks.
     waiting = [r for r in range(ranks) if r != 1]
     assert any(f"rank {r}:" in out for r in waiting) and "ending the job" in out, out[-4000:]
     if case == "allreduce":
         assert "rank(s) [0, 2] were waiting in the allreduce" in out, out[-4000:]
-    bound = TIMEOUT_S + MARGIN_S + (TIMEOUT_S + 2.0 + 0.1 * TIMEOUT_S if case == "user-collective" else 0.0)
-    assert took < bound, f"{case}: took {took:.1f} s (bound {bound:g} s)"
+    assert took < _bound(case), f"{case}: took {took:.1f} s (bound {_bound(case):g} s)"
+
+
+def _bound(case: str) -> float:
+    """README "A rank that stops answering": outside the allreduce a further timeout_s and probe; a rank
+    that left is named a probe after it is found closed."""
+    probe = 2.0 + 0.1 * TIMEOUT_S
+    extra = {"user-collective": TIMEOUT_S + probe, "user-collective-error": TIMEOUT_S + probe, "left-training": probe}
+    return TIMEOUT_S + MARGIN_S + extra.get(case, 0.0)
 
 
 def _finishes(tmp_path: Path, ranks: int, timeout_s: float, *extra: str) -> str:
@@ -85,16 +97,17 @@ def _finishes(tmp_path: Path, ranks: int, timeout_s: float, *extra: str) -> str:
 
 
 def test_stop_shorter_than_timeout_outside_the_allreduce_is_waited_for(tmp_path):
-    # The victim "evaluates" 4 s after the last step, then stops for 7 s: rank 0, idle since that
-    # step, probes it from 8 s and gets no answer until 11 s. 7 s of silence is under timeout_s (8 s):
-    # the job carries on (a watchdog that named any peer failing one probe would end it at ~10.8 s).
-    out = _finishes(tmp_path, 2, 8.0, "--epoch-vote", "--busy", "4", "--stop-for", "7")
+    # The victim "evaluates" 5 s after the last step, then stops for 7 s: rank 0, idle since that
+    # step, probes it from 8 s and gets no answer until 12 s. 7 s of silence is under timeout_s (8 s):
+    # the job carries on (a watchdog that named a peer failing one probe would end it at ~10.8 s).
+    out = _finishes(tmp_path, 2, 8.0, "--epoch-vote", "--busy", "5", "--stop-for", "7")
     assert (tmp_path / "victim.json").exists(), "the victim never stopped: the test proved nothing"
     assert "did not answer" not in out, out[-4000:]
 
 
 def test_rank_that_finished_is_not_taken_for_a_stopped_one(tmp_path):
     # Rank 1 finishes and exits (its watchdog closes and says so) while rank 0 stays in the job for
-    # 3 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop.
-    out = _finishes(tmp_path, 2, 3.0, "--victim", "-1", "--linger", "10")
+    # 5 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop (without
+    # the closing message it would name rank 1 after about 8 s).
+    out = _finishes(tmp_path, 2, 3.0, "--victim", "-1", "--linger", "15")
     assert "did not answer" not in out, out[-4000:]

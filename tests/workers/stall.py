@@ -1,6 +1,8 @@
 """Worker: rank --victim stops itself with SIGSTOP at global step --stop-at (or, with --epoch-vote,
 at the end of the first epoch, before the script's own epoch-end ``hvd.broadcast_object``); the others
 must end the job, unless --stop-for S resumes it after S seconds (a helper process sends SIGCONT).
+With --fail the victim raises there instead (leaving the controller's ``with`` block on an error),
+with --leave it leaves training and closes its controller.
 
 Before stopping, the victim writes <out>/victim.json (its pid and the wall time); the test kills it
 (SIGCONT + SIGKILL) at teardown if it is still there. --ckpt adds a Checkpointer (preemption vote at
@@ -39,6 +41,9 @@ def main() -> None:
     ap.add_argument("--stop-for", type=float, default=0.0)
     ap.add_argument("--busy", type=float, default=0.0)
     ap.add_argument("--linger", type=float, default=0.0)
+    ap.add_argument("--fail", action="store_true", help="the victim raises instead of stopping")
+    ap.add_argument("--leave", action="store_true", help="the victim leaves training (closing its controller) "
+                                                         "instead of stopping")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -54,6 +59,17 @@ def main() -> None:
         policy="static", decide_every_steps=args.every, timeout_s=args.timeout))
     if args.ckpt:
         Checkpointer(args.ckpt, model, opt, loader, controller).install_signal_handlers()
+    with controller:  # as the README writes it: closed on leaving the block, by an error too
+        if train_until_stop(args, rank, loader, opt, model):
+            return  # left training: the others must not take this for the end of the job
+        if rank == 0:
+            time.sleep(args.linger)
+    print(f"rank {rank}: FINISHED", flush=True)
+
+
+def train_until_stop(args: argparse.Namespace, rank: int, loader: dx.AdaptiveLoader,
+                     opt: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Three epochs; True where the victim left training early (--leave)."""
     step = 0
     for epoch in range(3):
         loader.set_epoch(epoch)
@@ -63,23 +79,26 @@ def main() -> None:
             opt.step()
             step += 1
             if rank == args.victim and step == args.stop_at and not args.epoch_vote:
-                stop(args)
+                if stop(args):
+                    return True
         if args.epoch_vote:
-            if rank == args.victim and epoch == 0:
-                stop(args)
+            if rank == args.victim and epoch == 0 and stop(args):
+                return True
             hvd.broadcast_object(epoch, root_rank=0, name=f"stall.epoch.{epoch}")
-    if rank == 0:
-        time.sleep(args.linger)
-    print(f"rank {rank}: FINISHED", flush=True)
+    return False
 
-
-def stop(args: argparse.Namespace) -> None:
+def stop(args: argparse.Namespace) -> bool:
+    """The victim's fault (after --busy seconds): True when it leaves training, else it stops (or raises)."""
     time.sleep(args.busy)
     Path(args.out, "victim.json").write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
+    if args.leave:
+        return True
+    if args.fail:
+        raise RuntimeError("the victim fails")
     if args.stop_for:
         subprocess.Popen(["sh", "-c", f"sleep {args.stop_for}; kill -CONT {os.getpid()}"], start_new_session=True)
     os.kill(os.getpid(), signal.SIGSTOP)
-
+    return False
 
 if __name__ == "__main__":
     main()
