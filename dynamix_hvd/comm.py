@@ -404,7 +404,8 @@ def library_channel() -> ControlChannel:
         if _LIBRARY_CHANNEL._comm is not None:
             import atexit
 
-            # Registered after Horovod's (made when horovod.torch was imported), so it runs first.
+            # Registered after Horovod's (made by hvd.init(), which comes before any channel), so it
+            # runs first; a channel made before hvd.init() would find MPI finalized here and do nothing.
             atexit.register(_exit_barrier, _LIBRARY_CHANNEL)
     return _LIBRARY_CHANNEL
 
@@ -457,11 +458,15 @@ _TAG_BASE, _TAG_SLOTS = 7000, 900  # below the control collectives' tags (from 1
 _WATCHDOG_COUNT = itertools.count()
 
 
-def _failing() -> bool:
-    """Whether this process is leaving because of an error: an exception in flight (a ``with`` block
-    or ``finally`` left by one), or one that ended the program (set before the exit handlers run)."""
-    return sys.exc_info()[0] is not None or any(getattr(sys, name, None) is not None
-                                                for name in ("last_exc", "last_value"))
+def _uncaught() -> Any:
+    """The exception that ended the program, once the interpreter has printed it (None before)."""
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+def failed_exit(exc_type: type | None, exc: BaseException | None) -> bool:
+    """Whether a ``with`` block of ours is left by an error: any exception but ``SystemExit`` with
+    code 0 or None (a preemption's exit code counts as an error; every rank leaves then anyway)."""
+    return exc_type is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
 class StallWatchdog:
@@ -482,8 +487,9 @@ class StallWatchdog:
     Ranks that answer but are busy elsewhere (e.g. one rank evaluates while the others wait) are
     waited for: for those, Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` is the bound. A watchdog
     closed without an error tells the others, so a rank that finished training is not taken for a
-    stopped one outside the allreduce; one closed on an error (an exception leaving the controller's
-    ``with`` block, a crash at exit) does not, so the others name it. MPI only (under Gloo, Horovod's
+    stopped one outside the allreduce; one closed on an error (``close(failed=True)``: an exception
+    leaving the controller's ``with`` block; at exit, an exception that ended the program) does not,
+    so the others name it. MPI only (under Gloo, Horovod's
     own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE, which Horovod asks for.
     """
 
@@ -502,6 +508,7 @@ class StallWatchdog:
         self._closed: set[int] = set()         # peers whose watchdog closed without an error
         self._silent: dict[int, float] = {}    # peer -> when it first failed an idle probe still unanswered
         self._started = time.perf_counter()
+        self._uncaught_before = _uncaught()  # an earlier error of an interactive session is not this one
         self._comm: Any = None
         if channel._comm is None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             self._thread = None
@@ -516,27 +523,33 @@ class StallWatchdog:
         self._ping, self._pong, self._closing = slot, slot + 1, slot + 2
         self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
         self._thread.start()
-        atexit.register(self.close)  # after Horovod's handler, so it runs first: stopped before MPI is finalized
+        atexit.register(self._close_at_exit)  # after Horovod's handler (hvd.init()), so it runs first
 
     @property
     def active(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def close(self) -> None:
-        """Stop the thread (before the channel's communicator is freed) and, unless an error is ending
-        this process (`_failing`), tell the other ranks' watchdogs that this rank is done. Idempotent."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the thread (before the channel's communicator is freed) and, unless `failed` (this
+        rank leaves training on an error), tell the other ranks' watchdogs that this rank is done.
+        Idempotent."""
         import atexit
 
-        atexit.unregister(self.close)
-        if self.active and self._alive() and not _failing():
+        atexit.unregister(self._close_at_exit)
+        if self.active and self._alive() and not failed:
             # Sent while the thread still answers: a peer that probes before the news arrives gets a pong.
             _ABANDONED.extend(self._comm.isend(self._number, dest=dst, tag=self._closing)
                               for dst in range(self.channel.size) if dst != self.channel.rank)
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        _ABANDONED.extend(self._sends)
-        self._sends = []
+        if self._thread is None or not self._thread.is_alive():  # else the thread still owns the list
+            _ABANDONED.extend(self._sends)
+            self._sends = []
+
+    def _close_at_exit(self) -> None:
+        uncaught = _uncaught()
+        self.close(failed=uncaught is not None and uncaught is not self._uncaught_before)
 
     # --- the thread ---------------------------------------------------------------------------------
     def _alive(self) -> bool:
@@ -641,6 +654,7 @@ class StallWatchdog:
         answers = self._ask(peers)
         # Only while this rank is still idle since then: progress means the peers answered in kind.
         if not self._alive() or self._idle_since() != idle or self.waiting_since() is not None:
+            self._silent.clear()
             return
         for r in peers:
             if r in answers or r in self._closed:

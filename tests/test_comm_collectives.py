@@ -93,3 +93,14 @@ def test_only_comm_issues_horovod_object_collectives():
             if p.name != "comm.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == [], hits
+
+
+@pytest.mark.parametrize("exc, failed", [
+    (None, False),                       # the block ended normally
+    (SystemExit(0), False), (SystemExit(None), False),
+    (SystemExit(143), True),             # a preemption's exit: every rank leaves alike
+    (KeyboardInterrupt(), True), (RuntimeError("x"), True),
+])
+def test_a_with_block_left_by_an_error_counts_as_failed(exc, failed):
+    # a failed close sends no "done" to the other ranks' stall watchdogs, which then keep watching it
+    assert comm.failed_exit(None if exc is None else type(exc), exc) is failed

@@ -36,7 +36,7 @@ from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
-from ..comm import CONTROL_DECISION, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world
+from ..comm import CONTROL_DECISION, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world, failed_exit
 from ..data.loader import AdaptiveLoader
 from ..data.metrics import StepRecord
 from ..data.resources import ResourceSampler
@@ -319,19 +319,20 @@ class DynamixController:
         self._losses = [torch.tensor(float(loss), dtype=torch.float64) for loss in state["losses"]]
 
     # --- lifetime ------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Stop deciding: detach from the loader, stop the resource thread, free the control channel
         (an MPI communicator: every rank calls this). Idempotent; call it after training, or use
-        ``with DynamixController(...) as controller:``."""
+        ``with DynamixController(...) as controller:``. `failed`: this rank leaves training on an
+        error, so the other ranks' stall watchdogs keep watching it (the ``with`` block sets it)."""
         if self._on_step_end in self.loader.step_end_callbacks:
             self.loader.step_end_callbacks.remove(self._on_step_end)
         self.resources.close()
         if self.watchdog is not None:
-            self.watchdog.close()
+            self.watchdog.close(failed)
         self.channel.close()
 
     def __enter__(self) -> "DynamixController":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(failed=failed_exit(exc_type, exc))

@@ -171,21 +171,22 @@ class Checkpointer:
             self._previous_handlers.setdefault(sig, previous)
         return self
 
-    def close(self) -> None:
-        """Put back the signal handlers this object replaced and stop watching the loader."""
+    def close(self, failed: bool = False) -> None:
+        """Put back the signal handlers this object replaced and stop watching the loader (`failed`:
+        leaving training on an error, as for `DynamixController.close`)."""
         for sig, previous in self._previous_handlers.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous_handlers.clear()
         if self._on_step_end in self.loader.step_end_callbacks:
             self.loader.step_end_callbacks.remove(self._on_step_end)
         if self.watchdog is not None:
-            self.watchdog.close()
+            self.watchdog.close(failed)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
+        self.close(failed=failed_exit(exc_type, exc))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.requested = True  # acted upon at the next step boundary, never inside a step
