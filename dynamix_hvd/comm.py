@@ -480,7 +480,7 @@ class StallWatchdog:
       answer within `probe_s`, or whose watchdog has closed (it left training and will never join
       this allreduce), is named and the MPI world is aborted (`abort_world`);
     - once this rank has made no progress for `deadline_s` (``progress_at()``: the last time it got a
-      batch, entered or left the allreduce or finished a step), wherever it is. Its idleness says
+      batch, asked for one, or entered or left the allreduce), wherever it is. Its idleness says
       nothing about when a peer went silent (this rank may have evaluated for most of it), so a peer
       is named only after it has failed every probe for a further `deadline_s`: a peer stopped for
       less than `deadline_s` is never taken for a dead one.

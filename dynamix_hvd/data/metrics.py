@@ -91,7 +91,6 @@ class StepTracker:
     _t_batch: float = field(default=0.0, init=False)
     _t_step: float = field(default=0.0, init=False)
     _t_sync: float = field(default=0.0, init=False)
-    _t_done: float = field(default=0.0, init=False)
     _events: tuple | None = field(default=None, init=False)
     _sq_group: int = field(default=0, init=False)
     _group: list = field(default_factory=list, init=False)
@@ -141,14 +140,13 @@ class StepTracker:
         return t_step if t_step > t_sync else None
 
     def progress_at(self) -> float:
-        """The last time (``time.perf_counter()``) this rank got a batch, entered or left the gradient
-        allreduce or finished a step; 0 before its first batch (read by the stall watchdog's thread)."""
-        return max(self._t_batch, self._t_step, self._t_sync, self._t_done)
+        """The last time (``time.perf_counter()``) this rank asked for or got a batch, or entered or
+        left the gradient allreduce; 0 before its first batch (read by the stall watchdog's thread)."""
+        return max(self._t_request, self._t_batch, self._t_step, self._t_sync)
 
     def step_finished(self, **extra: Any) -> StepRecord | None:
         """Close the open step; `extra` fills optional fields (lr, grad norms; ``micro_batches``: the
         loader steps accumulated into this one, whose data waits and compute are then summed)."""
-        self._t_done = time.perf_counter()
         rec = self._open
         group, self._group = self._group, []
         if rec is None:
