@@ -107,12 +107,16 @@ def test_one_noisy_interval_does_not_split_equal_ranks():
         outs = [_decide_on(policy, model, steps(rng, [64, 64], *costs)) for costs in order]
         assert all(o.sizes == [64, 64] for o in outs), [o.sizes for o in outs]
         assert [o.info["gap_intervals"] for o in outs] == runs
+        assert [o.recheck for o in outs] == [r > 0 for r in runs]
     policy, model = ModelPolicy(search_batch=False), CostModel(2)
     first = _decide_on(policy, model, steps(rng, [64, 64], *slow1))
     short = _decide_on(policy, model, steps(rng, [64, 64], *slow1, n=3))
     second = _decide_on(policy, model, steps(rng, [64, 64], *slow1))
     assert first.sizes == short.sizes == [64, 64] and first.info["gap_intervals"] == short.info["gap_intervals"] == 1
     assert second.info["gap_intervals"] == 2 and second.sizes[0] > 1.5 * second.sizes[1], second.sizes
+    # the first passing interval asks for the next decision soon; one too short to test, or a confirmed
+    # gap, does not
+    assert (first.recheck, short.recheck, second.recheck) == (True, False, False)
     after = _decide_on(policy, model, steps(rng, second.sizes, *slow1), sizes=second.sizes)
     assert after.info["gap_intervals"] == 0, "an interval off the neutral split is not evidence for leaving it"
 

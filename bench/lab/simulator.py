@@ -393,6 +393,7 @@ class ClusterSimulator:
         self._pos_samples = float(self.samples_seen - self._pos_epoch * s.dataset_size)
         self._pos_step = int(self._pos_samples // max(1, sum(s.initial_batch)))
         self.cadence = DecisionCadence(None, s.target_decisions, s.min_decision_steps, self.total_epochs)
+        self._recheck = False  # the last decision asked for the next one soon (the cadence's recheck)
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
@@ -423,7 +424,7 @@ class ClusterSimulator:
             # the cadence counts loader steps (micro-batches); decisions fall at optimizer-step ends
             due = self.cadence.due(epoch_end=epoch_end, steps_since=p * len(fractions), decisions=self.decisions,
                                    epoch=self._pos_epoch, step=p * self._pos_step, sizes=self.sizes,
-                                   epoch_length=lambda: p * length)
+                                   epoch_length=lambda: p * length, recheck=self._recheck)
             if epoch_end:
                 self._pos_epoch, self._pos_samples, self._pos_step = self._pos_epoch + 1, 0.0, 0
             if due:
@@ -628,17 +629,18 @@ class ClusterSimulator:
         """What a live policy is handed at this decision (reward of the previous decision included)."""
         return self.core.policy_input(self.seen)
 
-    def step_sizes(self, sizes: Sequence[int], passes: int | None = None
+    def step_sizes(self, sizes: Sequence[int], passes: int | None = None, recheck: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, bool, dict[str, Any]]:
         """Apply new per-rank (micro-batch) sizes, clipped to the bounds, and micro-batches per step
-        (None: keep), simulate the next interval; returns ``(obs, reward [R] earned by this change,
-        done, info)``."""
+        (None: keep), simulate the next interval (under ``cadence="live"`` a short one where the
+        decision asked for a recheck); returns ``(obs, reward [R] earned by this change, done, info)``."""
         if len(sizes) != self.R:
             raise ValueError(f"{len(sizes)} sizes for {self.R} ranks")
         old_B = self.core.prev_passes * sum(self.prev_sizes or self.sizes)
         self.passes = self.core.next_passes(passes, self.passes)
         self.sizes = [self.bounds.clip(r, int(b)) for r, b in enumerate(sizes)]
         new_B = self.passes * sum(self.sizes)
+        self._recheck = bool(recheck)
         if new_B > old_B:  # a larger global batch raises the LR through the LR rule: loss spike
             ratio = self.lr_factor(new_B, old_B)
             self._spike += self.spec.spike_coef * max(0.0, math.log2(max(ratio, 1.0)))
@@ -652,7 +654,7 @@ class ClusterSimulator:
         """Apply R + 1 action indices (the ranks' share corrections, then the batch row's) to this
         decision's model-based proposal, as the live PPO policy does (see :meth:`step_sizes`)."""
         sizes, info = refine(self.proposer, self.actions, self.decision_input(), [int(a) for a in actions])
-        return self.step_sizes(sizes, info["passes"])
+        return self.step_sizes(sizes, info["passes"], bool(info.get("recheck")))
 
     def goodput_ratio(self, sizes: Optional[Sequence[int]] = None) -> float:
         """Expected goodput of ``sizes`` (default: the current sizes and passes) / that of
@@ -670,7 +672,7 @@ class ClusterSimulator:
         while not self.done:
             out = policy.decide(self.decision_input())
             policy.after_decision()
-            self.step_sizes(out.sizes, out.passes)
+            self.step_sizes(out.sizes, out.passes, out.recheck)
             rewards.append(float(self.last_reward.mean()))
             if track_optimum:
                 ratios.append(self.goodput_ratio())

@@ -30,7 +30,13 @@ class DecisionCadence:
     included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
     decision budget (a decision's cost against the step time) and sends it with every decision, so it
     is shared like the rest (restored from the decision history with a checkpoint; 0 after an elastic
-    reset)."""
+    reset).
+
+    ``recheck`` (default cadence only): the last decision saw a first interval of evidence for leaving
+    the neutral split (a speed gap beyond the margin) that a second must confirm, so the next decision
+    comes `min_steps` after it rather than a whole interval later, and ahead of the spacing: a rank that
+    became slower is then balanced an interval sooner for one decision more. Sent by rank 0 with the
+    decision, like the spacing."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -39,7 +45,8 @@ class DecisionCadence:
         self._epoch_steps = 0
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
-            sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0) -> bool:
+            sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
+            recheck: bool = False) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
         epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
         k = self.every
@@ -47,6 +54,8 @@ class DecisionCadence:
             # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
             # decision rests on one or two noisy steps.
             return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
+        if recheck and steps_since >= self.min_steps:
+            return True
         if decisions >= FREE_DECISIONS and steps_since < spacing:
             return False
         if epoch_end:

@@ -134,7 +134,8 @@ class ControllerConfig:
     is not given), at least `min_decision_steps` apart and not in an epoch's last half-interval, so
     that a short job still gets dozens of decisions; the job's first intervals ramp up to that
     (min_decision_steps twice, then twice that, ...), so the first split comes after a few steps (both in
-    ``advanced``). k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
+    ``advanced``); a decision whose interval showed a first sign of a speed gap asks for the next one
+    min_decision_steps later (a recheck, ahead of the decision budget's spacing). k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
     decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
     decision_budget: float = 0.01
     """With decide_every_steps=None: the share of training time decisions may take once the first few

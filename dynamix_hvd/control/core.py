@@ -159,6 +159,8 @@ class Decision:
     passes: int = 1
     """Micro-batches per optimizer step from this decision on (gradient accumulation; 1: none)."""
     previous_passes: int = 1
+    recheck: bool = False
+    """Decide again soon (`DecisionCadence`'s recheck): the policy saw evidence it must confirm."""
 
     def record(self) -> dict[str, Any]:
         """The controller's history entry (plain values only)."""
@@ -168,7 +170,7 @@ class Decision:
                 "throughput": self.throughput, "reports": [r.to_dict() for r in self.reports],
                 "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance, "fit": self.fit,
                 "noise_lower": self.noise_interval[0], "noise_point": self.noise_interval[1],
-                "passes": self.passes, "previous_passes": self.previous_passes}
+                "passes": self.passes, "previous_passes": self.previous_passes, "recheck": self.recheck}
 
 
 # --- the pieces shared with the transition rebuild ----------------------------------------------------
@@ -320,7 +322,7 @@ class DecisionCore:
                         noise_scale=self.stats.noise_scale, efficiency=seen.efficiency, throughput=seen.throughput,
                         reports=seen.reports, policy=self.policy.name, info=out.info,
                         layer_variance=seen.layer_variance, fit=seen.fit,
-                        noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point))
+                        noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point), recheck=out.recheck)
 
     def next_passes(self, chosen: int | None, current: int) -> int:
         """The policy's micro-batches per step (None: keep `current`), within [1, bounds.max_passes]

@@ -39,6 +39,12 @@ class DecisionOutput:
     passes: int | None = None
     """Micro-batches per optimizer step from now on (within ``bounds.max_passes``); None: keep."""
 
+    @property
+    def recheck(self) -> bool:
+        """``info["recheck"]``: the policy asks for the next decision soon (`DecisionCadence`'s recheck).
+        Kept in ``info`` so that a policy refining another's output (PPO) passes it on."""
+        return bool(self.info.get("recheck", False))
+
 
 class BatchSizePolicy(Protocol):
     name: str

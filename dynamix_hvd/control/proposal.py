@@ -485,6 +485,7 @@ class ModelPolicy:
         # refinement or a held flip that ran other sizes does not)
         neutral_ran = ran_neutral or (self.last is not None and self.last.neutral
                                       and list(inp.sizes) == list(self.last.sizes))
+        passed = False
         if fresh and math.isfinite(gap) and not self._restored:
             self._stepwise = True
             passed = neutral_ran and gap > self.cfg.split_margin
@@ -495,6 +496,10 @@ class ModelPolicy:
         evidence = self._gap_run
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > self.split_margin)
+        # this interval added evidence that the next must confirm: decide again after the fewest steps
+        # rather than a whole interval later (a rank that became slower waits one interval less; on equal
+        # ranks a passing interval is rare and costs one decision)
+        recheck = passed and not confirmed
 
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
@@ -516,7 +521,8 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "speed_shift": costs.shift.tolist()}
+                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "speed_shift": costs.shift.tolist(),
+                "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
                                    "margin": self.split_margin, "failures": self.split_check.failures}

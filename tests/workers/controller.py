@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--sleep-fixed", type=float, default=0.0, help="... and this long per step")
     ap.add_argument("--slow-rank", type=int, default=-1, help="this rank's sleeps are --slow-factor times longer")
     ap.add_argument("--slow-factor", type=float, default=1.0)
+    ap.add_argument("--slow-from-step", type=int, default=0, help="the slow rank is slow from this step of the job on")
     ap.add_argument("--fp16", action="store_true", help="Horovod's fp16 compression of the gradients")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -77,11 +78,14 @@ def main() -> None:
         sys.exit("expected a ControlPlaneTimeout")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     when = []  # (epoch, steps into it, its length under the sizes it ran with) at each decision
-    length = [0]
+    at_step = []  # the job's step at each decision
+    length, steps = [0], [0]
 
     def after_controller(ldr: dx.AdaptiveLoader, epoch_end: bool) -> None:  # runs after the controller's
+        steps[0] += 1
         if len(controller.history) > len(when):
             when.append([ldr.epoch, ldr.step, length[0]])
+            at_step.append(steps[0])
             length[0] = len(ldr)  # a decision may change the sizes, hence the epoch's length
     loader.step_end_callbacks.append(after_controller)
     for epoch in range(args.epochs):
@@ -92,10 +96,12 @@ def main() -> None:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
             if args.sleep_per_sample or args.sleep_fixed:  # sleep, not spin: ranks share the cores
-                time.sleep(slow * (args.sleep_fixed + args.sleep_per_sample * len(x)))
+                factor = slow if steps[0] >= args.slow_from_step else 1.0
+                time.sleep(factor * (args.sleep_fixed + args.sleep_per_sample * len(x)))
             opt.step()
             controller.record_loss(loss)
-    history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing")}
+    history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing",
+                                 "recheck")}
                for d in controller.history]
     for h, d in zip(history, controller.history):  # rank 0: the network fit of each decision
         h["net"] = (d.get("fit") or {}).get("net")
@@ -104,7 +110,7 @@ def main() -> None:
             h["compute_s"] = [r["compute_s"] for r in d["reports"]]
             h["local_batch"] = [r["local_batch"] for r in d["reports"]]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
-        "history": history, "backend": controller.channel.backend, "when": when,
+        "history": history, "backend": controller.channel.backend, "when": when, "at_step": at_step,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
         "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes}))
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
