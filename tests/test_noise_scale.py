@@ -130,6 +130,26 @@ def test_record_in_bulk_equals_update_per_step(run):
     assert lazy.snapshot()["skipped_nonfinite"] == 1 and lazy.snapshot()["steps"] == 69
 
 
+def test_record_many_equals_record_per_step(run):
+    """The decision core's path: a whole interval of steps as arrays, sizes changing inside it, a
+    skipped step, steps without a loss; after steps recorded one at a time (which it must not reorder)."""
+    _, _, local, glob = run
+    one, many = GradientStatistics(StatsConfig(ema_beta=0.9)), GradientStatistics(StatsConfig(ema_beta=0.9))
+    sizes = np.array([(3, 7, 12)] * 20 + [(5, 5, 12)] * 15 + [(3, 7, 12)] * 10)
+    ls, gs = local[:45].copy(), glob[:45]
+    ls[8] = np.nan
+    losses = np.where(np.arange(45) % 4 == 1, np.nan, np.arange(45.0))
+    for t in range(5):  # recorded first, one at a time
+        one.record(tuple(sizes[t]), ls[t], gs[t], loss=float(losses[t]))
+        many.record(tuple(sizes[t]), ls[t], gs[t], loss=float(losses[t]))
+    for t in range(5, 45):
+        one.record(tuple(sizes[t]), ls[t], gs[t], loss=None if np.isnan(losses[t]) else float(losses[t]))
+    many.record_many(sizes[5:], ls[5:], gs[5:], losses[5:])
+    assert many.snapshot() == pytest.approx(one.snapshot(), rel=1e-12, nan_ok=True)
+    np.testing.assert_allclose(many.layer_table()["trace_sigma"], one.layer_table()["trace_sigma"], rtol=1e-12)
+    assert many.snapshot()["skipped_nonfinite"] == 1 and list(many.loss.window) == list(one.loss.window)
+
+
 def test_rank_estimate_hand_values_and_edge_cases():
     est = rank_estimate(2, 6, 5.0, 3.0)
     assert est.grad_sq == pytest.approx((6 * 3 - 2 * 5) / 4) and est.trace_sigma == pytest.approx(2 / (1 / 2 - 1 / 6))

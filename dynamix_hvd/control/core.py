@@ -332,13 +332,19 @@ class DecisionCore:
         return max(1, min(self.bounds.max_passes, int(chosen)))
 
     def _record_steps(self, inputs: Sequence[RankInput]) -> None:
-        """Feed the per-step norms of all ranks, step by step, into the noise-scale estimator."""
+        """Feed the interval's per-step norms of all ranks, and each step's sample-weighted loss, into the
+        noise-scale estimator (in step order, as arrays)."""
         n = min(len(i.steps.local_batch) for i in inputs)
-        for k in range(n):
-            batches = [i.steps.local_batch[k] for i in inputs]
-            step_losses = [(i.steps.losses[k], b) for i, b in zip(inputs, batches) if math.isfinite(i.steps.losses[k])]
-            loss = sum(l * b for l, b in step_losses) / sum(b for _, b in step_losses) if step_losses else None
-            self.stats.record(batches, [i.steps.local_sq[k] for i in inputs], inputs[0].steps.global_sq[k], loss)
+        if n:
+            b = np.array([i.steps.local_batch[:n] for i in inputs], dtype=np.float64).T  # [n, R]
+            losses = np.array([i.steps.losses[:n] for i in inputs], dtype=np.float64).T
+            seen = np.isfinite(losses)
+            weight = np.where(seen, b, 0.0)
+            with np.errstate(invalid="ignore", divide="ignore"):  # a step without a loss: NaN
+                loss = (np.where(seen, losses, 0.0) * weight).sum(1) / weight.sum(1)
+            loss[~seen.any(1)] = np.nan
+            self.stats.record_many(b.astype(np.int64), np.array([i.steps.local_sq[:n] for i in inputs]).T,
+                                   inputs[0].steps.global_sq[:n], loss)
         self._record_costs(inputs, n)
 
     def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:

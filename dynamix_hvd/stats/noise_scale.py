@@ -350,6 +350,24 @@ class GradientStatistics:
         if len(self._pending) >= 4096:  # bound memory when nobody reads for a long time
             self._flush()
 
+    def record_many(self, local_batches: ArrayLike, local_sq: ArrayLike, global_sq: ArrayLike,
+                    losses: Optional[ArrayLike] = None) -> None:
+        """Many steps at once, rows in step order: ``local_batches`` [T, R], ``local_sq`` [T, R] or
+        [T, R, L], ``global_sq`` [T] or [T, L], ``losses`` [T] (NaN: no loss that step). The same as
+        :meth:`record` per step, without a Python call per step."""
+        self._flush()
+        b = np.asarray(local_batches, dtype=np.int64)
+        if b.ndim != 2 or not len(b):
+            return
+        ls, gs = np.asarray(local_sq, dtype=np.float64), np.asarray(global_sq, dtype=np.float64)
+        if losses is not None:
+            values = np.asarray(losses, dtype=np.float64)
+            for v in values[~np.isnan(values)].tolist():
+                self.loss.update(v)
+        starts = [0, *(np.flatnonzero((b[1:] != b[:-1]).any(1)) + 1).tolist(), len(b)]
+        for i, j in zip(starts, starts[1:]):  # runs of steps with the same batch sizes
+            self._ingest(tuple(b[i].tolist()), ls[i:j], gs[i:j])
+
     def update(self, local_batches: Sequence[int], local_sq: ArrayLike, global_sq: ArrayLike,
                loss: Optional[float] = None) -> Optional[NoiseEstimate]:
         """Add one step now. ``local_sq[i]``: squared norm(s) of rank i's local *mean* gradient, shape
