@@ -10,14 +10,14 @@ from dynamix_hvd.control.cadence import FREE_DECISIONS, DecisionCadence
 def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spacing=0, recheck_after=()):
     """Feed `epochs` epochs of `length` steps; returns the (epoch, step) of every decision. The
     decisions numbered in `recheck_after` ask for a recheck."""
-    decisions, when, recheck = start_decisions, [], False
+    decisions, when, recheck = start_decisions, [], 0
     for epoch in range(start_epoch, start_epoch + epochs):
         for step in range(1, length + 1):
             since += 1
             if cadence.due(epoch_end=step == length, steps_since=since, decisions=decisions, epoch=epoch,
                            step=step, sizes=[8, 12], epoch_length=lambda: length, spacing=spacing,
                            recheck=recheck):
-                recheck = decisions in recheck_after
+                recheck = cadence.min_steps if decisions in recheck_after else 0
                 decisions, since = decisions + 1, 0
                 when.append((epoch, step))
     return when
@@ -53,7 +53,8 @@ def test_budget_spacing_holds_back_later_decisions_epoch_ends_included():
 def test_a_recheck_comes_min_steps_after_its_decision_ahead_of_interval_and_spacing():
     """A decision that saw a first interval of evidence asks for the next one after min_steps (8),
     whatever the interval (30) and the budget's spacing (70); the cadence then goes on as before.
-    A fixed cadence the user chose keeps its steps."""
+    Where the recheck would fall in an epoch's last half-recheck, its end decides; an epoch end
+    before the recheck waits for it. A fixed cadence the user chose keeps its steps."""
     plain = walk(DecisionCadence(None, 4, 8, 2), 2, 60)
     assert plain == [(0, 8), (0, 16), (0, 32), (0, 60), (1, 30), (1, 60)]
     assert walk(DecisionCadence(None, 4, 8, 2), 2, 60, recheck_after={3}) == [
@@ -62,6 +63,12 @@ def test_a_recheck_comes_min_steps_after_its_decision_ahead_of_interval_and_spac
     assert spaced == [(0, 8), (0, 16), (0, 32), (0, 60), (2, 10)]  # 70 steps after (0, 60)
     assert walk(DecisionCadence(None, 4, 8, 2), 3, 60, spacing=70, recheck_after={4}) == spaced + [(2, 18)]
     assert walk(DecisionCadence(10, 32, 8, 2), 2, 25, recheck_after={0, 1, 2}) == walk(DecisionCadence(10, 32, 8, 2), 2, 25)
+    # epochs of 41 steps: a recheck asked at 32 would land at 40, one step before the epoch's end, so
+    # the end decides (on 9 steps, not 8 and then 1)
+    assert walk(DecisionCadence(None, 4, 8, 2), 1, 41, recheck_after={2}) == [(0, 8), (0, 16), (0, 32), (0, 41)]
+    # epochs of 20: a recheck asked at 16 lets the epoch end at 20 pass (4 steps) and comes at (1, 4)
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 20) == [(0, 8), (0, 16), (0, 20), (1, 10), (1, 20)]
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 20, recheck_after={1}) == [(0, 8), (0, 16), (1, 4), (1, 14), (1, 20)]
 
 
 @pytest.mark.parametrize("every, expected", [(10, [(0, 10), (0, 20), (0, 25), (1, 10), (1, 20), (1, 25)]),

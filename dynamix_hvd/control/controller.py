@@ -170,7 +170,8 @@ class DynamixController:
         self._steps_since += 1
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
-                               epoch_length=lambda: len(loader), spacing=self._spacing, recheck=self._recheck)
+                               epoch_length=lambda: len(loader), spacing=self._spacing,
+                               recheck=self._recheck_steps())
         # Ordering hazard: with accumulation a decision between micro-batches would report a step
         # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
         # (every rank is between the same micro-batches; an epoch's end always ends a step).
@@ -232,6 +233,13 @@ class DynamixController:
                 record.update(ppo_update=update, learn_s=time.perf_counter() - t1)
         self.history.append(record)
         return record
+
+    def _recheck_steps(self) -> int:
+        """Loader steps to a recheck the last decision asked for (0: none): `min_decision_steps`
+        optimizer steps, enough for the paired test, also when each accumulates micro-batches."""
+        if not self._recheck:
+            return 0
+        return self.cfg.advanced.min_decision_steps * self.optimizer.backward_passes_per_step
 
     def _budget_spacing(self, decide_s: float, step_s: list[float]) -> int:
         """Rank 0: fewest steps before the next decision so that deciding (rank 0's share, which every

@@ -420,6 +420,9 @@ class ModelPolicy:
         self._restored = False
         """Restored into a fresh process: its next interval holds the start-up costs (a restored
         rank's first report keeps them, as the uninterrupted run's), so the split check skips it."""
+        self._rechecked = False
+        """The last decision asked for a recheck (never two running: a gap whose slowest rank swaps
+        between intervals would otherwise recheck at every decision)."""
 
     @property
     def split_margin(self) -> float:
@@ -459,7 +462,7 @@ class ModelPolicy:
         costs = self._costs(inp)
         fit = costs.fit()
         if fit is None:  # no timed step yet: keep the sizes
-            self.last = None
+            self.last, self._rechecked = None, False
             return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
         net = costs.fit_network()
         if self.cfg.joint_fit:
@@ -499,7 +502,8 @@ class ModelPolicy:
         # this interval added evidence that the next must confirm: decide again after the fewest steps
         # rather than a whole interval later (a rank that became slower waits one interval less; on equal
         # ranks a passing interval is rare and costs one decision)
-        recheck = passed and not confirmed
+        recheck = passed and not confirmed and not self._rechecked
+        self._rechecked = recheck
 
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
@@ -537,6 +541,7 @@ class ModelPolicy:
         self._own = None
         self._costs_seen = -1.0
         self._gap_run, self._gap_slowest = 0, -1
+        self._rechecked = False
         self.neutral = None
         self.last = None
         if self.check is not None:  # a reference from another world says nothing about this one
@@ -551,7 +556,8 @@ class ModelPolicy:
                 "growth": None if self.check is None else self.check.state_dict(),
                 "split": None if self.split_check is None else self.split_check.state_dict(),
                 "guard": None if self.guard is None else [list(h) for h in self.guard.history],
-                "gap_run": self._gap_run, "gap_slowest": self._gap_slowest, "stepwise": self._stepwise}
+                "gap_run": self._gap_run, "gap_slowest": self._gap_slowest, "stepwise": self._stepwise,
+                "rechecked": self._rechecked}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "learner" in state:  # a deployed PPO policy's state: its proposal's and its guard's are this state
@@ -568,6 +574,7 @@ class ModelPolicy:
         self._gap_run = int(state.get("gap_run", 0))
         self._gap_slowest = int(state.get("gap_slowest", -1))
         self._stepwise = bool(state.get("stepwise", False))
+        self._rechecked = bool(state.get("rechecked", False))
         self._restored = True
 
 

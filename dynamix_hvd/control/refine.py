@@ -47,7 +47,9 @@ def refine(model: ModelPolicy, space: ActionSpace, inp: DecisionInput,
     allowed = ((-(-last.batch_min // p), last.batch_max // p) if last is not None
                else (sum(out.sizes), sum(out.sizes)))
     sizes = compose(space, inp.bounds, out.sizes, actions, allowed)
-    return sizes, {**out.info, "proposed_sizes": list(out.sizes), "passes": p}
+    # a recheck tests the proposal's (neutral) split again: not where the actions moved the sizes
+    recheck = out.recheck and list(sizes) == list(out.sizes)
+    return sizes, {**out.info, "proposed_sizes": list(out.sizes), "passes": p, "recheck": recheck}
 
 
 class PPOPolicy:

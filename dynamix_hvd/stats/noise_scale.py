@@ -355,13 +355,16 @@ class GradientStatistics:
         """Many steps at once, rows in step order: ``local_batches`` [T, R], ``local_sq`` [T, R] or
         [T, R, L], ``global_sq`` [T] or [T, L], ``losses`` [T] (NaN: no loss that step). The same as
         :meth:`record` per step, without a Python call per step."""
-        self._flush()
         b = np.asarray(local_batches, dtype=np.int64)
-        if b.ndim != 2 or not len(b):
-            return
         ls, gs = np.asarray(local_sq, dtype=np.float64), np.asarray(global_sq, dtype=np.float64)
-        if losses is not None:
-            values = np.asarray(losses, dtype=np.float64)
+        values = None if losses is None else np.asarray(losses, dtype=np.float64)
+        if (b.ndim != 2 or ls.shape[:2] != b.shape or gs.ndim == 0 or len(gs) != len(b)
+                or (values is not None and values.shape != (len(b),))):
+            raise ValueError(f"record_many: local_batches {b.shape}, local_sq {ls.shape}, global_sq {gs.shape}"
+                             f"{'' if values is None else f', losses {values.shape}'}; need [T, R], [T, R(, L)], "
+                             "[T(, L)] and [T]")
+        self._flush()
+        if values is not None:
             for v in values[~np.isnan(values)].tolist():
                 self.loss.update(v)
         starts = [0, *(np.flatnonzero((b[1:] != b[:-1]).any(1)) + 1).tolist(), len(b)]
