@@ -91,15 +91,12 @@ def test_the_interval_loss_is_each_steps_sample_weighted_mean_over_ranks_that_ha
     loss, with an infinite one or with no samples adds nothing; a step where no rank has one records
     none); ranks that recorded more steps than the others count up to the common length."""
     from dataclasses import replace
-    inputs = [sample_input(r, steps=5, layers=0) for r in range(3)]
+    inputs = [sample_input(r, steps=5 if r < 2 else 6, layers=0) for r in range(3)]
     losses = [[1.0, math.nan, 2.0, math.inf, math.nan],
               [4.0, 3.0, math.nan, 5.0, math.nan],
-              [7.0, 9.0, 6.0, 1.0, math.nan]]
-    batches = [[10, 10, 10, 10, 10], [30, 30, 30, 30, 30], [0, 20, 20, 20, 20]]
+              [7.0, 9.0, 6.0, 1.0, math.nan, 8.0]]
+    batches = [[10, 10, 10, 10, 10], [30, 30, 30, 30, 30], [0, 20, 20, 20, 20, 20]]
     inputs = [replace(i, steps=replace(i.steps, losses=l, local_batch=b)) for i, l, b in zip(inputs, losses, batches)]
-    inputs[2] = replace(inputs[2], steps=replace(inputs[2].steps, **{k: getattr(inputs[2].steps, k) + [1.0]
-                                                                   for k in ("local_sq", "global_sq", "losses")},
-                                                 local_batch=batches[2] + [20]))
     core = DecisionCore(3, 60)
     core._record_steps(inputs)
     expected = [(10 * 1 + 30 * 4) / 40, (30 * 3 + 20 * 9) / 50, (10 * 2 + 20 * 6) / 30, (30 * 5 + 20 * 1) / 50]
