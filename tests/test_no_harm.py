@@ -118,6 +118,12 @@ def test_one_noisy_interval_does_not_split_equal_ranks():
     # the first passing interval asks for the next decision soon; one too short to test, or a confirmed
     # gap, does not
     assert (first.recheck, short.recheck, second.recheck) == (True, False, False)
+    # a gap past the margin but under recheck_gap (1.3x slower: a bound of about 0.11) waits for the
+    # regular interval, as does any gap with recheck_gap=1
+    for policy, costs in ((ModelPolicy(search_batch=False), ([0.002, 0.0026], [1e-4, 1.3e-4])),
+                          (ModelPolicy(search_batch=False, recheck_gap=1.0), slow1)):
+        out = _decide_on(policy, CostModel(2), steps(np.random.default_rng(0), [64, 64], *costs))
+        assert out.info["gap_intervals"] == 1 and not out.recheck, (out.info["gap_bound"], out.recheck)
     after = _decide_on(policy, model, steps(rng, second.sizes, *slow1), sizes=second.sizes)
     assert after.info["gap_intervals"] == 0, "an interval off the neutral split is not evidence for leaving it"
 
@@ -373,7 +379,8 @@ def test_growth_check_state_round_trips():
 
 @pytest.mark.parametrize("kwargs", [dict(split_margin=1.5), dict(grow_margin=-0.1), dict(check_growth=1),
                                     dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True),
-                                    dict(check_split="no"), dict(split_intervals=0)])
+                                    dict(check_split="no"), dict(split_intervals=0), dict(recheck_gap=-0.1),
+                                    dict(recheck_gap=math.nan)])
 def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):

@@ -135,7 +135,7 @@ class ControllerConfig:
     is not given), at least `min_decision_steps` apart and not in an epoch's last half-interval, so
     that a short job still gets dozens of decisions; the job's first intervals ramp up to that
     (min_decision_steps twice, then twice that, ...), so the first split comes after a few steps (both in
-    ``advanced``); a decision whose interval showed a first sign of a speed gap asks for the next one
+    ``advanced``); a decision whose interval showed a first sign of a large speed gap asks for the next one
     min_decision_steps later (a recheck, ahead of the decision budget's spacing). k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
     decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
     decision_budget: float = 0.01
@@ -143,7 +143,7 @@ class ControllerConfig:
     (which find the split) are made. Every rank waits while rank 0 decides, so on short steps a
     decision costs several steps: rank 0 measures each decision and the step time and spaces the next
     at least decision time / (budget x step time) steps later, epoch ends included; only a recheck
-    (the interval after a first sign of a speed gap) comes sooner. 0: no limit."""
+    (the interval after a first sign of a large speed gap) comes sooner. 0: no limit."""
     timeout_s: float = 120.0
     """Deadline of every control-plane collective; under MPI also how long a rank may wait in the
     gradient allreduce, or go without finishing a step, before it probes the others for a stopped one."""

@@ -89,6 +89,15 @@ class ProposalConfig:
     too short for the test neither count nor break the run. Once the job has shown per-step times,
     only they confirm a split; a job that never shows them (intervals under five steps) is judged by
     the predicted gain in two intervals running, whatever this says."""
+    recheck_gap: float = 0.15
+    """A first interval whose measured gain from equalising arrivals (the paired test's lower bound, as
+    for `split_margin`) reaches this asks for the next decision `min_decision_steps` later rather than
+    a whole interval later (the decision cadence's recheck): a rank that became several times slower
+    is balanced an interval sooner. A smaller gap waits for the regular interval, whose steps lie
+    further from the first interval's, so a passing disturbance of the host is not measured twice.
+    The default lies between the largest first gap measured on equal ranks (0.08) and the smallest
+    first measurement of a real slowdown (0.19) in the tuning half of the workload zoo. 1 or more:
+    never recheck."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
@@ -124,6 +133,7 @@ class ProposalConfig:
             validate.integer("ProposalConfig.dither_decisions", self.dither_decisions, 0, what="an integer >= 0 or None")
         for name in ("split_margin", "grow_margin"):
             validate.number(f"ProposalConfig.{name}", getattr(self, name), 0, below=1, what="a fraction in [0, 1)")
+        validate.number("ProposalConfig.recheck_gap", self.recheck_gap, 0, what="a number >= 0 (1 or more: never)")
 
 
 def equalise(micro_batch: np.ndarray | float, fixed: np.ndarray, per_sample: np.ndarray, lo: np.ndarray,
@@ -499,10 +509,10 @@ class ModelPolicy:
         evidence = self._gap_run
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > self.split_margin)
-        # this interval added evidence that the next must confirm: decide again after the fewest steps
-        # rather than a whole interval later (a rank that became slower waits one interval less; on equal
-        # ranks a passing interval is rare and costs one decision)
-        recheck = passed and not confirmed and not self._rechecked
+        # this interval added evidence that the next must confirm: where the gap is large, decide again
+        # after the fewest steps rather than a whole interval later (a rank that became slower waits one
+        # interval less); a gap near the margin waits, so that the two intervals are not one disturbance
+        recheck = passed and gap >= self.cfg.recheck_gap and not confirmed and not self._rechecked
         self._rechecked = recheck
 
         def proposal(cfg: ProposalConfig) -> Proposal:
