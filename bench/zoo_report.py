@@ -296,6 +296,35 @@ def critical_batch(results: Path) -> str:
     return "\n".join(lines)
 
 
+def first_gaps(results: Path) -> str:
+    """Per condition, from the run folders still on disk: the decisions whose interval was the first at the
+    neutral split to pass the split margin (``gap_intervals`` 1), their measured gap bounds, and how many
+    the next decision's interval confirmed (``gap_intervals`` 2); what `ProposalConfig.recheck_gap` is
+    set between. Empty when no run has its decisions."""
+    runs = pd.read_csv(results / "runs.csv")
+    found: dict[str, list[tuple[float, bool]]] = {}
+    for r in runs[runs.status == "ok"].to_dict("records"):
+        decisions = Path(r["run_dir"]) / "decisions.csv"
+        if not decisions.exists() or not _same_run(decisions.parent, r):
+            continue
+        d = pd.read_csv(decisions)
+        if "gap_intervals" not in d:
+            continue
+        runs_of = d["gap_intervals"].tolist()
+        for k, (n, gap) in enumerate(zip(runs_of, d["gap_bound"])):
+            if n == 1:
+                found.setdefault(str(r["condition"]), []).append((float(gap), k + 1 < len(runs_of) and runs_of[k + 1] == 2))
+    if not found:
+        return ""
+    lines = ["| condition | first passing intervals | confirmed by the next | gap bounds (min-max) | at least 0.15 |",
+             "|---|---|---|---|---|"]
+    for cond, items in found.items():
+        gaps = [g for g, _ in items]
+        lines.append(f"| {cond} | {len(items)} | {sum(c for _, c in items)} | {min(gaps):.3f}-{max(gaps):.3f} "
+                     f"| {sum(g >= 0.15 for g in gaps)} |")
+    return "\n".join(lines)
+
+
 def equal_rank_splits(results: Path) -> str:
     """Per job and arm under conditions without a straggler (run folders still on disk, holding those runs): the
     controller's decisions, how many put a rank more than one sample off the mean (an uneven split
@@ -343,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", action="store_true",
                     help="per run, each rank's samples and forward+backward time per step, the step and its rest "
                          "(needs the run folders) instead of the headline")
+    ap.add_argument("--first-gaps", action="store_true",
+                    help="per condition, the first intervals at the neutral split that passed the split margin, "
+                         "their gap bounds and how many the next interval confirmed (needs the run folders)")
     ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
                     help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
                          "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
@@ -358,6 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.critical:
         text = f"# {results.name}: measured critical batch against the noise-scale estimate\n\n" + critical_batch(results)
         (results / "critical.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.first_gaps:
+        text = f"# {results.name}: first passing intervals of the speed-gap test\n\n" + first_gaps(results)
+        (results / "first_gaps.md").write_text(text + "\n")
         print(text)
         return 0
     if args.steps:

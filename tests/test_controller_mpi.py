@@ -99,14 +99,14 @@ def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
 
 
 def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path):
-    """Rank 1 turns 3x slower after the ramp (step 100 of 300; decisions every 50 steps once ramped up,
-    or further apart where the decision budget spaces them): the first decision whose interval shows
-    the gap asks for a recheck, the next comes min_decision_steps (8) later on every rank and leaves
-    the neutral split."""
+    """Rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every 50 steps once ramped up,
+    no decision budget, so the next interval is all slow): the decision whose interval shows the gap
+    asks for a recheck, the next comes min_decision_steps (8) later on every rank and leaves the
+    neutral split. (That a recheck comes ahead of the budget's spacing: tests/test_cadence.py.)"""
     launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "3", "--every", "-1",
            "--policy", "model", "--target-decisions", "6", "--sizes", "16,16", "--samples", "3200",
            "--max-batch", "64", "--sleep-per-sample", "0.001", "--slow-rank", "1", "--slow-factor", "3",
-           "--slow-from-step", "100")
+           "--slow-from-step", "100", "--decision-budget", "0")
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     history, at = results[0]["history"], results[0]["at_step"]
     assert results[1]["at_step"] == at and [d["recheck"] for d in results[1]["history"]] == [d["recheck"] for d in history]

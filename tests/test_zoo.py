@@ -230,6 +230,23 @@ def test_the_equal_rank_table_counts_splits_off_neutral(tmp_path):
     assert "slow3x" not in table
 
 
+def test_the_first_gaps_table_counts_first_passes_and_confirmations(tmp_path):
+    from bench.zoo_report import first_gaps
+
+    runs = []
+    for seed, (evidence, gaps) in enumerate((([0, 1, 2, 0, 1, 0], [0.0, 0.2, 0.3, 0.0, 0.06, 0.01]),
+                                             ([1, 0, 1], [0.07, 0.0, 0.09]))):
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        pd.DataFrame({"decision": range(len(gaps)), "gap_intervals": evidence, "gap_bound": gaps}).to_csv(
+            run / "decisions.csv", index=False)
+        (run / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
+        runs.append({"workload": "zoo:mnist-cnn", "condition": "none", "arm": "model", "seed": seed, "status": "ok",
+                     "run_dir": str(run), "train_s": 9.0})
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    assert "| none | 4 | 1 | 0.060-0.200 | 1 |" in first_gaps(tmp_path)
+
+
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
     w = suite.WORKLOADS["zoo:mnist-cnn"]
     arm = suite.arms(w, ["split"])[0]

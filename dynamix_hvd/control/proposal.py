@@ -90,14 +90,14 @@ class ProposalConfig:
     only they confirm a split; a job that never shows them (intervals under five steps) is judged by
     the predicted gain in two intervals running, whatever this says."""
     recheck_gap: float = 0.15
-    """A first interval whose measured gain from equalising arrivals (the paired test's lower bound, as
-    for `split_margin`) reaches this asks for the next decision `min_decision_steps` later rather than
-    a whole interval later (the decision cadence's recheck): a rank that became several times slower
-    is balanced an interval sooner. A smaller gap waits for the regular interval, whose steps lie
-    further from the first interval's, so a passing disturbance of the host is not measured twice.
-    The default lies between the largest first gap measured on equal ranks (0.08) and the smallest
-    first measurement of a real slowdown (0.19) in the tuning half of the workload zoo. 1 or more:
-    never recheck."""
+    """A first interval that passes `split_margin` with a measured gain from equalising arrivals (the
+    paired test's lower bound) of at least this asks for the next decision `min_decision_steps`
+    later rather than a whole interval later (the decision cadence's recheck): a rank that became
+    several times slower is balanced an interval sooner. A smaller gap waits for the regular
+    interval, whose steps lie further from the first interval's, so that a passing disturbance of
+    the host is not measured twice. The default lies between the largest first gap on equal ranks
+    (0.08) and the smallest first measurement of a slowdown that began mid-job (0.19) in the tuning
+    half of the workload zoo. 0: recheck after every passing first interval; 1 or more: never."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
