@@ -366,9 +366,9 @@ CONFIGS.update({
                         {"workloads": ["zoo:gru-charlm"], "conditions": ["net10"],
                          "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 2}],
     # the changing slowdown on the two jobs whose cadence intervals are longest in steps, the default
-    # alone (~2 min): how soon it follows a change (each run's decisions.csv)
+    # beside plain Horovod (~3 min): how soon it follows a change (each run's decisions.csv)
     "zoo-changing-probe": [{"workloads": ["zoo:mnist-cnn", "zoo:lstm-rows:x3"], "conditions": ["slow-phases"],
-                            "arms": ["model"], "seeds": 1}],
+                            "arms": ["plain", "model"], "seeds": 1}],
     "zoo-network-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100", "net1g"],
                            "arms": ["plain", "ppo"], "seeds": 1}],
     "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
