@@ -183,19 +183,22 @@ def at_progress(evals: list[tuple[float, float]], progress: float) -> float:
     return evals[-1][1] if evals else math.nan
 
 
-def _med_iqr(values: pd.Series) -> str:
+def _med_iqr(values: pd.Series) -> tuple[float, float]:
+    """Median and interquartile range (NaN, NaN where there is no value)."""
     v = values.dropna()
     if v.empty:
-        return "-"
-    return f"{v.median():.2f} [{v.quantile(0.75) - v.quantile(0.25):.2f}]"
+        return math.nan, math.nan
+    return float(v.median()), float(v.quantile(0.75) - v.quantile(0.25))
 
 
-def headline(jobs: pd.DataFrame) -> str:
-    """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
-    lines = ["| job | condition | limit (two-run limit) | arm | time to target / plain [IQR] | / limit | budget time / plain "
-             "| / its limit | at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
-             "| spread of last 3 (plain) | misses |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def _fmt(median: float, iqr: float) -> str:
+    return "-" if math.isnan(median) else f"{median:.2f} [{iqr:.2f}]"
+
+
+def figures(jobs: pd.DataFrame) -> pd.DataFrame:
+    """One row per job, condition and arm: the limits, each ratio to plain Horovod (median and IQR of
+    per-seed ratios) and the metrics, as `headline` prints them."""
+    rows = []
     for (w, c), cell in jobs.groupby(["workload", "condition"], sort=False):
         plain = cell[cell.arm == PLAIN].set_index("seed")
         ref = reference_condition(c)
@@ -217,13 +220,64 @@ def headline(jobs: pd.DataFrame) -> str:
             # its own steps at the job's batch measured against plain Horovod's (identical work)
             adjusted = (budget * plain.compute_per_sample_s / g.compute_per_sample_s).dropna() if ref == c else None
             equal = pd.Series([at_progress(e, end.get(s, math.nan)) for s, e in g.evals.items()], dtype=float)
-            lines.append(f"| {w.removeprefix('zoo:')} | {c} | {limit.median():.2f} ({limit_none.median():.2f}) | {arm} | {_med_iqr(ratio)} | "
-                         f"{(ratio / limit.reindex(ratio.index)).median():.2f} | {_med_iqr(budget)} | "
-                         f"{(budget / limit_budget.reindex(budget.index)).median():.2f} | "
-                         f"{'-' if adjusted is None else _med_iqr(adjusted)} | "
-                         f"{g.first_epoch_s.median():.2f} ({g.first_excess_s.median():+.2f}) | {g.final.median():.4f} ({plain.final.median():.4f}) | "
-                         f"{equal.median():.4f} | {g.spread.median():.4f} ({plain.spread.median():.4f}) | "
-                         f"{int(g.miss.sum())}/{len(g)} |")
+            (r, r_iqr), (b, b_iqr) = _med_iqr(ratio), _med_iqr(budget)
+            a, a_iqr = _med_iqr(adjusted) if adjusted is not None else (math.nan, math.nan)
+            rows.append({"workload": w, "condition": c, "arm": arm, "straggler": ref != c,
+                         "limit": limit.median(), "limit_two_run": limit_none.median(),
+                         "ratio": r, "ratio_iqr": r_iqr, "ratio_to_limit": (ratio / limit.reindex(ratio.index)).median(),
+                         "budget": b, "budget_iqr": b_iqr,
+                         "budget_to_limit": (budget / limit_budget.reindex(budget.index)).median(),
+                         "at_plain_speed": a, "at_plain_speed_iqr": a_iqr,
+                         "first_epoch_s": g.first_epoch_s.median(), "first_excess_s": g.first_excess_s.median(),
+                         "final": g.final.median(), "final_plain": plain.final.median(), "final_equal": equal.median(),
+                         "spread": g.spread.median(), "spread_plain": plain.spread.median(),
+                         "misses": int(g.miss.sum()), "runs": len(g)})
+    return pd.DataFrame(rows)
+
+
+def headline(jobs: pd.DataFrame) -> str:
+    """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
+    lines = ["| job | condition | limit (two-run limit) | arm | time to target / plain [IQR] | / limit | budget time / plain "
+             "| / its limit | at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
+             "| spread of last 3 (plain) | misses |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for f in figures(jobs).itertuples():
+        adjusted = "-" if f.straggler else _fmt(f.at_plain_speed, f.at_plain_speed_iqr)
+        lines.append(f"| {f.workload.removeprefix('zoo:')} | {f.condition} | {f.limit:.2f} ({f.limit_two_run:.2f}) | {f.arm} | "
+                     f"{_fmt(f.ratio, f.ratio_iqr)} | {f.ratio_to_limit:.2f} | {_fmt(f.budget, f.budget_iqr)} | "
+                     f"{f.budget_to_limit:.2f} | {adjusted} | "
+                     f"{f.first_epoch_s:.2f} ({f.first_excess_s:+.2f}) | {f.final:.4f} ({f.final_plain:.4f}) | "
+                     f"{f.final_equal:.4f} | {f.spread:.4f} ({f.spread_plain:.4f}) | {f.misses}/{f.runs} |")
+    return "\n".join(lines)
+
+
+def in_short(jobs: pd.DataFrame, arm: str = "model", split: str = "split-speed") -> str:
+    """One row per job: `arm`'s time to target over plain Horovod's under each condition (median of
+    per-seed ratios), with the fixed split's in parentheses and, with a straggler, the ratio to the
+    limit; without one, the ratio at plain's machine speed. Empty where `arm` did not run."""
+    fig = figures(jobs)
+    if fig.empty or not (fig.arm == arm).any():
+        return ""
+    conditions = list(dict.fromkeys(fig.condition))
+    lines = ["| job | " + " | ".join(conditions) + " |", "|---|" + "---|" * len(conditions)]
+    for w, rows in fig.groupby("workload", sort=False):
+        cells = []
+        for c in conditions:
+            mine = rows[(rows.condition == c) & (rows.arm == arm)]
+            if mine.empty:
+                cells.append("-")
+                continue
+            f = mine.iloc[0]
+            other = rows[(rows.condition == c) & (rows.arm == split)]
+            text = f"{f.ratio:.2f}"
+            if not other.empty:
+                text += f" ({other.iloc[0].ratio:.2f})"
+            if f.straggler:
+                text += f", {f.ratio_to_limit:.2f} of the limit"
+            elif not math.isnan(f.at_plain_speed):
+                text += f", {f.at_plain_speed:.2f} at plain's speed"
+            cells.append(text)
+        lines.append(f"| {w.removeprefix('zoo:')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -411,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{machine.get('cores', '?')} cores; commit {str(machine.get('git_commit', '?'))[:12]}"
             + "".join(f"; target of {w}: {v:g}" for w, v in targets.items()) + "\n\n"
             + headline(jobs) + "\n")
+    short = in_short(jobs)
+    if short:
+        text += ("\n## In short: the default over plain Horovod\n\nTime to target, median of per-seed ratios; in "
+                 "parentheses the fixed speed-proportional split's; with a straggler, the default's ratio to the "
+                 "limit; without one, at plain's machine speed.\n\n" + short + "\n")
     splits = equal_rank_splits(results)
     if splits:
         text += "\n## Equal ranks: decisions off the neutral split\n\n" + splits + "\n"

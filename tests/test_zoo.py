@@ -172,6 +172,16 @@ def test_a_straggler_row_without_run_folders_takes_its_limit_from_runs_csv(tmp_p
     assert "| slow3x | 0.50 (nan) | model | 0.60 [0.00] | 1.20 | 0.60 [0.00] | 1.20 |" in row, row
 
 
+def test_the_short_table_gives_the_default_beside_the_split_and_the_limit(tmp_path):
+    from bench.zoo_report import in_short
+
+    write_results_folder(tmp_path, "zoo:mnist-cnn", "slow3x", {"plain-horovod": 10.0, "split-speed": 8.0, "model": 6.0},
+                         [0.5, 0.6, 0.95, 0.96], eval_s=0.5, balanced_fraction=0.5)
+    table = in_short(collect(tmp_path)).splitlines()
+    assert table[0] == "| job | slow3x |" and table[2] == "| mnist-cnn | 0.60 (0.80), 1.20 of the limit |", table
+    assert in_short(collect(tmp_path), arm="ppo") == ""  # an arm that did not run: no table
+
+
 def test_the_per_rank_step_table_reads_the_run_folders(tmp_path):
     from bench.zoo_report import rank_steps
 
