@@ -319,7 +319,8 @@ _dx_install_horovod() {
   local tries=0
   while :; do
     if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
-      _dx_adopt_legacy_wheel "$wheel_dir" || _dx_build_horovod_wheel "$wheel_dir" "$work"
+      # a legacy wheel that failed the check is not adopted again: the retry builds
+      { [ $tries -eq 0 ] && _dx_adopt_legacy_wheel "$wheel_dir"; } || _dx_build_horovod_wheel "$wheel_dir" "$work"
     fi
     _dx_step horovod "installing the wheel in $wheel_dir"
     _dx_pip install -q --force-reinstall --no-deps "$wheel_dir"/horovod-*.whl
