@@ -195,6 +195,10 @@ def _fmt(median: float, iqr: float) -> str:
     return "-" if math.isnan(median) else f"{median:.2f} [{iqr:.2f}]"
 
 
+def _num(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
 def figures(jobs: pd.DataFrame) -> pd.DataFrame:
     """One row per job, condition and arm: the limits, each ratio to plain Horovod (median and IQR of
     per-seed ratios) and the metrics, as `headline` prints them."""
@@ -254,7 +258,8 @@ def headline(jobs: pd.DataFrame) -> str:
 def in_short(jobs: pd.DataFrame, arm: str = "model", split: str = "split-speed") -> str:
     """One row per job: `arm`'s time to target over plain Horovod's under each condition (median of
     per-seed ratios), with the fixed split's in parentheses and, with a straggler, the ratio to the
-    limit; without one, the ratio at plain's machine speed. Empty where `arm` did not run."""
+    limit; without one, also the budget time's ratio at plain's machine speed. Empty where `arm` did
+    not run."""
     fig = figures(jobs)
     if fig.empty or not (fig.arm == arm).any():
         return ""
@@ -269,13 +274,13 @@ def in_short(jobs: pd.DataFrame, arm: str = "model", split: str = "split-speed")
                 continue
             f = mine.iloc[0]
             other = rows[(rows.condition == c) & (rows.arm == split)]
-            text = f"{f.ratio:.2f}"
+            text = _num(f.ratio)
             if not other.empty:
-                text += f" ({other.iloc[0].ratio:.2f})"
+                text += f" ({_num(other.iloc[0].ratio)})"
             if f.straggler:
-                text += f", {f.ratio_to_limit:.2f} of the limit"
+                text += f", {_num(f.ratio_to_limit)} of the limit"
             elif not math.isnan(f.at_plain_speed):
-                text += f", {f.at_plain_speed:.2f} at plain's speed"
+                text += f"; budget time at plain's speed {_num(f.at_plain_speed)}"
             cells.append(text)
         lines.append(f"| {w.removeprefix('zoo:')} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -469,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if short:
         text += ("\n## In short: the default over plain Horovod\n\nTime to target, median of per-seed ratios; in "
                  "parentheses the fixed speed-proportional split's; with a straggler, the default's ratio to the "
-                 "limit; without one, at plain's machine speed.\n\n" + short + "\n")
+                 "limit; without one, the budget time's ratio at plain's machine speed.\n\n" + short + "\n")
     splits = equal_rank_splits(results)
     if splits:
         text += "\n## Equal ranks: decisions off the neutral split\n\n" + splits + "\n"
