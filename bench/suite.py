@@ -321,6 +321,9 @@ CONFIGS.update({
                   "arms": ["plain", "model"], "seeds": 3},
                  {"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["slow3x"],
                   "arms": ["plain", "split", "model"], "seeds": 3}],
+    # no harm on jobs of about a minute: zoo-long's equal-rank half alone (~20 min)
+    "zoo-long-noharm": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
+                         "arms": ["plain", "model"], "seeds": 3}],
     # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
     "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
                       "seeds": 1}],
