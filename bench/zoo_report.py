@@ -50,6 +50,7 @@ from typing import Any
 import pandas as pd
 
 from bench.suite_report import balanced_fraction
+from dynamix_hvd.control.proposal import ProposalConfig
 
 PLAIN = "plain-horovod"
 
@@ -239,13 +240,14 @@ def figures(jobs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def headline(jobs: pd.DataFrame) -> str:
-    """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's."""
+def headline(jobs: pd.DataFrame, fig: pd.DataFrame | None = None) -> str:
+    """Per job and condition: limit, each arm's time to target and budget time over plain Horovod's
+    (`fig`: `figures(jobs)` where already computed)."""
     lines = ["| job | condition | limit (two-run limit) | arm | time to target / plain [IQR] | / limit | budget time / plain "
              "| / its limit | at plain's machine speed | first epoch s (over a later one) | final (plain) | final at equal progress "
              "| spread of last 3 (plain) | misses |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for f in figures(jobs).itertuples():
+    for f in (figures(jobs) if fig is None else fig).itertuples():
         adjusted = "-" if f.straggler else _fmt(f.at_plain_speed, f.at_plain_speed_iqr)
         lines.append(f"| {f.workload.removeprefix('zoo:')} | {f.condition} | {f.limit:.2f} ({f.limit_two_run:.2f}) | {f.arm} | "
                      f"{_fmt(f.ratio, f.ratio_iqr)} | {f.ratio_to_limit:.2f} | {_fmt(f.budget, f.budget_iqr)} | "
@@ -255,12 +257,13 @@ def headline(jobs: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def in_short(jobs: pd.DataFrame, arm: str = "model", split: str = "split-speed") -> str:
+def in_short(jobs: pd.DataFrame, arm: str = "model", split: str = "split-speed",
+             fig: pd.DataFrame | None = None) -> str:
     """One row per job: `arm`'s time to target over plain Horovod's under each condition (median of
     per-seed ratios), with the fixed split's in parentheses and, with a straggler, the ratio to the
     limit; without one, also the budget time's ratio at plain's machine speed. Empty where `arm` did
-    not run."""
-    fig = figures(jobs)
+    not run. `fig`: `figures(jobs)` where already computed."""
+    fig = figures(jobs) if fig is None else fig
     if fig.empty or not (fig.arm == arm).any():
         return ""
     conditions = list(dict.fromkeys(fig.condition))
@@ -375,12 +378,13 @@ def first_gaps(results: Path) -> str:
                 found.setdefault(str(r["condition"]), []).append((float(gap), k + 1 < len(runs_of) and runs_of[k + 1] == 2))
     if not found:
         return ""
-    lines = ["| condition | first passing intervals | confirmed by the next | gap bounds (min-max) | at least 0.15 |",
+    threshold = ProposalConfig().recheck_gap
+    lines = [f"| condition | first passing intervals | confirmed by the next | gap bounds (min-max) | at least {threshold:g} |",
              "|---|---|---|---|---|"]
     for cond, items in found.items():
         gaps = [g for g, _ in items]
         lines.append(f"| {cond} | {len(items)} | {sum(c for _, c in items)} | {min(gaps):.3f}-{max(gaps):.3f} "
-                     f"| {sum(g >= 0.15 for g in gaps)} |")
+                     f"| {sum(g >= threshold for g in gaps)} |")
     return "\n".join(lines)
 
 
@@ -466,11 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished jobs in {results / 'runs.csv'}")
         return 1
     machine = json.loads((results / "machine.json").read_text()) if (results / "machine.json").exists() else {}
+    fig = figures(jobs)
     text = (f"# {results.name}\n\n`{machine.get('command', '?')}`; {machine.get('date', '?')}; {machine.get('cpu', '?')}, "
             f"{machine.get('cores', '?')} cores; commit {str(machine.get('git_commit', '?'))[:12]}"
             + "".join(f"; target of {w}: {v:g}" for w, v in targets.items()) + "\n\n"
-            + headline(jobs) + "\n")
-    short = in_short(jobs)
+            + headline(jobs, fig) + "\n")
+    short = in_short(jobs, fig=fig)
     if short:
         text += ("\n## In short: the default over plain Horovod\n\nTime to target, median of per-seed ratios; in "
                  "parentheses the fixed speed-proportional split's; with a straggler, the default's ratio to the "

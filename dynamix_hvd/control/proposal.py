@@ -94,10 +94,11 @@ class ProposalConfig:
     paired test's lower bound) of at least this asks for the next decision `min_decision_steps`
     later rather than a whole interval later (the decision cadence's recheck): a rank that became
     several times slower is balanced an interval sooner. A smaller gap waits for the regular
-    interval, whose steps lie further from the first interval's, so that a passing disturbance of
-    the host is not measured twice. The default lies between the largest first gap on equal ranks
-    (0.08) and the smallest first measurement of a slowdown that began mid-job (0.19) in the tuning
-    half of the workload zoo. 0: recheck after every passing first interval; 1 or more: never."""
+    interval. The default lies between the largest first gap on equal ranks (0.08) and the smallest
+    first measurement of a slowdown that began mid-job (0.19) in the tuning half of the workload zoo;
+    on a host whose cores differ in speed, equal ranks pass the regular interval about as often as the
+    recheck (BENCHMARKS.md), so the threshold mainly spares decisions. 0: recheck after every passing
+    first interval; 1 or more: never."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
@@ -511,7 +512,7 @@ class ModelPolicy:
                      else self.last is not None and self.last.split_gain > self.split_margin)
         # this interval added evidence that the next must confirm: where the gap is large, decide again
         # after the fewest steps rather than a whole interval later (a rank that became slower waits one
-        # interval less); a gap near the margin waits, so that the two intervals are not one disturbance
+        # interval less); a gap near the margin waits for the regular interval
         recheck = passed and gap >= self.cfg.recheck_gap and not confirmed and not self._rechecked
         self._rechecked = recheck
 
