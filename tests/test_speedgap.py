@@ -6,16 +6,18 @@ import math
 import numpy as np
 import pytest
 
-from dynamix_hvd.control.speedgap import MIN_STEPS, speed_gap, t_quantile
+from dynamix_hvd.control.speedgap import MIN_STEPS, effective_steps, speed_gap, t_quantile
 
 
 def split_gain_lower_bound(*args, **kwargs):
     return speed_gap(*args, **kwargs)[0]
 
 
-@pytest.mark.parametrize("df, exact", [(MIN_STEPS - 1, 3.747), (5, 3.365), (10, 2.764), (30, 2.457)])
+@pytest.mark.parametrize("df, exact", [(1, 31.821), (2, 6.965), (3, 4.541), (MIN_STEPS - 1, 3.747), (5, 3.365),
+                                       (10, 2.764), (30, 2.457)])
 def test_t_quantile_is_within_one_percent(df, exact):
     assert t_quantile(0.99, df) == pytest.approx(exact, rel=0.01)
+    assert t_quantile(0.99, df + 0.7) == t_quantile(0.99, df), "a fractional df rounds down"
 
 
 def times(rng, n, factor, sizes=(32, 32), jitter=0.1, common=0.2):
@@ -29,15 +31,51 @@ def test_equal_ranks_bound_at_zero_and_a_straggler_near_its_gain():
     rng = np.random.default_rng(0)
     equal = [split_gain_lower_bound(*times(rng, 8, 1.0)) for _ in range(200)]
     assert max(equal) < 0.05, "equal ranks never pass the 5% margin"
-    twice = [split_gain_lower_bound(*times(rng, 6, 2.0)) for _ in range(200)]
-    assert min(twice) > 0.1 and np.median(twice) < 1 / 3, "2x: gain 1/3, bounded below it but well above the margin"
+    twice = np.array([split_gain_lower_bound(*times(rng, 6, 2.0)) for _ in range(200)])
+    assert (twice > 0.05).mean() >= 0.97 and np.median(twice) < 1 / 3, "2x: gain 1/3, bounded below it, above the margin"
+    eight = [split_gain_lower_bound(*times(rng, 8, 2.0)) for _ in range(200)]
+    assert min(eight) > 0.1
 
 
 def test_the_step_wide_noise_cancels_in_the_pairs():
     """A 1.3x gap under a step-wide factor 10x the per-rank noise is still measured from 8 steps."""
     rng = np.random.default_rng(1)
     bounds = [split_gain_lower_bound(*times(rng, 8, 1.3, jitter=0.03, common=0.3)) for _ in range(50)]
-    assert min(bounds) > 0.08
+    assert min(bounds) > 0.05
+
+
+def serial_times(rng, n, factor, rho, jitter=0.15, common=0.2):
+    """As `times`, with each rank's own noise an AR(1) series of lag-1 correlation `rho` (a core slowed
+    by its neighbours stays slow for several steps)."""
+    e = rng.normal(0, jitter * math.sqrt(1 - rho ** 2), (n + 50, 2))
+    x = np.zeros_like(e)
+    for k in range(1, len(e)):
+        x[k] = rho * x[k - 1] + e[k]
+    b = np.full((n, 2), 32.0)
+    return b, b * 1e-3 * np.array([1.0, factor]) * np.exp(x[50:] + rng.normal(0, common, (n, 1)))
+
+
+def test_serially_correlated_noise_is_not_taken_for_a_gap():
+    """Equal ranks whose noise persists from step to step (lag-1 correlation 0.8, as on a shared VM):
+    the plain t-test, which takes the steps as independent, finds a gap in about one 20-step interval
+    in eight; counting effective steps cuts that by about two-fifths, and a 2x straggler is still found."""
+    rng = np.random.default_rng(5)
+    draws = [serial_times(rng, 20, 1.0, 0.8) for _ in range(600)]
+    serial = np.mean([split_gain_lower_bound(b, t) > 0.05 for b, t in draws])
+    independent = np.mean([split_gain_lower_bound(b, t, serial=False) > 0.05 for b, t in draws])
+    assert independent > 0.1 and serial < 0.65 * independent and serial < 0.09
+    twice = [split_gain_lower_bound(*serial_times(rng, 20, 2.0, 0.8)) for _ in range(200)]
+    assert np.mean(np.array(twice) > 0.05) >= 0.98
+
+
+def test_effective_steps_count_independent_steps_as_themselves():
+    rng = np.random.default_rng(6)
+    independent = np.array([effective_steps(rng.normal(size=(200, 1)))[0] for _ in range(50)])
+    assert np.median(independent) > 170 and independent.max() <= 200
+    _, t = serial_times(rng, 200, 1.0, 0.8, common=0.0)
+    # AR(1) at 0.8: the mean's variance is about (1 + 0.8) / (1 - 0.8) = 9 times the independent one's;
+    # a bandwidth of n^(1/3) lags sees part of it
+    assert 200 / 9 < effective_steps(np.log(t))[0] < 200 / 2.5
 
 
 def test_sizes_that_already_balance_unequal_speeds_gain_nothing():

@@ -5,11 +5,17 @@ margin, and the difference must be measured, not a few noisy steps. Every step i
 rank at once, so what slows the whole step (a busy host, the allreduce) cancels in each step's
 differences between ranks: for rank i and step k, d_ik = log t_ik - mean_j log t_jk, its log arrival
 time against the step's mean. The differences are then shrunk towards equal arrivals (no gain at
-the sizes that ran) by a one-sided Student-t bound on each rank's mean d_i (the steps' scatter,
-`CONFIDENCE`), and the bound on the split's gain is the time the arrival-equalising split saves at
-the speeds these imply (the interval's sizes, time in proportion to samples) over the measured
-step, which also holds the allreduce and the update that no split shortens. Equal ranks give a
-bound at or below zero; a 2x straggler (a gain of 1/3) timed for six steps gives 0.16-0.34.
+the sizes that ran) by a one-sided Student-t bound on each rank's mean d_i (`CONFIDENCE`), and the
+bound on the split's gain is the time the arrival-equalising split saves at the speeds these imply
+(the interval's sizes, time in proportion to samples) over the measured step, which also holds the
+allreduce and the update that no split shortens. Equal ranks give a bound at or below zero; a 2x
+straggler (a gain of 1/3) timed for six steps gives 0.14-0.33.
+
+Steps are not independent draws: a core slowed by its neighbours stays slow for many steps (on the
+project's VM the lag-1 autocorrelation of d is 0.5-0.9 on equal ranks), and a test that assumes
+independence then finds gaps in noise. The bound's standard error and degrees of freedom therefore
+come from the interval's effective number of steps, n divided by the variance inflation that the
+steps' autocorrelation implies (Newey-West, Bartlett kernel, bandwidth n^(1/3)).
 """
 from __future__ import annotations
 
@@ -25,29 +31,69 @@ MIN_STEPS = 5
 """Fewest timed steps the test needs (fewer: no bound, NaN)."""
 
 
-def t_quantile(p: float, df: int) -> float:
-    """Student-t quantile (Cornish-Fisher expansion around the normal one: within 1% of the exact
-    value for df >= 4 at p <= 0.99)."""
+def t_quantile(p: float, df: float) -> float:
+    """Student-t quantile at ``floor(df)`` degrees of freedom (at least 1; a fractional df rounds
+    down, the conservative side): exact for 1-3 (their CDFs in closed form, inverted by bisection),
+    for 4 and more the Cornish-Fisher expansion around the normal quantile (within 1% of the exact
+    value at p <= 0.99)."""
+    df = max(1, int(df))
+    if df <= 3:
+        lo, hi = 0.0, 1e4
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
+        return 0.5 * (lo + hi)
     z = NormalDist().inv_cdf(p)
     return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
         + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
 
 
-def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE) -> np.ndarray:
-    """Column means of `d` [n, R] shrunk towards 0 by their one-sided Student-t bound: sign(m) x
-    max(|m| - t x se, 0), 0 where the steps' scatter cannot tell the mean from 0 (n >= 2)."""
+def _t_cdf(t: float, df: int) -> float:
+    """Student-t CDF at t >= 0 for 1, 2 or 3 degrees of freedom."""
+    if df == 1:
+        return 0.5 + math.atan(t) / math.pi
+    if df == 2:
+        return 0.5 + t / (2.0 * math.sqrt(2.0 + t * t))
+    x = t / math.sqrt(3.0)
+    return 0.5 + (x / (1.0 + x * x) + math.atan(x)) / math.pi
+
+
+def effective_steps(d: np.ndarray) -> np.ndarray:
+    """Per column of `d` [n, R]: n divided by the variance inflation of its mean that the column's
+    autocorrelation implies (Newey-West long-run variance, Bartlett kernel, bandwidth ceil(n^(1/3)));
+    never more than n (a negative autocorrelation does not count as extra steps)."""
+    n = len(d)
+    x = d - d.mean(0)
+    var = (x * x).sum(0)
+    lags = min(n - 1, math.ceil(n ** (1 / 3)))
+    long_run = var.copy()
+    for k in range(1, lags + 1):
+        long_run += 2.0 * (1.0 - k / (lags + 1)) * (x[:-k] * x[k:]).sum(0)
+    inflation = np.where(var > 0, long_run / np.where(var > 0, var, 1.0), 1.0)
+    return n / np.maximum(inflation, 1.0)
+
+
+def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE, serial: bool = True) -> np.ndarray:
+    """Column means of `d` [n, R] (consecutive steps) shrunk towards 0 by their one-sided Student-t
+    bound: sign(m) x max(|m| - t x se, 0), 0 where the steps' scatter cannot tell the mean from 0
+    (n >= 2). The standard error and the degrees of freedom are those of the column's effective
+    number of steps (`effective_steps`); ``serial=False`` takes the steps as independent draws (the
+    plain t-test, for comparison)."""
     n = len(d)
     mean = d.mean(0)
-    se = d.std(0, ddof=1) / math.sqrt(n)
-    return np.sign(mean) * np.maximum(np.abs(mean) - t_quantile(confidence, n - 1) * se, 0.0)
+    n_eff = effective_steps(d) if serial and n > 2 else np.full(d.shape[1], float(n))
+    se = d.std(0, ddof=1) / np.sqrt(n_eff)
+    t = np.array([t_quantile(confidence, m - 1.0) for m in n_eff])
+    return np.sign(mean) * np.maximum(np.abs(mean) - t * se, 0.0)
 
 
 def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | None = None,
-              confidence: float = CONFIDENCE) -> tuple[float, int]:
+              confidence: float = CONFIDENCE, serial: bool = True) -> tuple[float, int]:
     """Lower confidence bound on the step-time gain of equalising arrivals, from per-step sizes and
     arrival times [n, R] and step times [n] (None or NaN: the step is the slowest arrival) of one
     interval (module docstring), and the slowest rank by the shrunk means (the rank whose arrival a
-    split shortens most); NaN and -1 with fewer than `MIN_STEPS` steps or one rank."""
+    split shortens most); NaN and -1 with fewer than `MIN_STEPS` steps or one rank. `serial`: as in
+    `shrunk_mean`."""
     b = np.asarray(batches, dtype=np.float64)
     t = np.asarray(arrival, dtype=np.float64)
     ok = (b > 0).all(1) & (t > 0).all(1) & np.isfinite(t).all(1)
@@ -57,7 +103,7 @@ def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | Non
         return math.nan, -1
     step = None if step_s is None else np.asarray(step_s, dtype=np.float64)[ok]
     x = np.log(t)
-    shrunk = shrunk_mean(x - x.mean(1, keepdims=True), confidence)
+    shrunk = shrunk_mean(x - x.mean(1, keepdims=True), confidence, serial)
     sizes = np.median(b, axis=0)
     per_sample = np.exp(shrunk) / sizes              # relative seconds per sample
     equalised = float(sizes.sum() / (1.0 / per_sample).sum())

@@ -1,0 +1,127 @@
+"""Replay the speed-gap test on plain Horovod's recorded steps: how often it finds a gap in noise.
+
+    python -m bench.gap_replay runs/suite/zoo-straggler-tuning runs/suite/zoo-headline
+
+Reads every plain Horovod run under the given suite run folders (``*/CONDITION/plain-horovod_s*/
+suite_steps.csv``: each rank's forward+backward seconds per step at equal sizes, no controller
+involved), cuts each run's steps (after the first five) into consecutive windows of L steps, as if a
+decision ended every L steps, and applies the proposal's paired test
+(`dynamix_hvd.control.speedgap.speed_gap`) to each window twice: counting effective steps (the
+shipped test) and taking the steps as independent draws (the plain t-test). Printed per half of
+the workload zoo, condition and L, the share of windows whose bound passes the split margin, and
+the share that passes with the window before it, the same rank the slowest (what leaves the neutral
+split with `ProposalConfig.split_intervals` 2). Under "none" every pass is a split of ranks that run
+the same job at the same sizes (the host may still give one core less time for a while); under a
+straggler a pass is a detection. Also per half and condition: the median lag-1 autocorrelation of
+the per-step log differences between the two ranks, the reason independence does not hold.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from bench.zoo import JOBS
+from dynamix_hvd.control.proposal import ProposalConfig
+from dynamix_hvd.control.speedgap import speed_gap
+
+SKIP_STEPS = 5
+"""Each run's first steps (lazy initialisation) are left out, as the controller's first report does."""
+
+
+def plain_runs(folders: list[Path]) -> list[tuple[str, str, str, Path]]:
+    """(job, condition, seed, steps file) of every plain Horovod run under the suite run folders."""
+    found = []
+    for folder in folders:
+        for steps in sorted(folder.glob("*/*/plain-horovod_s*/suite_steps.csv")):
+            job, condition, run = steps.parts[-4], steps.parts[-3], steps.parts[-2]
+            found.append((job, condition, run.rsplit("_s", 1)[1], steps))
+    return found
+
+
+def half_of(workload: str) -> str:
+    """The zoo half of a suite workload name ("zoo:lstm-rows:x3" is lstm-rows's)."""
+    name = workload.split(":")[1] if workload.startswith("zoo:") else workload
+    return JOBS[name].half if name in JOBS else "other"
+
+
+def per_step(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Sizes and forward+backward seconds [n, R], one row per step every rank timed."""
+    t = steps.pivot_table(index="step", columns="rank", values="compute_s")
+    b = steps.pivot_table(index="step", columns="rank", values="local_batch")
+    ok = (t > 0).all(axis=1) & (b > 0).all(axis=1)
+    return b[ok].to_numpy()[SKIP_STEPS:], t[ok].to_numpy()[SKIP_STEPS:]
+
+
+def windows(b: np.ndarray, t: np.ndarray, length: int, margin: float, serial: bool) -> tuple[float, float]:
+    """Shares of the windows of `length` steps that pass `margin`, and that pass after a passing one
+    with the same slowest rank; NaN with fewer than three windows."""
+    count = len(t) // length
+    if count < 3:
+        return math.nan, math.nan
+    gaps = [speed_gap(b[i * length:(i + 1) * length], t[i * length:(i + 1) * length], serial=serial)
+            for i in range(count)]
+    passed = [g > margin for g, _ in gaps]
+    running = sum(passed[i] and passed[i - 1] and gaps[i][1] == gaps[i - 1][1] for i in range(1, count))
+    return float(np.mean(passed)), running / (count - 1)
+
+
+def lag1(t: np.ndarray) -> float:
+    """Lag-1 autocorrelation of the per-step log difference between rank 1 and rank 0."""
+    d = np.log(t[:, 1]) - np.log(t[:, 0])
+    x = d - d.mean()
+    return float((x[:-1] * x[1:]).sum() / (x * x).sum()) if (x * x).sum() > 0 else math.nan
+
+
+def replay(folders: list[Path], lengths: list[int], margin: float) -> pd.DataFrame:
+    rows = []
+    for job, condition, seed, path in plain_runs(folders):
+        b, t = per_step(pd.read_csv(path))
+        if t.shape[1] != 2:
+            continue
+        base = {"half": half_of(job), "condition": condition, "job": job, "seed": seed, "lag1": lag1(t)}
+        for length in lengths:
+            for test, serial in (("effective steps", True), ("independent", False)):
+                share, running = windows(b, t, length, margin, serial)
+                rows.append({**base, "L": length, "test": test, "pass": share, "two running": running})
+    if not rows:
+        raise SystemExit(f"no plain Horovod run with two ranks under {', '.join(map(str, folders))}")
+    return pd.DataFrame(rows)
+
+
+def report(frame: pd.DataFrame, margin: float) -> str:
+    out = []
+    for half, part in frame.groupby("half", sort=False):
+        runs = part.drop_duplicates(["job", "condition", "seed"])
+        out.append(f"## {half} half ({runs.job.nunique()} jobs, {len(runs)} plain runs)\n")
+        out.append("Lag-1 autocorrelation of the ranks' per-step log difference, median [range] over runs: " + "; ".join(
+            f"{c} {g.lag1.median():.2f} [{g.lag1.min():.2f}, {g.lag1.max():.2f}]" for c, g in runs.groupby("condition")) + "\n")
+        table = part.pivot_table(index=["condition", "L"], columns="test", values=["pass", "two running"], aggfunc="mean")
+        out.append(f"Share of windows whose bound passes the margin ({margin:g}); mean over runs:\n")
+        out.append("| condition | L (steps) | pass: effective steps | pass: independent | two running: effective steps | two running: independent |")
+        out.append("|---|---|---|---|---|---|")
+        for (condition, length), row in table.iterrows():
+            cells = [row[("pass", "effective steps")], row[("pass", "independent")],
+                     row[("two running", "effective steps")], row[("two running", "independent")]]
+            out.append(f"| {condition} | {length} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", type=Path, help="suite run folders (runs/suite/NAME)")
+    ap.add_argument("--lengths", default="8,20,50,130", help="window lengths in steps, comma-separated")
+    ap.add_argument("--margin", type=float, default=ProposalConfig().split_margin,
+                    help="the split margin a bound must pass (default: ProposalConfig's)")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print(report(replay(args.folders, lengths, args.margin), args.margin))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
