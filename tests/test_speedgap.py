@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dynamix_hvd.control.speedgap import MIN_STEPS, effective_steps, speed_gap, t_quantile
+from dynamix_hvd.control.speedgap import MIN_STEPS, SERIAL_STEPS, effective_steps, speed_gap, t_quantile
 
 
 def split_gain_lower_bound(*args, **kwargs):
@@ -20,6 +20,11 @@ def test_t_quantile_is_within_one_percent(df, exact):
     assert t_quantile(0.99, df + 0.7) == t_quantile(0.99, df), "a fractional df rounds down"
 
 
+def test_t_quantile_refuses_a_two_sided_level():
+    with pytest.raises(ValueError, match="0.3"):
+        t_quantile(0.3, 5)
+
+
 def times(rng, n, factor, sizes=(32, 32), jitter=0.1, common=0.2):
     """Per-rank noise `jitter` and a step-wide factor `common` (a busy host slows every rank at once)."""
     b = np.tile(np.asarray(sizes, dtype=float), (n, 1))
@@ -31,17 +36,17 @@ def test_equal_ranks_bound_at_zero_and_a_straggler_near_its_gain():
     rng = np.random.default_rng(0)
     equal = [split_gain_lower_bound(*times(rng, 8, 1.0)) for _ in range(200)]
     assert max(equal) < 0.05, "equal ranks never pass the 5% margin"
-    twice = np.array([split_gain_lower_bound(*times(rng, 6, 2.0)) for _ in range(200)])
-    assert (twice > 0.05).mean() >= 0.97 and np.median(twice) < 1 / 3, "2x: gain 1/3, bounded below it, above the margin"
-    eight = [split_gain_lower_bound(*times(rng, 8, 2.0)) for _ in range(200)]
-    assert min(eight) > 0.1
+    twice = [split_gain_lower_bound(*times(rng, 6, 2.0)) for _ in range(200)]
+    assert min(twice) > 0.1 and np.median(twice) < 1 / 3, "2x: gain 1/3, bounded below it but well above the margin"
+    longer = [split_gain_lower_bound(*times(rng, 20, 2.0)) for _ in range(200)]  # effective steps counted
+    assert min(longer) > 0.15 and np.median(longer) < 1 / 3
 
 
 def test_the_step_wide_noise_cancels_in_the_pairs():
     """A 1.3x gap under a step-wide factor 10x the per-rank noise is still measured from 8 steps."""
     rng = np.random.default_rng(1)
     bounds = [split_gain_lower_bound(*times(rng, 8, 1.3, jitter=0.03, common=0.3)) for _ in range(50)]
-    assert min(bounds) > 0.05
+    assert min(bounds) > 0.08
 
 
 def serial_times(rng, n, factor, rho, jitter=0.15, common=0.2):
@@ -66,6 +71,9 @@ def test_serially_correlated_noise_is_not_taken_for_a_gap():
     assert independent > 0.1 and serial < 0.65 * independent and serial < 0.09
     twice = [split_gain_lower_bound(*serial_times(rng, 20, 2.0, 0.8)) for _ in range(200)]
     assert np.mean(np.array(twice) > 0.05) >= 0.98
+    # below SERIAL_STEPS the steps are taken as independent: both tests agree
+    b, t = serial_times(rng, SERIAL_STEPS - 1, 1.2, 0.8)
+    assert split_gain_lower_bound(b, t) == split_gain_lower_bound(b, t, serial=False)
 
 
 def test_effective_steps_count_independent_steps_as_themselves():

@@ -21,7 +21,9 @@ not fill takes as long as for k_i samples. The fit:
   a slow drift;
 - a change of speed: a rank whose arrivals, at sizes its line has seen, differ from the line's
   prediction by more than `shift_threshold` (log ratio, after a one-sided 99% bound of the steps'
-  scatter: :func:`~dynamix_hvd.control.speedgap.shrunk_mean`) in two tested intervals, the same
+  scatter taken as independent draws: :func:`~dynamix_hvd.control.speedgap.shrunk_mean` with
+  ``serial=False``; a missed change leaves the line stale until forgetting catches up, a false one
+  only restarts it, so this test keeps the plain bound's sensitivity) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
   is a blip, common on shared hosts). Intervals at sizes the line has not seen give no verdict of
   their own and may lie between the two (the split moves after the first), but they confirm a
@@ -397,12 +399,12 @@ class CostModel:
                     if testable.sum() >= MIN_STEPS:
                         way = math.copysign(1.0, self._pending[r])
                         d = np.log(t[testable, r] / predicted[testable, r])
-                        off = float(shrunk_mean((d - way * allowance[testable])[:, None])[0])
+                        off = float(shrunk_mean((d - way * allowance[testable])[:, None], serial=False)[0])
                         if off * way > self.cfg.shift_threshold:
                             self._confirm_shift(r, float(d.mean()))
                 continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
-            off = float(shrunk_mean(d[:, None])[0])
+            off = float(shrunk_mean(d[:, None], serial=False)[0])
             if abs(off) <= self.cfg.shift_threshold:
                 self._pending[r] = 0.0
             elif off * self._pending[r] > 0:  # the second interval: a change, not a blip

@@ -9,13 +9,15 @@ the sizes that ran) by a one-sided Student-t bound on each rank's mean d_i (`CON
 bound on the split's gain is the time the arrival-equalising split saves at the speeds these imply
 (the interval's sizes, time in proportion to samples) over the measured step, which also holds the
 allreduce and the update that no split shortens. Equal ranks give a bound at or below zero; a 2x
-straggler (a gain of 1/3) timed for six steps gives 0.14-0.33.
+straggler (a gain of 1/3) timed for six steps gives 0.16-0.34.
 
 Steps are not independent draws: a core slowed by its neighbours stays slow for many steps (on the
-project's VM the lag-1 autocorrelation of d is 0.5-0.9 on equal ranks), and a test that assumes
+project's VM the lag-1 autocorrelation of d in plain Horovod's runs on equal ranks is 0.52 and
+0.68, medians over the two halves of the workload zoo), and a test that assumes
 independence then finds gaps in noise. The bound's standard error and degrees of freedom therefore
 come from the interval's effective number of steps, n divided by the variance inflation that the
-steps' autocorrelation implies (Newey-West, Bartlett kernel, bandwidth n^(1/3)).
+steps' autocorrelation implies (Newey-West, Bartlett kernel, about n^(1/3) lags), from
+`SERIAL_STEPS` steps on.
 """
 from __future__ import annotations
 
@@ -30,16 +32,23 @@ CONFIDENCE = 0.99
 MIN_STEPS = 5
 """Fewest timed steps the test needs (fewer: no bound, NaN)."""
 
+SERIAL_STEPS = 12
+"""Fewest steps from which their autocorrelation is estimated (three lags); fewer are taken as
+independent draws: two lags of a handful of steps estimate it too noisily to be worth the power lost,
+and the proposal asks for two intervals running anyway."""
+
 
 def t_quantile(p: float, df: float) -> float:
     """Student-t quantile at ``floor(df)`` degrees of freedom (at least 1; a fractional df rounds
-    down, the conservative side): exact for 1-3 (their CDFs in closed form, inverted by bisection),
-    for 4 and more the Cornish-Fisher expansion around the normal quantile (within 1% of the exact
-    value at p <= 0.99)."""
-    df = max(1, int(df))
+    down, the conservative side), for 0.5 <= p < 1: exact for 1-3 (their CDFs in closed form,
+    inverted by bisection), for 4 and more the Cornish-Fisher expansion around the normal quantile
+    (within 1% of the exact value at p <= 0.99)."""
+    if not 0.5 <= p < 1.0:
+        raise ValueError(f"t_quantile(p={p!r}); a one-sided bound needs 0.5 <= p < 1")
+    df = max(1, int(df)) if math.isfinite(df) else 1
     if df <= 3:
-        lo, hi = 0.0, 1e4
-        for _ in range(100):
+        lo, hi = 0.0, 1e9
+        for _ in range(200):
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if _t_cdf(mid, df) < p else (lo, mid)
         return 0.5 * (lo + hi)
@@ -60,28 +69,32 @@ def _t_cdf(t: float, df: int) -> float:
 
 def effective_steps(d: np.ndarray) -> np.ndarray:
     """Per column of `d` [n, R]: n divided by the variance inflation of its mean that the column's
-    autocorrelation implies (Newey-West long-run variance, Bartlett kernel, bandwidth ceil(n^(1/3)));
-    never more than n (a negative autocorrelation does not count as extra steps)."""
+    autocorrelation implies (Newey-West long-run variance, Bartlett kernel, the smallest number of
+    lags whose cube is at least n); never more than n (a negative autocorrelation does not count as
+    extra steps)."""
     n = len(d)
     x = d - d.mean(0)
     var = (x * x).sum(0)
-    lags = min(n - 1, math.ceil(n ** (1 / 3)))
+    lags = 1
+    while lags ** 3 < n:
+        lags += 1
+    lags = min(n - 1, lags)
     long_run = var.copy()
     for k in range(1, lags + 1):
         long_run += 2.0 * (1.0 - k / (lags + 1)) * (x[:-k] * x[k:]).sum(0)
     inflation = np.where(var > 0, long_run / np.where(var > 0, var, 1.0), 1.0)
-    return n / np.maximum(inflation, 1.0)
+    return n / np.maximum(np.nan_to_num(inflation, nan=1.0, posinf=1.0), 1.0)
 
 
 def shrunk_mean(d: np.ndarray, confidence: float = CONFIDENCE, serial: bool = True) -> np.ndarray:
     """Column means of `d` [n, R] (consecutive steps) shrunk towards 0 by their one-sided Student-t
     bound: sign(m) x max(|m| - t x se, 0), 0 where the steps' scatter cannot tell the mean from 0
-    (n >= 2). The standard error and the degrees of freedom are those of the column's effective
-    number of steps (`effective_steps`); ``serial=False`` takes the steps as independent draws (the
-    plain t-test, for comparison)."""
+    (n >= 2). From `SERIAL_STEPS` steps on, the standard error and the degrees of freedom are those
+    of the column's effective number of steps (`effective_steps`); ``serial=False`` takes the steps
+    as independent draws at any n (the plain t-test, for comparison)."""
     n = len(d)
     mean = d.mean(0)
-    n_eff = effective_steps(d) if serial and n > 2 else np.full(d.shape[1], float(n))
+    n_eff = effective_steps(d) if serial and n >= SERIAL_STEPS else np.full(d.shape[1], float(n))
     se = d.std(0, ddof=1) / np.sqrt(n_eff)
     t = np.array([t_quantile(confidence, m - 1.0) for m in n_eff])
     return np.sign(mean) * np.maximum(np.abs(mean) - t * se, 0.0)
