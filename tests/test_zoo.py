@@ -313,3 +313,41 @@ def test_the_report_takes_a_headline_variants_own_target(tmp_path):
                          [0.90, 0.936, 0.937, 0.945, 0.95, 0.95], eval_s=1.0)
     jobs = collect(tmp_path)  # median of three: past 0.935 at the 3rd evaluation, past 0.94 at the 5th
     assert sorted(jobs.ttt_s) == [40.0, 50.0], jobs.ttt_s
+
+
+def _plain_steps(folder: Path, job: str, condition: str, factor: float, rho: float, seed: int) -> None:
+    """A plain Horovod run's suite_steps.csv: 400 steps of 2 ranks at 32 samples, rank 1 `factor`
+    times slower, each rank's noise an AR(1) series of lag-1 correlation `rho`."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    noise = np.zeros((400, 2))
+    for k in range(1, 400):
+        noise[k] = rho * noise[k - 1] + rng.normal(0, 0.15 * math.sqrt(1 - rho ** 2), 2)
+    compute = 0.01 * np.array([1.0, factor]) * np.exp(noise)
+    rows = [{"rank": r, "epoch": 0, "step": k + 1, "t_s": 0.0, "step_s": compute[k].max() + 0.002,
+             "compute_s": compute[k, r], "local_batch": 32, "global_batch": 64}
+            for k in range(400) for r in range(2)]
+    run = folder / f"zoo:{job}" / condition / "plain-horovod_s0"
+    run.mkdir(parents=True)
+    pd.DataFrame(rows).to_csv(run / "suite_steps.csv", index=False)
+
+
+def test_the_gap_replay_counts_passes_per_half_and_condition(tmp_path):
+    from bench.gap_replay import replay, report
+
+    _plain_steps(tmp_path, "mlp-digits", "none", 1.0, 0.8, 0)
+    _plain_steps(tmp_path, "mlp-digits", "slow2x", 2.0, 0.8, 1)
+    _plain_steps(tmp_path, "mnist-cnn", "none", 1.0, 0.0, 2)
+    frame = replay([tmp_path], [20, 50], 0.05)
+    assert set(frame.half) == {TUNING, EVALUATION}
+    two = frame.set_index(["job", "condition", "L", "test"])["two running"]
+    assert two["zoo:mlp-digits", "slow2x", 20, "effective steps"] == 1.0
+    # correlated noise on equal ranks: the effective-step test passes no more often than the plain one
+    for length in (20, 50):
+        assert two["zoo:mlp-digits", "none", length, "effective steps"] <= two["zoo:mlp-digits", "none", length, "independent"]
+    assert frame[frame.job == "zoo:mnist-cnn"]["pass"].max() < 0.1, "independent noise on equal ranks: rare passes"
+    lag1 = frame.drop_duplicates("job").set_index("job")["lag1"]
+    assert lag1["zoo:mlp-digits"] > 0.6 and abs(lag1["zoo:mnist-cnn"]) < 0.2
+    text = report(frame, 0.05)
+    assert "## tuning half (1 jobs, 2 plain runs)" in text and "| slow2x | 20 | 1.000 |" in text
