@@ -4,19 +4,19 @@
 
 Reads every plain Horovod run under the given suite run folders (``*/CONDITION/plain-horovod_s*/
 suite_steps.csv``: each rank's forward+backward seconds per step at equal sizes, no controller
-involved), cuts each run's steps (after the first five) into consecutive windows of L steps, as if a
-decision ended every L steps, and applies the proposal's paired test
-(`dynamix_hvd.control.speedgap.speed_gap`, with each step's time the longest rank's whole step) to
-each window twice: counting effective steps (the shipped test) and taking the steps as independent
-draws (the plain t-test). Of each window only the steps the cost model would keep of an interval
-are tested (`CostConfig.points_per_interval`, evenly spaced), as the live proposal does. Printed per half of
-the workload zoo, condition and L, the share of windows whose bound passes the split margin, and
-the share that passes with the window before it, the same rank the slowest (what leaves the neutral
-split with `ProposalConfig.split_intervals` 2). Under "none" every pass is a split of ranks that run
-the same job at the same sizes (the host may still give one core less time for a while); under a
-straggler a pass is a detection. Also per half and condition, over runs: the lag-1 and lag-10
-autocorrelation of the per-step log difference between the two ranks (the reason independence does
-not hold) and its mean (a gap that lasts the whole run).
+involved), cuts each run's steps (after the first `WARMUP_STEPS`, which the decision core leaves
+out too) into consecutive windows of L steps, as if a decision ended every L steps, and applies the
+proposal's paired test (`dynamix_hvd.control.speedgap.speed_gap`, with each step's time the longest
+rank's whole step) to each window twice: counting effective steps (the shipped test) and taking the
+steps as independent draws (the plain t-test). Of each window only the steps the cost model would
+keep of an interval are tested (`CostConfig.points_per_interval`, evenly spaced), as the live
+proposal does. Printed per half of the workload zoo, condition and L, the share of windows whose
+bound passes the split margin, and the share that passes with the window before it, the same rank
+the slowest (what leaves the neutral split with `ProposalConfig.split_intervals` 2). Under "none"
+every pass is a split of ranks that run the same job at the same sizes (the host may still give one
+core less time for a while); under a straggler a pass is a detection. Also per half and condition,
+over runs: the lag-1 and lag-10 autocorrelation of the per-step log difference between the two
+ranks (the reason independence does not hold) and its mean (a gap that lasts the whole run).
 """
 from __future__ import annotations
 
@@ -28,12 +28,11 @@ import numpy as np
 import pandas as pd
 
 from bench.zoo import JOBS
+from dynamix_hvd.control.core import WARMUP_STEPS
 from dynamix_hvd.control.costmodel import CostConfig
 from dynamix_hvd.control.proposal import ProposalConfig
 from dynamix_hvd.control.speedgap import speed_gap
 
-SKIP_STEPS = 5
-"""Each run's first steps (lazy initialisation) are left out, as the controller's first report does."""
 
 
 def plain_runs(folders: list[Path]) -> list[tuple[str, str, str, Path]]:
@@ -59,7 +58,8 @@ def per_step(steps: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b = steps.pivot_table(index="step", columns="rank", values="local_batch")
     whole = steps.pivot_table(index="step", columns="rank", values="step_s").max(axis=1)
     ok = (t > 0).all(axis=1) & (b > 0).all(axis=1)
-    return b[ok].to_numpy()[SKIP_STEPS:], t[ok].to_numpy()[SKIP_STEPS:], whole[ok].to_numpy()[SKIP_STEPS:]
+    # the process's first steps pay one-off costs: left out, as the decision core leaves them out
+    return b[ok].to_numpy()[WARMUP_STEPS:], t[ok].to_numpy()[WARMUP_STEPS:], whole[ok].to_numpy()[WARMUP_STEPS:]
 
 
 def windows(b: np.ndarray, t: np.ndarray, step: np.ndarray, length: int, margin: float,
@@ -112,7 +112,8 @@ def report(frame: pd.DataFrame, margin: float) -> str:
                           ("mean gap", "mean as a percentage (rank 1 slower by)")):
             out.append(f"The ranks' per-step log difference, its {what}, median [range] over runs: " + "; ".join(
                 f"{c} {g[key].median():.2f} [{g[key].min():.2f}, {g[key].max():.2f}]" for c, g in runs.groupby("condition")) + "\n")
-        table = part.pivot_table(index=["condition", "L"], columns="test", values=["pass", "two running"], aggfunc="mean")
+        table = part.pivot_table(index=["condition", "L"], columns="test", values=["pass", "two running"],
+                                 aggfunc="mean", dropna=False)
         out.append(f"Share of windows whose bound passes the margin ({margin:g}); mean over runs:\n")
         out.append("| condition | L (steps) | pass: effective steps | pass: independent | two running: effective steps | two running: independent |")
         out.append("|---|---|---|---|---|---|")

@@ -20,6 +20,10 @@ def test_t_quantile_is_within_one_percent(df, exact):
     assert t_quantile(0.99, df + 0.7) == t_quantile(0.99, df), "a fractional df rounds down"
 
 
+def test_t_quantile_at_infinite_degrees_of_freedom_is_the_normal_one():
+    assert t_quantile(0.99, math.inf) == pytest.approx(2.3263, abs=1e-4)
+
+
 def test_t_quantile_refuses_a_two_sided_level():
     with pytest.raises(ValueError, match="0.3"):
         t_quantile(0.3, 5)

@@ -346,7 +346,8 @@ def test_the_gap_replay_counts_passes_per_half_and_condition(tmp_path):
     # correlated noise on equal ranks: the effective-step test passes no more often than the plain one
     for length in (20, 50):
         assert two["zoo:mlp-digits", "none", length, "effective steps"] <= two["zoo:mlp-digits", "none", length, "independent"]
-    assert frame[frame.job == "zoo:mnist-cnn"]["pass"].max() < 0.1, "independent noise on equal ranks: rare passes"
+    independent = frame[(frame.job == "zoo:mnist-cnn") & (frame.L == 20)]  # 19 windows each
+    assert independent["pass"].max() <= 0.16 and independent["two running"].max() <= 0.06, "equal ranks: rare passes"
     lag1 = frame.drop_duplicates("job").set_index("job")["lag1"]
     assert lag1["zoo:mlp-digits"] > 0.6 and abs(lag1["zoo:mnist-cnn"]) < 0.2
     text = report(frame, 0.05)

@@ -45,7 +45,9 @@ def t_quantile(p: float, df: float) -> float:
     (within 1% of the exact value at p <= 0.99)."""
     if not 0.5 <= p < 1.0:
         raise ValueError(f"t_quantile(p={p!r}); a one-sided bound needs 0.5 <= p < 1")
-    df = max(1, int(df)) if math.isfinite(df) else 1
+    if not math.isfinite(df):  # infinitely many degrees of freedom: the normal quantile
+        return NormalDist().inv_cdf(p)
+    df = max(1, int(df))
     if df <= 3:
         lo, hi = 0.0, 1e9
         for _ in range(200):
