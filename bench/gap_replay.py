@@ -29,10 +29,9 @@ import pandas as pd
 
 from bench.zoo import JOBS
 from dynamix_hvd.control.core import WARMUP_STEPS
-from dynamix_hvd.control.costmodel import CostConfig
+from dynamix_hvd.control.costmodel import CostConfig, kept_points
 from dynamix_hvd.control.proposal import ProposalConfig
 from dynamix_hvd.control.speedgap import speed_gap
-
 
 
 def plain_runs(folders: list[Path]) -> list[tuple[str, str, str, Path]]:
@@ -69,8 +68,7 @@ def windows(b: np.ndarray, t: np.ndarray, step: np.ndarray, length: int, margin:
     count = len(t) // length
     if count < 3:
         return math.nan, math.nan
-    # the points the cost model keeps of an interval: at most points_per_interval, evenly spaced
-    kept = np.unique(np.linspace(0, length - 1, min(length, CostConfig().points_per_interval)).round().astype(int))
+    kept = kept_points(length, CostConfig().points_per_interval)  # what the cost model keeps of an interval
     cut = [i * length + kept for i in range(count)]
     gaps = [speed_gap(b[w], t[w], step[w], serial=serial) for w in cut]
     passed = [g > margin for g, _ in gaps]

@@ -254,6 +254,11 @@ class NetworkFit:
         return (np.asarray(passes) - 1) * a + self.sync_time(a) + self.overhead_s
 
 
+def kept_points(n: int, most: int) -> np.ndarray:
+    """Positions of the points kept of an interval's `n` steps: at most `most`, evenly spaced."""
+    return np.unique(np.linspace(0, n - 1, min(n, most)).round().astype(int))
+
+
 def weighted_median(x: np.ndarray, w: np.ndarray) -> float:
     if len(x) == 0 or w.sum() <= 0:
         return 0.0
@@ -346,8 +351,7 @@ class CostModel:
         if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
             self._follow_speed(b[ok], t[ok])                        # follows the lengths it drew
         idx = np.flatnonzero(ok)
-        keep = idx[np.unique(np.linspace(0, len(idx) - 1, min(len(idx), self.cfg.points_per_interval)).round()
-                             .astype(int))]
+        keep = idx[kept_points(len(idx), self.cfg.points_per_interval)]
         mult = steps_each * len(idx) / len(keep)
         over = overhead_s if math.isfinite(overhead_s) and overhead_s > 0 else 0.0
         cap = self.cfg.capacity
