@@ -99,7 +99,7 @@ def _decide_on(policy, model, times, sizes=(64, 64)):
 def test_one_noisy_interval_does_not_split_equal_ranks():
     """Equal ranks whose one interval looks 3x apart (a busy host for a few seconds), then equal again:
     the neutral split stays; a gap whose slowest rank swaps between intervals does not add up either;
-    a short interval between two passing ones neither counts nor breaks the run."""
+    an interval too short to test is tested with the next one."""
     rng = np.random.default_rng(0)
     slow1, slow0, equal = ([0.002, 0.006], [1e-4, 3e-4]), ([0.006, 0.002], [3e-4, 1e-4]), EQUAL.values()
     for order, runs in (((slow1, equal, slow1, equal), [1, 0, 1, 0]), ((slow1, slow0, slow1, slow0), [1, 1, 1, 1])):
@@ -127,6 +127,29 @@ def test_one_noisy_interval_does_not_split_equal_ranks():
         assert out.info["gap_intervals"] == 1 and out.recheck is expected, (out.info["gap_bound"], out.recheck)
     after = _decide_on(policy, model, steps(rng, second.sizes, *slow1), sizes=second.sizes)
     assert after.info["gap_intervals"] == 0, "an interval off the neutral split is not evidence for leaving it"
+
+
+def test_intervals_too_short_to_test_are_tested_together():
+    """Epochs of four steps (a decision at each end): each interval alone is too short for the paired
+    test, so two are tested together. A 3x straggler is split at the fourth decision (two such pairs
+    running), not before; a gap in the first pair only (a busy host) is no evidence, nor are steps
+    off the neutral split."""
+    slow1 = ([0.002, 0.006], [1e-4, 3e-4])
+    for seed in range(3):
+        rng, policy, model = np.random.default_rng(seed), ModelPolicy(search_batch=False), CostModel(2)
+        outs = [_decide_on(policy, model, steps(rng, [64, 64], *slow1, n=4)) for _ in range(4)]
+        assert [o.info["gap_intervals"] for o in outs] == [0, 1, 1, 2], [o.info["gap_intervals"] for o in outs]
+        assert [math.isfinite(o.info["gap_bound"]) for o in outs] == [False, True, False, True]
+        assert all(o.sizes == [64, 64] for o in outs[:3]) and outs[3].sizes[0] > 1.5 * outs[3].sizes[1], outs[3].sizes
+        policy, model = ModelPolicy(search_batch=False), CostModel(2)
+        costs = [slow1, slow1] + [tuple(EQUAL.values())] * 6
+        outs = [_decide_on(policy, model, steps(rng, [64, 64], *c, n=4)) for c in costs]
+        assert all(o.sizes == [64, 64] for o in outs), [o.sizes for o in outs]
+        assert [o.info["gap_intervals"] for o in outs] == [0, 1, 1, 0, 0, 0, 0, 0]
+    policy, model = ModelPolicy(search_batch=False), CostModel(2)
+    _decide_on(policy, model, steps(rng, [64, 64], *slow1, n=4))
+    uneven = _decide_on(policy, model, steps(rng, [80, 48], *slow1, n=4), sizes=(80, 48))
+    assert uneven.info["gap_intervals"] == 0 and policy._unit_from is None, "steps off the neutral split end the wait"
 
 
 def test_the_evidence_round_trips_and_a_restored_first_interval_is_skipped():

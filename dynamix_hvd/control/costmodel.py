@@ -491,11 +491,21 @@ class CostModel:
             self._pending[r] = 0.0
             self._fit = None
 
+    @property
+    def latest_after(self) -> float:
+        """The step count before the last recorded interval (where `latest_interval` begins)."""
+        return self._latest_after
+
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step
         times [n] (the allreduce's end plus the time after it; NaN where not known), one row per kept
         step (one row standing for the interval where only its means were known)."""
-        mine = self._at > self._latest_after
+        return self.points_since(self._latest_after)
+
+    def points_since(self, step: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As `latest_interval`, for every interval recorded after the job's first `step` steps (those
+        still held: the oldest points leave at `CostConfig.capacity`)."""
+        mine = self._at > step
         return self._b[mine], self._t[mine], self._sync[mine] + self._overhead[mine]
 
     def record_link(self, payload_bytes: float, latency_s: float) -> None:

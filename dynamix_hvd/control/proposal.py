@@ -85,10 +85,11 @@ class ProposalConfig:
     split_intervals: int = 2
     """Recorded intervals at the neutral split, running, in which the measured difference in speed
     (per-step times, a paired test) must pass `split_margin`, the same rank the slowest, before the
-    neutral split is left: one noisy interval on a shared host must not split equal ranks. Intervals
-    too short for the test neither count nor break the run. Once the job has shown per-step times,
-    only they confirm a split; a job that never shows them (intervals under five steps) is judged by
-    the predicted gain in two intervals running, whatever this says."""
+    neutral split is left: one noisy interval on a shared host must not split equal ranks. An
+    interval too short for the test (under five kept steps) is tested together with the next neutral
+    one, so a job whose epochs are a few steps long is judged on steps too. With interval means only
+    (a hand-built DecisionInput without a cost model), the predicted gain must pass the margin in two
+    intervals running, whatever this says."""
     recheck_gap: float = 0.15
     """A first interval that passes `split_margin` with a measured gain from equalising arrivals (the
     paired test's lower bound) of at least this asks for the next decision `min_decision_steps`
@@ -426,6 +427,8 @@ class ModelPolicy:
         """Recorded neutral intervals running whose measured gap passed the margin, `_gap_slowest` the
         slowest rank in each."""
         self._gap_slowest = -1
+        self._unit_from: float | None = None
+        """The step count where neutral steps too few to test on their own began (None: none wait)."""
         self._stepwise = False
         """Per-step times were seen: the measured gap, not the predicted one, confirms a split."""
         self._restored = False
@@ -492,20 +495,17 @@ class ModelPolicy:
         # (:mod:`speedgap`), passes the configured margin in `split_intervals` recorded intervals
         # running at the neutral split, the same rank the slowest each time (a margin raised by a
         # failed split applies to the predicted gain, in the slowest arrival, as it was raised); with
-        # interval means only, the predicted gain passes the margin in two intervals running. A
-        # restored process's first interval holds its start-up and is not evidence.
-        gap, slowest = speed_gap(*costs.latest_interval())
+        # interval means only, the predicted gain passes the margin in two intervals running. An
+        # interval too short to test waits to be tested with the next. A restored process's first
+        # interval holds its start-up and is not evidence.
         # the sizes that ran were neutral (a neutral proposal clipped by the bounds counts as one; a
         # refinement or a held flip that ran other sizes does not)
         neutral_ran = ran_neutral or (self.last is not None and self.last.neutral
                                       and list(inp.sizes) == list(self.last.sizes))
-        passed = False
-        if fresh and math.isfinite(gap) and not self._restored:
-            self._stepwise = True
-            passed = neutral_ran and gap > self.cfg.split_margin
-            same = self._gap_run > 0 and slowest == self._gap_slowest
-            self._gap_run = (self._gap_run + 1 if same else 1) if passed else 0
-            self._gap_slowest = slowest if passed else -1
+        if fresh and not self._restored and inp.costs is not None:
+            gap, slowest, passed = self._test_interval(costs, neutral_ran)
+        else:  # not evidence; the latest interval's bound is still reported
+            (gap, slowest), passed = speed_gap(*costs.latest_interval()), False
         self._restored = False
         evidence = self._gap_run
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
@@ -532,7 +532,7 @@ class ModelPolicy:
         if leaving:
             self.split_check.start(self.last.split_gain)
         if split_failed:
-            self._gap_run, self._gap_slowest = 0, -1  # a later split needs fresh evidence
+            self._end_gap_run()  # a later split needs fresh evidence
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
@@ -545,13 +545,38 @@ class ModelPolicy:
             info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
 
+    def _test_interval(self, costs: CostModel, neutral_ran: bool) -> tuple[float, int, bool]:
+        """The paired test on the interval just recorded, with any neutral steps before it too few to
+        test on their own: its bound, the slowest rank, and whether it passed the margin (the run of
+        passing intervals is extended, restarted or ended)."""
+        if not neutral_ran:
+            self._end_gap_run()
+            return math.nan, -1, False
+        start = costs.latest_after if self._unit_from is None else self._unit_from
+        gap, slowest = speed_gap(*costs.points_since(start))
+        if not math.isfinite(gap):  # too few steps: the next interval adds its own to them
+            self._unit_from = start
+            return gap, slowest, False
+        self._unit_from = None
+        self._stepwise = True
+        passed = gap > self.cfg.split_margin
+        if not passed:
+            self._end_gap_run()
+        else:
+            same = self._gap_run > 0 and slowest == self._gap_slowest
+            self._gap_run, self._gap_slowest = (self._gap_run + 1 if same else 1), slowest
+        return gap, slowest, passed
+
+    def _end_gap_run(self) -> None:
+        self._gap_run, self._gap_slowest, self._unit_from = 0, -1, None
+
     def after_decision(self) -> dict[str, float]:
         return {}
 
     def reset_world(self, world_size: int) -> None:
         self._own = None
         self._costs_seen = -1.0
-        self._gap_run, self._gap_slowest = 0, -1
+        self._end_gap_run()
         self._rechecked = False
         self.neutral = None
         self.last = None
@@ -584,6 +609,8 @@ class ModelPolicy:
             self.guard.history = [[int(b) for b in h] for h in state["guard"]]
         self._gap_run = int(state.get("gap_run", 0))
         self._gap_slowest = int(state.get("gap_slowest", -1))
+        # neutral steps waiting for more were the previous process's: its start-up interval is not evidence
+        self._unit_from = None
         self._stepwise = bool(state.get("stepwise", False))
         self._rechecked = bool(state.get("rechecked", False))
         self._restored = True
