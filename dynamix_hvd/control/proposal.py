@@ -116,9 +116,10 @@ class ProposalConfig:
 
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
-    not shorten by half the predicted gain, return to neutral and, for the rest of the job, split only
-    for twice the gain that failed, at most 25% (see :class:`SplitCheck`). Off where `split_margin`
-    is 0 and with token budgets."""
+    not shorten by half the predicted gain, return to neutral and from then on split only for twice
+    the gain that failed, at most 25%, until the measured gap has passed `split_margin` in
+    `split_intervals` x 2^failures intervals running (see :class:`SplitCheck`). Off where
+    `split_margin` is 0 and with token budgets."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -508,6 +509,8 @@ class ModelPolicy:
             (gap, slowest), passed = speed_gap(*costs.latest_interval()), False
         self._restored = False
         evidence = self._gap_run
+        # a gap measured in enough intervals running outweighs an earlier failed split
+        lifted = self.split_check is not None and self.split_check.outweighed(evidence, self.cfg.split_intervals)
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > self.split_margin)
         # this interval added evidence that the next must confirm: where the gap is large, decide again
@@ -536,7 +539,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "speed_shift": costs.shift.tolist(),
+                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
                 "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,

@@ -13,9 +13,13 @@ a larger batch by the loss:
 - verdict: the mean step of the first `judged` intervals at the split must be shorter than the
   reference by at least `keep` of the gain the cost model predicts for the sizes that ran (the first
   intervals may run a partial split: a rank's growth bounded by the trust region, the dither).
-  Otherwise the split is undone and, for the rest of the job (a new world starts afresh), leaving
-  neutral needs a predicted gain of `raise_by` times the one that failed (at most `max_margin`), so a
-  real straggler that appears later is still split.
+  Otherwise the split is undone and from then on (a new world starts afresh) leaving neutral needs a
+  predicted gain of `raise_by` times the one that failed (at most `max_margin`), so a real 2x or 3x
+  straggler that appears later is still split at once. A smaller gap that lasts is split too: the
+  raised margin is lifted once the measured gap has passed the configured margin in
+  `split_intervals x raise_by^failures` neutral intervals running (`outweighed`), so each failed
+  split doubles the evidence the next one needs and a gap that is real but does not pay (ranks that
+  share cores) costs few trials.
 
 A rank that changed speed (the cost model's lines found it in two intervals off its line,
 :mod:`dynamix_hvd.control.costmodel`) makes steps before and after the change incomparable: while a
@@ -111,6 +115,16 @@ class SplitCheck:
             self.margin = min(self.max_margin, max(self.margin, self.raise_by * self.trial_gain))
         self._end_trial()
         return failed
+
+    def outweighed(self, run: int, split_intervals: int) -> bool:
+        """A raised margin is outweighed by `run` neutral intervals running whose measured gap passed
+        the configured margin, the same rank slower, when they are `split_intervals` times
+        `raise_by` per failure; it is then lifted (the proposal's own margin applies until the next
+        failure). True when lifted now."""
+        if self.margin <= 0 or run < math.ceil(split_intervals * self.raise_by ** self.failures):
+            return False
+        self.margin = 0.0
+        return True
 
     def _end_trial(self) -> None:
         self.trial, self.trial_predicted, self.trial_gain = [], [], 0.0
