@@ -372,8 +372,10 @@ def first_gaps(results: Path) -> str:
         d = pd.read_csv(decisions)
         if "gap_intervals" not in d:
             continue
-        runs_of = d["gap_intervals"].tolist()
-        for k, (n, gap) in enumerate(zip(runs_of, d["gap_bound"])):
+        # rows without a bound tested nothing (an interval waiting for more steps, a restored start)
+        tested = d[pd.to_numeric(d["gap_bound"], errors="coerce").notna()]
+        runs_of = tested["gap_intervals"].tolist()
+        for k, (n, gap) in enumerate(zip(runs_of, tested["gap_bound"])):
             if n == 1:
                 found.setdefault(str(r["condition"]), []).append((float(gap), k + 1 < len(runs_of) and runs_of[k + 1] == 2))
     if not found:

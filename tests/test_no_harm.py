@@ -85,9 +85,9 @@ def test_a_real_straggler_is_split_after_two_intervals_of_evidence():
     assert one[0][0] > 1.5 * one[0][1], "split_intervals=1 splits at the first decision"
 
 
-def _decide_on(policy, model, times, sizes=(64, 64)):
+def _decide_on(policy, model, times, sizes=(64, 64), steps_each=1):
     b, t, sync = times
-    model.record(b, t, sync, overhead_s=1e-3)
+    model.record(b, t, sync, overhead_s=1e-3, steps_each=steps_each)
     ctx = GlobalContext(global_batch=sum(sizes), initial_batch=128, noise_scale=1e6, efficiency=1.0,
                         loss_trend=0.0, progress=0.0, world_size=2)
     reports = [report(r, s, len(b), float(sync.mean()) + 1e-3, 1.0) for r, s in enumerate(sizes)]
@@ -150,6 +150,14 @@ def test_intervals_too_short_to_test_are_tested_together():
     _decide_on(policy, model, steps(rng, [64, 64], *slow1, n=4))
     uneven = _decide_on(policy, model, steps(rng, [80, 48], *slow1, n=4), sizes=(80, 48))
     assert uneven.info["gap_intervals"] == 0 and policy._unit_from is None, "steps off the neutral split end the wait"
+    # an interval known only by its means (a peer without per-step times) is no evidence and is not
+    # mixed with the steps that wait
+    policy, model = ModelPolicy(search_batch=False), CostModel(2)
+    _decide_on(policy, model, steps(rng, [64, 64], *slow1, n=4))
+    assert policy._unit_from is not None
+    b, t, sync = steps(rng, [64, 64], *slow1, n=6)
+    means = _decide_on(policy, model, (b[:1], t.mean(0, keepdims=True), sync.mean(keepdims=True)), steps_each=6)
+    assert not model.latest_per_step and policy._unit_from is None and means.info["gap_intervals"] == 0
 
 
 def test_the_evidence_round_trips_and_a_restored_first_interval_is_skipped():
@@ -300,8 +308,9 @@ def test_a_split_that_does_not_shorten_the_measured_step_is_undone_and_remembere
 def test_a_lasting_gap_below_a_raised_margin_is_split_after_more_evidence(failures, split_at):
     """After failed splits have raised the margin to 25%, rank 1 runs 1.5x slower (a predicted gain of
     about 20%, under the raised margin): the measured gap passing in 2 x 2^failures neutral intervals
-    running lifts the margin and the next decision splits, 4 intervals in after one failure, 8 after
-    two; without the lift the job would stay at the neutral split."""
+    running outweighs it and that decision splits, 4 intervals in after one failure, 8 after two
+    (without that the job would stay at the neutral split); the raised margin is dropped with the
+    split; a run that reaches that length without a split taken on it leaves it in place."""
     for seed in range(3):
         policy = ModelPolicy()
         policy.split_check.load_state_dict({"margin": 0.25, "failures": failures})
@@ -309,6 +318,12 @@ def test_a_lasting_gap_below_a_raised_margin_is_split_after_more_evidence(failur
         uneven = [abs(s[0] - s[1]) > 1 for s in hist]
         assert uneven == [False] * split_at + [True] * 3, hist
         assert hist[-1][0] > 1.3 * hist[-1][1] and policy.split_check.margin == 0.0, hist
+    check = SplitCheck()
+    check.load_state_dict({"margin": 0.25, "failures": failures})
+    assert not check.outweighed(split_at, 2) and check.outweighed(split_at + 1, 2)
+    assert check.margin == 0.25, "outweighing alone (no split taken on it) keeps the raised margin"
+    check.lift()
+    assert check.margin == 0.0 and not check.outweighed(100, 2)
 
 
 def test_no_split_check_with_token_budgets():

@@ -290,6 +290,7 @@ class CostModel:
         self._fit: CostFit | None = None
         self._net: NetworkFit | None = None
         self._latest_after = 0.0  # step count before the last recorded interval
+        self._latest_steps_each = 1.0  # steps each row of the last recorded interval stands for
         self.shift = np.ones(world_size)
         """Per rank, the factor by which the last recorded interval found its speed changed (1: none)."""
         # per rank, the last tested interval's significant offset (0: none) and the step count at its end;
@@ -342,7 +343,7 @@ class CostModel:
             b, t, q = b / p[:, None], t / p[:, None], q / p[:, None]
             s = s - (p - 1) * t.max(1)  # the earlier micro-batches' time comes before the allreduce
         at = self.steps + steps_each * (np.arange(n) + 1.0)
-        self._latest_after = self.steps
+        self._latest_after, self._latest_steps_each = self.steps, float(steps_each)
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
         self.shift = np.ones(R)
@@ -495,6 +496,11 @@ class CostModel:
     def latest_after(self) -> float:
         """The step count before the last recorded interval (where `latest_interval` begins)."""
         return self._latest_after
+
+    @property
+    def latest_per_step(self) -> bool:
+        """The last recorded interval came with per-step times (not only its means)."""
+        return self._latest_steps_each == 1.0
 
     def latest_interval(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The kept points of the last recorded interval: batches and arrival times [n, R] and step

@@ -86,9 +86,11 @@ class ProposalConfig:
     """Recorded intervals at the neutral split, running, in which the measured difference in speed
     (per-step times, a paired test) must pass `split_margin`, the same rank the slowest, before the
     neutral split is left: one noisy interval on a shared host must not split equal ranks. An
-    interval too short for the test (under five kept steps) is tested together with the next neutral
-    one, so a job whose epochs are a few steps long is judged on steps too. With interval means only
-    (a hand-built DecisionInput without a cost model), the predicted gain must pass the margin in two
+    interval too short for the test (under five kept steps) waits and is tested together with the
+    neutral ones after it until they hold five, so a job whose epochs are a few steps long is judged
+    on steps too (the count is then of tested groups). An interval known only by its means (from a
+    peer that sends no per-step times) is no evidence; where no interval ever had per-step times (a
+    hand-built DecisionInput without a cost model), the predicted gain must pass the margin in two
     intervals running, whatever this says."""
     recheck_gap: float = 0.15
     """A first interval that passes `split_margin` with a measured gain from equalising arrivals (the
@@ -497,8 +499,8 @@ class ModelPolicy:
         # running at the neutral split, the same rank the slowest each time (a margin raised by a
         # failed split applies to the predicted gain, in the slowest arrival, as it was raised); with
         # interval means only, the predicted gain passes the margin in two intervals running. An
-        # interval too short to test waits to be tested with the next. A restored process's first
-        # interval holds its start-up and is not evidence.
+        # interval too short to test waits to be tested with the ones after it. A restored process's
+        # first interval holds its start-up and is not evidence.
         # the sizes that ran were neutral (a neutral proposal clipped by the bounds counts as one; a
         # refinement or a held flip that ran other sizes does not)
         neutral_ran = ran_neutral or (self.last is not None and self.last.neutral
@@ -509,10 +511,12 @@ class ModelPolicy:
             (gap, slowest), passed = speed_gap(*costs.latest_interval()), False
         self._restored = False
         evidence = self._gap_run
-        # a gap measured in enough intervals running outweighs an earlier failed split
+        # a gap measured in enough intervals running outweighs an earlier failed split: the configured
+        # margin applies while the run lasts, and the raised one is dropped when a split is taken on it
         lifted = self.split_check is not None and self.split_check.outweighed(evidence, self.cfg.split_intervals)
+        margin = self.cfg.split_margin if lifted else self.split_margin
         confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
-                     else self.last is not None and self.last.split_gain > self.split_margin)
+                     else self.last is not None and self.last.split_gain > margin)
         # this interval added evidence that the next must confirm: where the gap is large, decide again
         # after the fewest steps rather than a whole interval later (a rank that became slower waits one
         # interval less); a gap near the margin waits for the regular interval
@@ -522,7 +526,7 @@ class ModelPolicy:
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
                            self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
-                           split_margin=self.split_margin, force_neutral=split_failed)
+                           split_margin=margin, force_neutral=split_failed)
 
         # one change at a time: B holds while a split is judged (its step compares with the neutral one),
         # when a failed split is undone, and in the decision that leaves the neutral split
@@ -534,6 +538,8 @@ class ModelPolicy:
             leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving:
             self.split_check.start(self.last.split_gain)
+            if lifted:
+                self.split_check.lift()
         if split_failed:
             self._end_gap_run()  # a later split needs fresh evidence
         self.decisions += 1
@@ -552,10 +558,15 @@ class ModelPolicy:
         """The paired test on the interval just recorded, with any neutral steps before it too few to
         test on their own: its bound, the slowest rank, and whether it passed the margin (the run of
         passing intervals is extended, restarted or ended)."""
-        if not neutral_ran:
-            self._end_gap_run()
-            return math.nan, -1, False
-        start = costs.latest_after if self._unit_from is None else self._unit_from
+        if not neutral_ran or not costs.latest_per_step:  # not evidence; its bound is still reported
+            if neutral_ran:
+                self._unit_from = None  # steps waiting for more do not mix with an interval's means
+            else:
+                self._end_gap_run()
+            return (*speed_gap(*costs.latest_interval()), False)
+        start = costs.latest_after
+        if self._unit_from is not None and self._unit_from <= start and not (costs.shift != 1).any():
+            start = self._unit_from  # not across a change of speed, nor from another cost model
         gap, slowest = speed_gap(*costs.points_since(start))
         if not math.isfinite(gap):  # too few steps: the next interval adds its own to them
             self._unit_from = start

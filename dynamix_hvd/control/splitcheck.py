@@ -16,8 +16,8 @@ a larger batch by the loss:
   Otherwise the split is undone and from then on (a new world starts afresh) leaving neutral needs a
   predicted gain of `raise_by` times the one that failed (at most `max_margin`), so a real 2x or 3x
   straggler that appears later is still split at once. A smaller gap that lasts is split too: the
-  raised margin is lifted once the measured gap has passed the configured margin in
-  `split_intervals x raise_by^failures` neutral intervals running (`outweighed`), so each failed
+  raised margin gives way once the measured gap has passed the configured margin in
+  `split_intervals x raise_by^failures` tested neutral intervals running (`outweighed`), so each failed
   split doubles the evidence the next one needs and a gap that is real but does not pay (ranks that
   share cores) costs few trials.
 
@@ -117,14 +117,14 @@ class SplitCheck:
         return failed
 
     def outweighed(self, run: int, split_intervals: int) -> bool:
-        """A raised margin is outweighed by `run` neutral intervals running whose measured gap passed
-        the configured margin, the same rank slower, when they are `split_intervals` times
-        `raise_by` per failure; it is then lifted (the proposal's own margin applies until the next
-        failure). True when lifted now."""
-        if self.margin <= 0 or run < math.ceil(split_intervals * self.raise_by ** self.failures):
-            return False
+        """A raised margin is outweighed by `run` tested neutral intervals running whose measured gap
+        passed the configured margin, the same rank slower, when they are `split_intervals` times
+        `raise_by` per failure: the proposal's own margin then applies, and `lift` drops the raised
+        one once a split is taken on it (until the next failure)."""
+        return self.margin > 0 and run >= math.ceil(split_intervals * self.raise_by ** self.failures)
+
+    def lift(self) -> None:
         self.margin = 0.0
-        return True
 
     def _end_trial(self) -> None:
         self.trial, self.trial_predicted, self.trial_gain = [], [], 0.0
