@@ -41,6 +41,7 @@ Definitions (training seconds, evaluation excluded, as in `bench.suite_report`):
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import sys
@@ -362,9 +363,12 @@ def first_gaps(results: Path) -> str:
     """Per condition, from the run folders still on disk: the decisions whose interval was the first at the
     neutral split to pass the split margin (``gap_intervals`` 1), their measured gap bounds, and how many
     the next decision's interval confirmed (``gap_intervals`` 2); what `ProposalConfig.recheck_gap` is
-    set between. Empty when no run has its decisions."""
+    set between. Also the decisions at 4 or more passing intervals running (where a margin raised by
+    one failed split gives way), and the runs whose split check failed a split and whose raised margin
+    gave way to a lasting gap. Empty when no run has its decisions."""
     runs = pd.read_csv(results / "runs.csv")
     found: dict[str, list[tuple[float, bool]]] = {}
+    lasting: dict[str, list[int]] = {}  # per condition: decisions at 4+ intervals running, runs failed, runs lifted
     for r in runs[runs.status == "ok"].to_dict("records"):
         decisions = Path(r["run_dir"]) / "decisions.csv"
         if not decisions.exists() or not _same_run(decisions.parent, r):
@@ -378,15 +382,23 @@ def first_gaps(results: Path) -> str:
         for k, (n, gap) in enumerate(zip(runs_of, tested["gap_bound"])):
             if n == 1:
                 found.setdefault(str(r["condition"]), []).append((float(gap), k + 1 < len(runs_of) and runs_of[k + 1] == 2))
+        checks = [ast.literal_eval(c) for c in d.get("split_check", pd.Series(dtype=object)).dropna()]  # a dict's repr
+        lifted = d.get("margin_lifted", pd.Series(dtype=object)).astype(str).eq("True").any()
+        counts = lasting.setdefault(str(r["condition"]), [0, 0, 0])
+        counts[0] += int((d["gap_intervals"] >= 4).sum())
+        counts[1] += any(c.get("failures", 0) > 0 for c in checks)
+        counts[2] += bool(lifted)
     if not found:
         return ""
     threshold = ProposalConfig().recheck_gap
-    lines = [f"| condition | first passing intervals | confirmed by the next | gap bounds (min-max) | at least {threshold:g} |",
-             "|---|---|---|---|---|"]
+    lines = [f"| condition | first passing intervals | confirmed by the next | gap bounds (min-max) | at least {threshold:g} "
+             "| decisions at 4+ running | runs with a failed split | runs whose raised margin gave way |",
+             "|---|---|---|---|---|---|---|---|"]
     for cond, items in found.items():
         gaps = [g for g, _ in items]
+        at4, failed, lifted = lasting[cond]
         lines.append(f"| {cond} | {len(items)} | {sum(c for _, c in items)} | {min(gaps):.3f}-{max(gaps):.3f} "
-                     f"| {sum(g >= threshold for g in gaps)} |")
+                     f"| {sum(g >= threshold for g in gaps)} | {at4} | {failed} | {lifted} |")
     return "\n".join(lines)
 
 

@@ -254,7 +254,18 @@ def test_the_first_gaps_table_counts_first_passes_and_confirmations(tmp_path):
         runs.append({"workload": "zoo:mnist-cnn", "condition": "none", "arm": "model", "seed": seed, "status": "ok",
                      "run_dir": str(run), "train_s": 9.0})
     pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
-    assert "| none | 4 | 1 | 0.060-0.200 | 1 |" in first_gaps(tmp_path)
+    assert "| none | 4 | 1 | 0.060-0.200 | 1 | 0 | 0 | 0 |" in first_gaps(tmp_path)
+    # a run at 4+ passing intervals running whose split check failed once and whose margin then gave way
+    run = tmp_path / "run2"
+    run.mkdir()
+    check = repr({"measured_gain": -0.01, "failed_now": True, "margin": 0.25, "failures": 1})
+    pd.DataFrame({"decision": range(6), "gap_intervals": [1, 2, 3, 4, 5, 0], "gap_bound": [0.1] * 6,
+                  "split_check": [None, check, check, check, check, check],
+                  "margin_lifted": [False, False, False, True, True, False]}).to_csv(run / "decisions.csv", index=False)
+    (run / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
+    runs.append({**runs[0], "seed": 2, "run_dir": str(run)})
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    assert "| none | 5 | 2 | 0.060-0.200 | 1 | 2 | 1 | 1 |" in first_gaps(tmp_path)
 
 
 def test_the_digits_read_fast_are_mlxtends_digits():
