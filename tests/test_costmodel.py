@@ -163,6 +163,33 @@ def test_a_change_is_confirmed_at_a_nearby_new_size_beyond_the_lines_possible_er
     assert model.change_pending, "an interval at a new size confirms a verdict or leaves it pending"
 
 
+def test_a_change_within_an_interval_is_found_at_the_new_sizes_the_split_moves_to():
+    """Equal ranks dithered around 38/26 (an earlier split); rank 1 turns 3x slower in the last quarter
+    of an interval, too few steps to start a verdict there. The split then moves it to 19, 16 and 13,
+    sizes its line has not seen: steps off the line there beyond what any line through 24-27 can be
+    off start a verdict at the first and confirm it at the second, and the line starts again. A
+    rank whose new sizes its line can explain (rank 0, growing) starts nothing."""
+    rng, model = np.random.default_rng(21), CostModel(2)
+    a, c = A[[0, 0]], C[[0, 0]]
+    for k in range(12):
+        model.record(*interval(rng, [38 + (k % 2), 26 - (k % 2) - (k % 3)], a=a, c=c, steps=32, jitter=0.05))
+    assert model.fit().identified.all() and not model.change_pending
+    slow = np.array([1.0, 3.0])
+    b, t, sync = interval(rng, [38, 26], a=a, c=c, steps=32, jitter=0.05)
+    t[24:, 1] *= 3.0  # the change falls in the interval's last quarter
+    model.record(b, t, np.maximum(sync, t.max(1)))
+    assert not model.change_pending, "a quarter of an interval off its line is not yet a verdict"
+    model.record(*interval(rng, [45, 19], a=a * slow, c=c * slow, steps=32, jitter=0.05))
+    assert model.change_pending and (model.shift == 1).all(), "19 is new: a first verdict, not a change"
+    assert model._pending[0] == 0, "rank 0 at 45: within what its line can be off there"
+    model.record(*interval(rng, [48, 16], a=a * slow, c=c * slow, steps=32, jitter=0.05))
+    assert model.shift[0] == 1 and model.shift[1] > 2.0 and not model.change_pending
+    assert model._live[:, 1].sum() < model._live[:, 0].sum(), "rank 1's line starts again"
+    model.record(*interval(rng, [51, 13], a=a * slow, c=c * slow, steps=32, jitter=0.05))
+    model.record(*interval(rng, [50, 14], a=a * slow, c=c * slow, steps=32, jitter=0.05))
+    assert model.fit().per_sample_s[1] == pytest.approx(3 * c[1], rel=0.2)
+
+
 def test_a_nearby_new_size_does_not_confirm_what_the_lines_error_there_explains():
     """A rank whose step is almost all fixed cost, timed at one size only (its line: proportional
     through that point), runs one fast interval (a blip), then 1.5x its size at its usual speed: the

@@ -25,12 +25,13 @@ not fill takes as long as for k_i samples. The fit:
   ``serial=False``; a missed change leaves the line stale until forgetting catches up, a false one
   only restarts it, so this test keeps the plain bound's sensitivity) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts). Intervals at sizes the line has not seen give no verdict of
-  their own and may lie between the two (the split moves after the first), but they confirm a
-  pending one where their steps are off the line, the same way, by more than the threshold beyond
-  what the line can be off at a size that near one it has seen (a step's time between two sizes
-  grows by a factor between 1 and their ratio): the split moves a rank right after its speed
-  changes, so its next intervals are mostly at new sizes. A first verdict older than a half-life
+  is a blip, common on shared hosts). Intervals at sizes the line has not seen count only where
+  their steps are off the line by more than the threshold beyond what the line can be off at a size
+  that near one it has seen (a step's time between two sizes grows by a factor between 1 and their
+  ratio): there they start a verdict or confirm a pending one the same way; otherwise they leave a
+  pending one as it is (they may lie between the two). The split moves a rank right after its
+  speed changes, often within the interval that holds the change, so its next intervals are mostly
+  at new sizes. A first verdict older than a half-life
   lapses. The first of the two (the change fell somewhere in it) and the points before
   it no longer count for the rank's line, which starts again from the intervals after it (the
   robust weights would otherwise take the new steps for outliers until they held half the weight,
@@ -377,7 +378,7 @@ class CostModel:
         interval's steps already pulled towards them (so it understates the change). Verdicts come
         from steps at sizes the line has seen (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own
         error, not the steps' scatter, would decide; there, only a deviation beyond the most that
-        error can be confirms a pending verdict. Intervals known only by their means (fewer than
+        error can be starts or confirms one. Intervals known only by their means (fewer than
         `MIN_STEPS` steps) are not tested."""
         self._pending[self._latest_after - self._pending_end > self.cfg.half_life_steps] = 0.0  # lapsed
         fit = self.fit()
@@ -392,21 +393,25 @@ class CostModel:
                 seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
             seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
-                # At sizes the line has not seen, a pending verdict may still be confirmed (a verdict
-                # is never started or dropped here), by steps off the line in its direction beyond
-                # what the line's error there can be (`_extrapolation_allowance`): the split moves a
-                # rank right after its speed changes, so the next intervals are mostly at new sizes,
-                # and the verdict would otherwise lapse while the line followed the new speed by
-                # forgetting alone.
-                if self._pending[r] != 0.0:
-                    allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
-                    testable = allowance <= MAX_EXTRAPOLATION
-                    if testable.sum() >= MIN_STEPS:
-                        way = math.copysign(1.0, self._pending[r])
-                        d = np.log(t[testable, r] / predicted[testable, r])
-                        off = float(shrunk_mean((d - way * allowance[testable])[:, None], serial=False)[0])
-                        if off * way > self.cfg.shift_threshold:
+                # At sizes the line has not seen, only steps off the line beyond what its error there
+                # can be (`_extrapolation_allowance`) count: they confirm a pending verdict in its
+                # direction, or start one (never drop one). The split moves a rank as soon as its
+                # speed changes, often within the interval that holds the change, so the intervals
+                # after it are mostly at new sizes: a verdict that waited for a seen size would lapse
+                # while the line followed the new speed by forgetting alone, the robust weights
+                # taking the new steps for outliers for several half-lives.
+                allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
+                testable = allowance <= MAX_EXTRAPOLATION
+                if testable.sum() >= MIN_STEPS:
+                    d = np.log(t[testable, r] / predicted[testable, r])
+                    pending = self._pending[r]
+                    way = math.copysign(1.0, pending if pending != 0.0 else float(d.mean()))
+                    off = float(shrunk_mean((d - way * allowance[testable])[:, None], serial=False)[0])
+                    if off * way > self.cfg.shift_threshold:
+                        if pending != 0.0:
                             self._confirm_shift(r, float(d.mean()))
+                        else:
+                            self._pending[r], self._pending_end[r] = off, self.steps
                 continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
             off = float(shrunk_mean(d[:, None], serial=False)[0])
