@@ -13,9 +13,10 @@ many sizes there; a slowdown that scales the whole step leaves k as it is, so th
 changing rows); the
 speeds c stay those of the plain run itself, per window of its steps, so the machine's speed
 drifting between runs does not move the limit. Per window the best split's compute is the least
-M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample:
-M = max((B + sum k_i) / sum (1 / c_i), max_i c_i (1 + k_i)); the rest of the step stays as measured
-(`bench.suite_report.balanced_fraction` with `fixed=`).
+M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample, or, for a model with per-rank BatchNorm, the floor the
+controller keeps it at (`ControllerConfig.batchnorm_min_batch`: a rank below it would normalise with
+the statistics of a few samples; column "floor"); the rest of the step stays as measured
+(`bench.suite_report.balanced_fraction` with `fixed=` and `floor=`).
 Printed per straggler row, medians over seeds: both limits and the default's time to target over
 plain Horovod's against each (two ranks: rank 0's and rank 1's fixed costs). Only run folders that
 still hold the results folder's runs are read (a later run of the same configuration overwrites
@@ -54,6 +55,18 @@ def fixed_samples(steps: pd.DataFrame) -> dict[int, float]:
     return out
 
 
+def batch_floor(workload: str) -> int:
+    """The fewest samples the shipped default gives a rank of zoo workload `workload` (``zoo:JOB`` or
+    ``zoo:JOB:xK``): the controller's per-rank BatchNorm floor where the job's model has per-rank
+    batch statistics, else 1."""
+    from bench.zoo import JOBS
+    from dynamix_hvd.control.config import ControllerConfig
+    from dynamix_hvd.control.controller import batchnorm_floor
+
+    job = JOBS[workload.removeprefix("zoo:").split(":")[0]]
+    return max(batchnorm_floor(ControllerConfig(), job.model(), [job.batch]).min_batch, 1)
+
+
 def table(results: Path) -> str:
     from bench.suite_report import balanced_fraction
     from bench.zoo_report import PLAIN, collect, run_steps
@@ -74,10 +87,10 @@ def table(results: Path) -> str:
     constant = [c for c in ("slow3x", "slow2x") if c in set(runs.condition)]
     if not constant:
         raise SystemExit(f"{results}: no constant straggler (slow3x or slow2x) to fit the fixed costs on")
-    lines = ["| job | condition | fixed cost, samples: rank 0 / rank 1 | limit | reachable limit | default / plain "
-             "| / limit | / reachable limit | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| job | condition | fixed cost, samples: rank 0 / rank 1 | floor | limit | reachable limit | default / plain "
+             "| / limit | / reachable limit | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (w, c), group in runs[runs.condition != "none"].groupby(["workload", "condition"], sort=False):
-        rows = []
+        rows, floor = [], batch_floor(w)
         for seed in sorted(group.seed.unique()):
             plain, mine, fit_on = steps(w, c, PLAIN, seed), steps(w, c, model, seed), steps(w, constant[0], model, seed)
             if plain is None or mine is None or fit_on is None:
@@ -86,13 +99,13 @@ def table(results: Path) -> str:
             until = float(numbers.loc[(w, c, PLAIN, seed), "ttt_s"])
             ratio = float(numbers.loc[(w, c, model, seed), "ttt_s"]) / until
             limit = float(numbers.loc[(w, c, PLAIN, seed), "balanced_to_target"])  # zoo_report's limit
-            reachable = balanced_fraction(plain, until_s=until, fixed=k)
+            reachable = balanced_fraction(plain, until_s=until, fixed=k, floor=floor)
             rows.append((k.get(0, math.nan), k.get(1, math.nan), limit, reachable, ratio))
         if not rows:
             continue
         per_seed = np.array(rows)
         k0, k1, limit, reachable, ratio = np.nanmedian(per_seed, axis=0)
-        lines.append(f"| {w.removeprefix('zoo:')} | {c} | {k0:.1f} / {k1:.1f} | {limit:.2f} | {reachable:.2f} | "
+        lines.append(f"| {w.removeprefix('zoo:')} | {c} | {k0:.1f} / {k1:.1f} | {floor} | {limit:.2f} | {reachable:.2f} | "
                      f"{ratio:.2f} | {float(np.nanmedian(per_seed[:, 4] / per_seed[:, 2])):.2f} | "
                      f"{float(np.nanmedian(per_seed[:, 4] / per_seed[:, 3])):.2f} | {len(rows)} |")
     if len(lines) == 2:

@@ -127,6 +127,13 @@ def test_the_reachable_limit_charges_each_rank_its_fixed_cost():
     # 0.012 * 97 / 128 = 0.0091 s) sets the limit, whatever the split
     assert reachable_fraction(plain, {0: 0.0, 1: 96.0}) == pytest.approx((0.012 * 97 / 128 + 0.002) / 0.014)
     assert math.isnan(reachable_fraction(plain, {0: 0.0, 1: math.nan}))
+    # a BatchNorm floor of 24 samples holds rank 1 above its balanced 16: it takes 0.012 * 24 / 32 =
+    # 0.009 s and rank 0 the other 40 samples in 0.005 s; a floor below 16 changes nothing
+    floored = balanced_fraction(plain, fixed={0: 0.0, 1: 0.0}, floor=24)
+    assert floored == pytest.approx((0.009 + 0.002) / 0.014)
+    assert balanced_fraction(plain, fixed={0: 0.0, 1: 0.0}, floor=8) == pytest.approx(0.008 / 0.014)
+    from bench.reachable_limit import batch_floor
+    assert batch_floor("zoo:resnet-bn") == 16 and batch_floor("zoo:lstm-rows:x3") == 1
     # the fixed cost in samples from a rank's own steps at several sizes (after its first steps)
     sizes = [8, 16, 24, 32] * 10
     runs = pd.DataFrame([{"rank": r, "epoch": 0, "step": i, "local_batch": b,
