@@ -48,6 +48,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from bench.suite_report import balanced_fraction
@@ -298,6 +299,28 @@ def run_steps(row: dict[str, Any]) -> pd.DataFrame | None:
     return pd.read_csv(run_dir / "suite_steps.csv")
 
 
+def balance(results: Path) -> str:
+    """Per job, condition and arm: how far each run's own splits were from balanced, the time its steps
+    would take at the split that makes every rank arrive together over the time they took
+    (`bench.suite_report.balanced_fraction` read on the run itself; 1: balanced all along), per seed
+    and their median. Less noisy than time to target: the machine's speed cancels within the run."""
+    from bench.suite_report import balanced_fraction
+
+    runs = pd.read_csv(results / "runs.csv")
+    per: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
+    for r in runs[runs.status == "ok"].to_dict("records"):
+        steps = run_steps(r)
+        if steps is not None:
+            key = (str(r["workload"]).removeprefix("zoo:"), r["condition"], r["arm"])
+            per.setdefault(key, []).append((int(r["seed"]), balanced_fraction(steps)))
+    lines = ["| job | condition | arm | balanced / taken, per seed | median |", "|---|---|---|---|---|"]
+    for (w, c, arm), values in per.items():
+        values.sort()
+        lines.append(f"| {w} | {c} | {arm} | {', '.join(f's{s} {v:.3f}' for s, v in values)} | "
+                     f"{float(np.median([v for _, v in values])):.3f} |")
+    return "\n".join(lines)
+
+
 def rank_steps(results: Path) -> str:
     """Per run (its folder still on disk, holding that run): each rank's median samples and forward+backward ms per
     step after the first epoch, the median step, and the median rest of a step (the step minus the
@@ -452,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--first-gaps", action="store_true",
                     help="per condition, the first intervals at the neutral split that passed the split margin, "
                          "their gap bounds and how many the next interval confirmed (needs the run folders)")
+    ap.add_argument("--balance", action="store_true",
+                    help="per run, its steps' time at the balanced split over the time they took (how closely "
+                         "its splits followed the ranks' speeds; needs the run folders) instead of the headline")
     ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
                     help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
                          "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
@@ -472,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_gaps:
         text = f"# {results.name}: first passing intervals of the speed-gap test\n\n" + first_gaps(results)
         (results / "first_gaps.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.balance:
+        text = f"# {results.name}: each run's steps at the balanced split over their time\n\n" + balance(results)
+        (results / "balance.md").write_text(text + "\n")
         print(text)
         return 0
     if args.steps:

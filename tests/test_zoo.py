@@ -212,6 +212,23 @@ def test_the_per_rank_step_table_reads_the_run_folders(tmp_path):
     assert "| model |" not in rank_steps(tmp_path)
 
 
+def test_the_balance_table_reads_each_run_against_its_own_balanced_split(tmp_path):
+    from bench.zoo_report import balance
+
+    rows = []
+    for seed, (b1, c1) in enumerate([(32, 0.012), (16, 0.006)]):  # rank 1 3x slower: left at 32, or split 48/16
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        steps_of({0: (64 - b1, 0.004 * (64 - b1) / 32), 1: (b1, c1)}, c1 + 0.002).to_csv(run / "suite_steps.csv", index=False)
+        (run / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
+        rows.append({"workload": "zoo:mnist-cnn", "condition": "slow3x", "arm": "model", "seed": seed, "status": "ok",
+                     "run_dir": str(run), "train_s": 9.0})
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    # 32/32: balanced compute 0.006 + rest 0.002 over 0.014; 48/16 is balanced already
+    row = next(line for line in balance(tmp_path).splitlines() if "| model |" in line)
+    assert row == f"| mnist-cnn | slow3x | model | s0 {0.008 / 0.014:.3f}, s1 1.000 | {(0.008 / 0.014 + 1) / 2:.3f} |", row
+
+
 def test_a_results_folder_does_not_read_a_run_folder_that_a_later_run_overwrote(tmp_path):
     write_results_folder(tmp_path, "zoo:mnist-cnn", "net10", {"plain-horovod": 10.0, "ppo-progress": 5.0},
                          [0.5, 0.6, 0.95, 0.96], eval_s=0.5)
