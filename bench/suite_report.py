@@ -79,10 +79,10 @@ def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: in
 
     `fixed` (rank -> samples) charges each rank a fixed per-step cost instead: rank i's compute is
     c_i (b + k_i), so the balanced compute is the least M with sum_i (M / c_i - k_i) >= the window's
-    samples and every rank given at least `floor` (1, or the per-rank floor the controller keeps for
-    a model with BatchNorm): ranks whose balanced share falls below it get the floor and the rest
-    balance the remaining samples (`bench.reachable_limit`); NaN where a working rank's k is not
-    known."""
+    samples and every rank given at least `floor` samples (1, or the per-rank floor the controller
+    keeps for a model with BatchNorm; at most an equal share), M = max((B + sum k) / sum (1 / c),
+    max c (floor + k)): a rank whose balanced share falls below the floor sets M at the floor, and the
+    others then need less (`bench.reachable_limit`); NaN where a working rank's k is not known."""
     if steps.empty or steps["rank"].nunique() < 2:
         return 1.0
     steps = steps[steps.t_s <= until_s] if "t_s" in steps else steps
@@ -101,31 +101,12 @@ def balanced_fraction(steps: pd.DataFrame, until_s: float = math.inf, window: in
         else:
             k = np.array([fixed.get(int(r), math.nan) for r in working.index])
             per_sample = working.c.to_numpy() / (working.b.to_numpy() + k)
-            compute = floored_compute(float(working.b.sum()), per_sample, k, max(floor, 1))
+            samples = float(working.b.sum())
+            least = min(max(floor, 1), samples / len(k))  # a floor no split of the window's samples can give: theirs
+            compute = max((samples + k.sum()) / (1.0 / per_sample).sum(), float((per_sample * (least + k)).max()))
         balanced += n * (compute + rest)
         taken += n * step
     return balanced / taken if taken > 0 else math.nan
-
-
-def floored_compute(samples: float, per_sample: np.ndarray, k: np.ndarray, floor: int) -> float:
-    """The least compute time M in which ranks of per-sample times `per_sample` and fixed costs `k`
-    (in samples) train `samples`, each given at least `floor`: rank i trains M / c_i - k_i samples
-    where that is at least the floor, the floor otherwise (in c_i (floor + k_i))."""
-    if not np.isfinite(k).all():
-        return math.nan
-    at_floor = np.zeros(len(k), dtype=bool)
-    while True:
-        free = ~at_floor
-        if not free.any():
-            break
-        left = samples - floor * at_floor.sum()
-        m = (left + k[free].sum()) / (1.0 / per_sample[free]).sum()
-        low = free & (m / per_sample - k < floor)
-        if not low.any():
-            break
-        at_floor |= low
-    floored = float((per_sample[at_floor] * (floor + k[at_floor])).max()) if at_floor.any() else 0.0
-    return max(m if free.any() else 0.0, floored)
 
 
 def sustained_time(evals: pd.DataFrame, target: float, metric: str, following: int = 2) -> float:

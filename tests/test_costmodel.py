@@ -190,6 +190,36 @@ def test_a_change_within_an_interval_is_found_at_the_new_sizes_the_split_moves_t
     assert model.fit().per_sample_s[1] == pytest.approx(3 * c[1], rel=0.2)
 
 
+def test_a_new_size_starts_no_verdict_that_the_line_or_the_batch_explains():
+    """Nothing pending. (1) A rank whose step is almost all fixed cost, its line through one size (32,
+    proportional there), runs at 48 and at 21 at its usual speed: 1.5x faster and slower than the
+    line says, the time against the size, but no further off than a line through 32 can be there:
+    no verdict. (2) A rank given more samples whose step grows faster than its batch (memory
+    pressure): slower beyond anything the line can be off at the new size, but with the size, so
+    not a change of speed; the split check judges such a split."""
+    rng, model = np.random.default_rng(13), CostModel(2)
+    a, c = np.array([0.010, 0.010]), np.array([1e-5, 1e-5])
+    for _ in range(12):
+        model.record(*interval(rng, [32, 32], a=a, c=c, steps=16, jitter=0.03))
+    assert not model.fit().identified.any()
+    b, t, sync = interval(rng, [48, 21], a=a, c=c, steps=16, jitter=0.03)
+    off = np.log(t / model.fit().arrival(b, split=True, borrowed=False)).mean(0)
+    assert off[0] < -0.3 and off[1] > 0.3, "off the line, the time against the size"
+    model.record(b, t, sync)
+    assert not model.change_pending and (model.shift == 1).all()
+
+    rng, model = np.random.default_rng(14), CostModel(2)
+    a, c = A[[0, 0]], C[[0, 0]]
+    for k in range(12):
+        model.record(*interval(rng, [36 + 2 * (k % 3), 28 - 2 * (k % 3)], a=a, c=c, steps=32, jitter=0.05))
+    assert model.fit().identified.all()
+    b, t, sync = interval(rng, [50, 14], a=a, c=c, steps=32, jitter=0.05)
+    t[:, 0] *= 1.8  # rank 0's step at 50 samples takes 1.8x its line's time
+    assert np.log(t[:, 0] / model.fit().arrival(b, split=True, borrowed=False)[:, 0]).mean() > 0.5
+    model.record(b, t, np.maximum(sync, t.max(1)))
+    assert not model.change_pending and (model.shift == 1).all()
+
+
 def test_a_nearby_new_size_does_not_confirm_what_the_lines_error_there_explains():
     """A rank whose step is almost all fixed cost, timed at one size only (its line: proportional
     through that point), runs one fast interval (a blip), then 1.5x its size at its usual speed: the

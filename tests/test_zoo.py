@@ -132,6 +132,8 @@ def test_the_reachable_limit_charges_each_rank_its_fixed_cost():
     floored = balanced_fraction(plain, fixed={0: 0.0, 1: 0.0}, floor=24)
     assert floored == pytest.approx((0.009 + 0.002) / 0.014)
     assert balanced_fraction(plain, fixed={0: 0.0, 1: 0.0}, floor=8) == pytest.approx(0.008 / 0.014)
+    # a floor above an equal share (40 of 64 samples) cannot be given to both: at most their equal share
+    assert balanced_fraction(plain, fixed={0: 0.0, 1: 0.0}, floor=40) == pytest.approx(1.0)
     from bench.reachable_limit import batch_floor
     assert batch_floor("zoo:resnet-bn") == 16 and batch_floor("zoo:lstm-rows:x3") == 1
     # the fixed cost in samples from a rank's own steps at several sizes (after its first steps)

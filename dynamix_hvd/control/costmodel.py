@@ -25,21 +25,24 @@ not fill takes as long as for k_i samples. The fit:
   ``serial=False``; a missed change leaves the line stale until forgetting catches up, a false one
   only restarts it, so this test keeps the plain bound's sensitivity) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts). Intervals at sizes the line has not seen count only where
-  their steps are off the line by more than the threshold beyond what the line can be off at a size
-  that near one it has seen (a step's time between two sizes grows by a factor between 1 and their
-  ratio): there they start a verdict or confirm a pending one the same way; otherwise they leave a
-  pending one as it is (they may lie between the two). The split moves a rank right after its
-  speed changes, often within the interval that holds the change, so its next intervals are mostly
-  at new sizes. A first verdict older than a half-life
-  lapses. The first of the two (the change fell somewhere in it) and the points before
-  it no longer count for the rank's line, which starts again from the intervals after it (the
-  robust weights would otherwise take the new steps for outliers until they held half the weight,
-  and forgetting needs several half-lives). Rescaling the
-  old points instead would assume the change is one factor on the whole line; a change in the cost
-  per sample alone would then bend the slope, and steps already at the new speed would be rescaled
-  too. A line of one size is not identified until the next sizes are seen (see below). Not tested:
-  intervals known only by their means, and token budgets (a step's time follows the lengths it drew);
+  is a blip, common on shared hosts). Intervals at sizes the line has not seen (at most 2x from one
+  it has, `MAX_EXTRAPOLATION`) count only where their steps are off the line by more than the
+  threshold beyond what the line can be off there without a change (a step's time between two
+  sizes grows by a factor between 1 and their ratio): there they confirm a pending verdict the same
+  way, and start one where the time went against the size, slower at a smaller size or faster at a
+  larger one, which no cost of a batch explains (a step that grows faster than its batch, memory
+  pressure on a rank given more samples, is not taken for a change: the split check judges it);
+  otherwise they leave a pending one as it is (they may lie between the two). The split moves a
+  rank right after its speed changes, often within the interval that holds the change, so its next
+  intervals are mostly at new sizes. A first verdict older than a half-life lapses. The first of
+  the two (the change fell in it or just before it) and the points before it no longer count for
+  the rank's line, which starts again from the intervals after it (the robust weights would
+  otherwise take the new steps for outliers until they held half the weight, and forgetting needs
+  several half-lives). Rescaling the old points instead would assume the change is one factor on
+  the whole line; a change in the cost per sample alone would then bend the slope, and steps
+  already at the new speed would be rescaled too. A line of one size is not identified until the
+  next sizes are seen (see below). Not tested: intervals known only by their means, and token
+  budgets (a step's time follows the lengths it drew);
 - a change of speed at a new size (a start-up transient that ends as the split moves the rank): the
   test above cannot see it, but the line through both speeds needs a fixed cost far below zero
   (`impossible_fixed`), which no cost of a batch has; the line then starts again from that interval;
@@ -376,10 +379,10 @@ class CostModel:
         before it stop counting for its line (module docstring; the change fell somewhere in it, so
         it may hold both speeds). Sets `shift`: the new steps' factor over the line, which the earlier
         interval's steps already pulled towards them (so it understates the change). Verdicts come
-        from steps at sizes the line has seen (`SEEN_SHARE`, `SEEN_WITHIN`): elsewhere the line's own
-        error, not the steps' scatter, would decide; there, only a deviation beyond the most that
-        error can be starts or confirms one. Intervals known only by their means (fewer than
-        `MIN_STEPS` steps) are not tested."""
+        from steps at sizes the line has seen (`SEEN_SHARE`, `SEEN_WITHIN`); at sizes it has not seen,
+        the line's own error there, not the steps' scatter, would decide, so only a deviation beyond
+        the most that error can be starts or confirms one (module docstring). Intervals known only by
+        their means (fewer than `MIN_STEPS` steps) are not tested."""
         self._pending[self._latest_after - self._pending_end > self.cfg.half_life_steps] = 0.0  # lapsed
         fit = self.fit()
         if fit is None or len(b) < MIN_STEPS:
@@ -395,23 +398,26 @@ class CostModel:
             if seen.sum() < MIN_STEPS:
                 # At sizes the line has not seen, only steps off the line beyond what its error there
                 # can be (`_extrapolation_allowance`) count: they confirm a pending verdict in its
-                # direction, or start one (never drop one). The split moves a rank as soon as its
-                # speed changes, often within the interval that holds the change, so the intervals
-                # after it are mostly at new sizes: a verdict that waited for a seen size would lapse
-                # while the line followed the new speed by forgetting alone, the robust weights
-                # taking the new steps for outliers for several half-lives.
-                allowance = self._extrapolation_allowance(r, sizes, w[:, r], fit)[which]
+                # direction, and start one where the time went against the size (never drop one).
+                # The split moves a rank as soon as its speed changes, often within the interval that
+                # holds the change, so the intervals after it are mostly at new sizes: a verdict that
+                # waited for a seen size would lapse while the line followed the new speed by
+                # forgetting alone, the robust weights taking the new steps for outliers for several
+                # half-lives.
+                allowance, smaller = self._extrapolation_allowance(r, sizes, w[:, r], fit)
+                allowance, smaller = allowance[which], smaller[which]
                 testable = allowance <= MAX_EXTRAPOLATION
-                if testable.sum() >= MIN_STEPS:
-                    d = np.log(t[testable, r] / predicted[testable, r])
-                    pending = self._pending[r]
-                    way = math.copysign(1.0, pending if pending != 0.0 else float(d.mean()))
+                if testable.sum() < MIN_STEPS:
+                    continue
+                d = np.log(t[testable, r] / predicted[testable, r])
+                for way in (1.0, -1.0):  # slower, faster: beyond the allowance one way at most
                     off = float(shrunk_mean((d - way * allowance[testable])[:, None], serial=False)[0])
-                    if off * way > self.cfg.shift_threshold:
-                        if pending != 0.0:
-                            self._confirm_shift(r, float(d.mean()))
-                        else:
-                            self._pending[r], self._pending_end[r] = off, self.steps
+                    if off * way <= self.cfg.shift_threshold:
+                        continue
+                    if off * self._pending[r] > 0:
+                        self._confirm_shift(r, float(d.mean()))
+                    elif (smaller[testable] == (way > 0)).all():  # slower and smaller, or faster and larger
+                        self._pending[r], self._pending_end[r] = off, self.steps
                 continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
             off = float(shrunk_mean(d[:, None], serial=False)[0])
@@ -429,14 +435,16 @@ class CostModel:
         self._pending[r] = 0.0
         self._fit = None
 
-    def _extrapolation_allowance(self, r: int, sizes: np.ndarray, weights: np.ndarray, fit: CostFit) -> np.ndarray:
+    def _extrapolation_allowance(self, r: int, sizes: np.ndarray, weights: np.ndarray,
+                                 fit: CostFit) -> tuple[np.ndarray, np.ndarray]:
         """Per size in `sizes`: how far off (log ratio) rank `r`'s line can be there without any change
         of speed, least over the sizes the line has seen (an unidentified line: its mean size) of
-        |log(size / seen size)| plus the line's own error at the seen size (the weighted mean log
-        residual of its points there; inf where it has none). Every line the fit gives (a, c >= 0,
-        a knee max(b, k) included) and every step time t(b) = a + c b grows between two sizes by a
-        factor between 1 and their ratio, so a line right at one is off at the other by at most the
-        log of the ratio."""
+        |log(size / seen size)| plus the line's own error near the seen size (the weighted mean log
+        residual of its points within `SEEN_WITHIN` of it, plus their weighted mean |log| distance
+        from it; inf where it has none); and whether the size is below the seen size that
+        gives that least. Every line the fit gives (a, c >= 0, a knee max(b, k) included) and every
+        step time t(b) = a + c b grows between two sizes by a factor between 1 and their ratio, so a
+        line right at one is off at the other by at most the log of the ratio."""
         live = weights > 0
         b = self._b[live, r]
         residual = np.log(self._t[live, r] / fit.arrival(self._b[live], split=True, borrowed=False)[:, r])
@@ -445,14 +453,18 @@ class CostModel:
             anchors = held[_seen(held, b, weights[live])]
         else:
             anchors = np.array([fit.mean_batch[r]])
-        allowance = np.full(len(sizes), np.inf)
+        allowance, smaller = np.full(len(sizes), np.inf), np.zeros(len(sizes), dtype=bool)
         for anchor in anchors:
             near = np.abs(b / anchor - 1.0) <= SEEN_WITHIN
             if not weights[live][near].sum() > 0:
                 continue
-            error = abs(float(np.average(residual[near], weights=weights[live][near])))
-            allowance = np.minimum(allowance, np.abs(np.log(sizes / anchor)) + error)
-        return allowance
+            spread = np.abs(np.log(b[near] / anchor))  # the points' own distance from the anchor
+            error = abs(float(np.average(residual[near], weights=weights[live][near]))) \
+                + float(np.average(spread, weights=weights[live][near]))
+            here = np.abs(np.log(sizes / anchor)) + error
+            closer = here < allowance
+            allowance, smaller = np.where(closer, here, allowance), np.where(closer, sizes < anchor, smaller)
+        return allowance, smaller
 
     def _restart_impossible_lines(self) -> None:
         """Each rank whose last interval ran at sizes its line had not seen (which the shift test
