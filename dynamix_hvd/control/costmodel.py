@@ -30,8 +30,9 @@ not fill takes as long as for k_i samples. The fit:
   threshold beyond what the line can be off there without a change (a step's time between two
   sizes grows by a factor between 1 and their ratio): there they confirm a pending verdict the same
   way, and start one where the time went against the size, slower at a smaller size or faster at a
-  larger one, which no cost of a batch explains (a step that grows faster than its batch, memory
-  pressure on a rank given more samples, is not taken for a change: the split check judges it);
+  larger one, which no step time that grows with its batch explains (a step that grows faster
+  than its batch, memory pressure on a rank given more samples, or falls faster, a batch that fits
+  a cache, is not taken for a change: the split check judges such a split);
   otherwise they leave a pending one as it is (they may lie between the two). The split moves a
   rank right after its speed changes, often within the interval that holds the change, so its next
   intervals are mostly at new sizes. A first verdict older than a half-life lapses. The first of
