@@ -78,6 +78,7 @@ def test_controller_config_fuzz(kwargs):
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(kwargs=st.fixed_dictionaries({}, optional={
     "target_decisions": values, "min_decision_steps": values, "keep_inputs": values, "resource_period_s": values,
+    "max_decision_interval_s": values,
     "multipliers": st.one_of(values, st.lists(values, max_size=3))}))
 def test_advanced_config_fuzz(kwargs):
     TRIED["configs"] += 1
@@ -173,7 +174,7 @@ BAD_CONTROLLER = {
 }
 BAD_ADVANCED = {
     "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0),
-    "resource_period_s": NEGATIVE,
+    "resource_period_s": NEGATIVE, "max_decision_interval_s": NEGATIVE,
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
                              st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
                              st.lists(st.text(max_size=2), min_size=1, max_size=3),

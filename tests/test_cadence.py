@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from dynamix_hvd.control.cadence import FREE_DECISIONS, DecisionCadence
+import math
+
+from dynamix_hvd.control.cadence import FREE_DECISIONS, DecisionCadence, interval_ceiling
 
 
-def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spacing=0, recheck_after=()):
+def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spacing=0, recheck_after=(),
+         ceiling=0):
     """Feed `epochs` epochs of `length` steps; returns the (epoch, step) of every decision. The
     decisions numbered in `recheck_after` ask for a recheck."""
     decisions, when, recheck = start_decisions, [], 0
@@ -16,7 +19,7 @@ def walk(cadence, epochs, length, start_decisions=0, start_epoch=0, since=0, spa
             since += 1
             if cadence.due(epoch_end=step == length, steps_since=since, decisions=decisions, epoch=epoch,
                            step=step, sizes=[8, 12], epoch_length=lambda: length, spacing=spacing,
-                           recheck=recheck):
+                           recheck=recheck, ceiling=ceiling):
                 recheck = cadence.min_steps if decisions in recheck_after else 0
                 decisions, since = decisions + 1, 0
                 when.append((epoch, step))
@@ -69,6 +72,39 @@ def test_a_recheck_comes_min_steps_after_its_decision_ahead_of_interval_and_spac
     # epochs of 20: a recheck asked at 16 lets the epoch end at 20 pass (4 steps) and comes at (1, 4)
     assert walk(DecisionCadence(None, 4, 8, 2), 2, 20) == [(0, 8), (0, 16), (0, 20), (1, 10), (1, 20)]
     assert walk(DecisionCadence(None, 4, 8, 2), 2, 20, recheck_after={1}) == [(0, 8), (0, 16), (1, 4), (1, 14), (1, 20)]
+
+
+def test_a_ceiling_caps_the_interval_in_long_epochs_below_the_spacing():
+    """4 decisions over 2 epochs of 60 steps come every 30 once ramped up; a ceiling of 20 steps (the
+    seconds asked for at the step time) caps that, not the ramp's first intervals nor min_steps; the
+    budget's spacing still comes first; a fixed cadence the user chose keeps its steps."""
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 60, ceiling=20) == [
+        (0, 8), (0, 16), (0, 32), (0, 60), (1, 20), (1, 40), (1, 60)]  # none in (0, 60)'s last 10 steps
+    # epochs of 600 steps and 4 decisions over 2 epochs: every 300 steps, or every 50 under the ceiling
+    # (after the ramp's 8, 8, 16, 32; the ramp alone doubles on to the interval)
+    capped = walk(DecisionCadence(None, 4, 8, 2), 2, 600, ceiling=50)
+    assert capped == ([(0, s) for s in (8, 16, 32, *range(64, 565, 50), 600)]
+                      + [(1, s) for s in (*range(50, 551, 50), 600)])
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 600) == [(0, 8), (0, 16), (0, 32), (0, 64), (0, 128), (0, 256),
+                                                            (0, 600), (1, 300), (1, 600)]
+    # a ceiling under min_steps gives min_steps; one above the interval changes nothing
+    assert walk(DecisionCadence(None, 4, 8, 2), 1, 60, ceiling=3) == [(0, s) for s in (8, 16, 24, 32, 40, 48, 56, 60)]
+    assert walk(DecisionCadence(None, 4, 8, 2), 2, 60, ceiling=45) == walk(DecisionCadence(None, 4, 8, 2), 2, 60)
+    spaced = walk(DecisionCadence(None, 4, 8, 2), 3, 60, spacing=70)
+    assert walk(DecisionCadence(None, 4, 8, 2), 3, 60, spacing=70, ceiling=20) == spaced
+    assert walk(DecisionCadence(10, 32, 8, 2), 2, 25, ceiling=4) == walk(DecisionCadence(10, 32, 8, 2), 2, 25)
+    # a fresh cadence (a rank that joined, a restored job) answers alike under the same ceiling
+    lived = DecisionCadence(None, 4, 8, 2)
+    assert walk(lived, 1, 600, ceiling=50)[-3:] == [(0, 514), (0, 564), (0, 600)]
+    assert walk(lived, 1, 600, 15, 1, ceiling=50) == walk(DecisionCadence(None, 4, 8, 2), 1, 600, 15, 1, ceiling=50)
+
+
+def test_interval_ceiling_is_the_seconds_asked_for_at_the_median_step_time():
+    assert interval_ceiling(5.0, [0.1, 0.2, 0.3]) == 25
+    assert interval_ceiling(5.0, [0.3, math.nan, 0.1, 0.2, -1.0, math.inf]) == 25  # only finite times > 0 count
+    assert interval_ceiling(0.01, [0.5]) == 1       # at least one step
+    assert interval_ceiling(5.0, [1e-12]) == 1 << 20  # bounded
+    assert interval_ceiling(0.0, [0.1]) == 0 and interval_ceiling(5.0, []) == 0 and interval_ceiling(5.0, [0.0]) == 0
 
 
 @pytest.mark.parametrize("every, expected", [(10, [(0, 10), (0, 20), (0, 25), (1, 10), (1, 20), (1, 25)]),

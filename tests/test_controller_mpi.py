@@ -98,6 +98,29 @@ def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
     assert results[0]["when"] == [[0, 8, 60], [0, 16, 60], [0, 32, 60], [0, 60, 60], [1, 30, 60], [1, 60, 60]]
 
 
+def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(tmp_path):
+    """4 decisions over 2 epochs of 60 steps would come every 30 steps once ramped up (above); steps
+    of about 12 ms (rank 1 sleeps 12 x 1 ms) and at most 0.12 s an interval cap it near 10 steps:
+    rank 0 sends the ceiling with every decision, every rank records the same and decides at the same
+    steps, and no interval inside an epoch is longer than the ceiling the last decision sent."""
+    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "-1",
+           "--policy", "static", "--target-decisions", "4", "--decision-budget", "0",
+           "--sleep-per-sample", "0.001", "--max-interval", "0.12")
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    when, history = results[0]["when"], results[0]["history"]
+    assert results[1]["when"] == when
+    ceilings = [d["ceiling"] for d in history]
+    assert [d["ceiling"] for d in results[1]["history"]] == ceilings
+    # 0.12 s at steps of 12-13 ms (a slower machine: more ms, fewer steps)
+    assert all(3 <= c <= 11 for c in ceilings), ceilings
+    steps = [e * 60 + s for e, s, _ in when]
+    assert steps[:2] == [8, 16]  # the ramp's first intervals are min_decision_steps (8), under any ceiling
+    for i in range(2, len(steps)):
+        if when[i][0] == when[i - 1][0] and when[i][1] != 60:  # inside an epoch (its end decides anyway)
+            assert steps[i] - steps[i - 1] <= max(8, ceilings[i - 1]), (i, when, ceilings)
+    assert len(when) >= 10, when  # without the ceiling: 6
+
+
 def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path):
     """Rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every 50 steps once ramped up,
     no decision budget, so the next interval is all slow): the decision whose interval shows the gap

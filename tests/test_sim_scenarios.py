@@ -181,6 +181,48 @@ def test_misspecified_conditions_do_what_they_say() -> None:
     assert set(MISSPECIFIED) >= {"stalls", "interference", "moving", "bursts", "biased-noise"}
 
 
+def test_live_cadence_caps_long_intervals_at_the_seconds_asked_for() -> None:
+    """Epochs of 313 steps and 2 decisions over 2 epochs: once ramped up, one decision an epoch; a
+    ceiling of about 20 steps' time (the controller's `interval_ceiling` at the last interval's step
+    time) brings an interval inside an epoch down to about 20 steps, as the live controller does."""
+    base = dict(initial_batch=[16, 16], cadence="live", dataset_size=10_000, total_epochs=2, target_decisions=2,
+                min_decision_steps=4, target_progress=20_000 * 0.98, max_decisions=500)
+    step = float(ClusterSimulator(spec(2, **base), seed=1).expected_step_time(np.array([16.0, 16.0])))
+
+    def intervals(ceiling_s: float) -> list[int]:
+        sim = ClusterSimulator(spec(2, **base, max_decision_interval_s=ceiling_s), seed=1)
+        lengths, policy = [], StaticPolicy()
+        while not sim.done:
+            lengths.append(len(sim.last_steps["step_s"]))
+            sim.step_sizes(policy.decide(sim.decision_input()).sizes)
+        return lengths
+
+    uncapped, capped = intervals(0.0), intervals(20 * step)
+    assert max(uncapped) > 150 and len(uncapped) < 12  # the ramp, then the rest of the epoch
+    assert uncapped[:3] == capped[:3] == [4, 4, 8]  # the ramp comes first
+    assert max(capped) <= 24 and len(capped) > 25, capped  # about 20 (the step time varies with the jitter)
+
+
+def test_cadence_study_runs_every_ceiling_and_tables_them(tmp_path) -> None:
+    """The ceiling study (bench.lab.cadence_study) on one short job: every ceiling reaches the target
+    under every condition and policy, and the table has a row for each."""
+    from bench.lab import cadence_study
+
+    rows = cadence_study.evaluate(1, 0, 120.0, (2,), epochs=4, ceilings=(0.0, 5.0))
+    conditions, policies = len(cadence_study.CONDITIONS), len(cadence_study.POLICIES)
+    assert len(rows) == conditions * policies
+    assert all(math.isfinite(r[k]) and r[k] > 0 for r in rows for k in ("t_0", "t_5"))
+    assert all(r["decisions_5"] >= r["decisions_0"] for r in rows)
+    assert len(cadence_study.table(rows, (0.0, 5.0))) >= 2 + conditions * policies
+    job = sample_cluster(np.random.default_rng(0), ScenarioConfig(families=cadence_study.FAMILIES, world_sizes=(4,)))
+    assert cadence_study.long_job(job, 100.0, "drift").drift == [(0.3, 3, 3.0), (0.6, 3, 0.5)]
+    assert cadence_study.long_job(job, 100.0, "interference").interfere_rank == 3
+    with pytest.raises(ValueError, match="storm"):
+        cadence_study.long_job(job, 100.0, "storm")
+    with pytest.raises(SystemExit):
+        cadence_study.main(["--world-sizes", "1", "--out", str(tmp_path)])
+
+
 def test_misspecified_benchmark_runs_every_contender_and_tables_them(tmp_path) -> None:
     """The per-condition comparison (bench.lab.misspecified) on one small job per half: every
     contender reaches the target, the table has a row per condition and half (and per world size)."""

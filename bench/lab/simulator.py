@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
-from dynamix_hvd.control.cadence import DecisionCadence
+from dynamix_hvd.control.cadence import DecisionCadence, interval_ceiling
 from dynamix_hvd.control.core import DecisionCore, Observation, RankInput, StepSeries
 from dynamix_hvd.control.policy import BatchSizePolicy, DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy
@@ -184,6 +184,9 @@ class ClusterSpec:
     """ControllerConfig.advanced.target_decisions (``cadence="live"``)."""
     min_decision_steps: int = 8
     """ControllerConfig.advanced.min_decision_steps (``cadence="live"``)."""
+    max_decision_interval_s: float = 20.0
+    """ControllerConfig.advanced.max_decision_interval_s (``cadence="live"``): the longest in-epoch
+    interval, in seconds at the last interval's mean step time."""
     max_decisions: int = 2000
     """Decisions after which an episode stops even if the target was not reached."""
     min_batch: int = 1
@@ -413,6 +416,7 @@ class ClusterSimulator:
         if s.cadence == "fixed":
             return np.ones(s.steps_per_decision)
         B, fractions, p = float(self.passes * sum(self.sizes)), [], self.passes
+        ceiling = interval_ceiling(s.max_decision_interval_s, [self._step_guess / p])  # per loader step
         while len(fractions) < 100_000:
             left = s.dataset_size - self._pos_samples
             f = min(1.0, left / B)
@@ -425,7 +429,8 @@ class ClusterSimulator:
             due = self.cadence.due(epoch_end=epoch_end, steps_since=p * len(fractions), decisions=self.decisions,
                                    epoch=self._pos_epoch, step=p * self._pos_step, sizes=self.sizes,
                                    epoch_length=lambda: p * length,
-                                   recheck=p * s.min_decision_steps if self._recheck else 0)
+                                   recheck=p * s.min_decision_steps if self._recheck else 0,
+                                   ceiling=ceiling)
             if epoch_end:
                 self._pos_epoch, self._pos_samples, self._pos_step = self._pos_epoch + 1, 0.0, 0
             if due:

@@ -8,6 +8,8 @@ from a checkpoint, deciding at the same steps as the others.
 """
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Callable, Sequence
 
 
@@ -39,7 +41,14 @@ class DecisionCadence:
     whole interval later: ahead of the interval and the spacing, and not at an epoch end that comes
     sooner (an interval too short to test would waste it). A rank that became slower is then balanced
     an interval sooner for one decision more. Rank 0 sends the request with the decision, like the
-    spacing."""
+    spacing.
+
+    ``ceiling`` (default cadence only; 0: none): the most steps an in-epoch interval may span, so that
+    a long job (few decisions spread over many epochs, or epochs of many minutes) still decides every
+    so many seconds and follows a rank whose speed changes within about two intervals. Rank 0 sets it
+    from ``AdvancedConfig.max_decision_interval_s`` and the step time (`interval_ceiling`) and sends
+    it with every decision, like the spacing; the spacing wins where the two disagree (the decision
+    budget is a bound, the ceiling a wish)."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -49,7 +58,7 @@ class DecisionCadence:
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
             sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
-            recheck: int = 0) -> bool:
+            recheck: int = 0, ceiling: int = 0) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
         epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
         k = self.every
@@ -62,18 +71,20 @@ class DecisionCadence:
             # neither decision rests on a few steps); an epoch end before it waits.
             if epoch_end or steps_since < recheck:
                 return epoch_end and steps_since >= recheck
-            return self._plan(epoch, decisions, sizes, epoch_length) - step >= recheck // 2
+            return self._plan(epoch, decisions, sizes, epoch_length, ceiling) - step >= recheck // 2
         if decisions >= FREE_DECISIONS and steps_since < spacing:
             return False
         if epoch_end:
             return True
-        epoch_steps = self._plan(epoch, decisions, sizes, epoch_length)
+        epoch_steps = self._plan(epoch, decisions, sizes, epoch_length, ceiling)
         # No decision in the last half-interval of an epoch: its end decides anyway.
         return steps_since >= self._interval and epoch_steps - step >= self._interval // 2
 
-    def _plan(self, epoch: int, decisions: int, sizes: Sequence[int], epoch_length: Callable[[], int]) -> int:
-        """The epoch's length, and the interval, replanned when the epoch, the decisions or the sizes changed."""
-        key = (epoch, decisions, tuple(sizes))
+    def _plan(self, epoch: int, decisions: int, sizes: Sequence[int], epoch_length: Callable[[], int],
+              ceiling: int = 0) -> int:
+        """The epoch's length, and the interval, replanned when the epoch, the decisions, the sizes or
+        the ceiling changed."""
+        key = (epoch, decisions, tuple(sizes), ceiling)
         if key != self._key:
             self._key = key
             self._epoch_steps = epoch_length()
@@ -83,5 +94,17 @@ class DecisionCadence:
             # first two are both min_steps: a split needs two intervals of evidence (a paired test
             # on each), and every step before it runs at the straggler's pace.
             ramp = self.min_steps * 2 ** min(max(decisions - 1, 0), 30)
-            self._interval = min(ramp, max(self.min_steps, -(-self._epoch_steps // per_epoch)))
+            spread = -(-self._epoch_steps // per_epoch)
+            if ceiling > 0:
+                spread = min(spread, ceiling)
+            self._interval = min(ramp, max(self.min_steps, spread))
         return self._epoch_steps
+
+
+def interval_ceiling(max_interval_s: float, step_s: Sequence[float]) -> int:
+    """Steps in `max_interval_s` seconds at the median of the ranks' step times `step_s` (0: no
+    ceiling, where `max_interval_s` is 0 or no step time is known)."""
+    finite = [t for t in step_s if math.isfinite(t) and t > 0]
+    if not max_interval_s > 0 or not finite:
+        return 0
+    return min(1 << 20, max(1, math.ceil(max_interval_s / statistics.median(finite))))

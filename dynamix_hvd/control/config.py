@@ -50,6 +50,11 @@ class AdvancedConfig:
     """With ``decide_every_steps=None``: fewest steps between two decisions inside an epoch (the cost
     fits and the noise scale need a few steps per interval), the length of the ramp's first two
     intervals and of a recheck's (optimizer steps there)."""
+    max_decision_interval_s: float = 20.0
+    """With ``decide_every_steps=None``: the longest an interval inside an epoch may last, in seconds
+    of training at the ranks' median step time, so that a long job (32 decisions over days, or epochs
+    of many minutes) still follows a rank whose speed changes within about two intervals; the decision
+    budget's spacing still comes first. 0: no ceiling (target_decisions alone spreads them)."""
     multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
     """The discrete PPO actions: corrections of a rank's proposed share and of the proposed global
     batch (must include 1.0; a policy file is refused unless it was trained with the same set)."""
@@ -66,6 +71,8 @@ class AdvancedConfig:
         validate.integer("AdvancedConfig.keep_inputs", self.keep_inputs, 0)
         validate.number("AdvancedConfig.resource_period_s", self.resource_period_s, 0,
                         what="a finite number of seconds >= 0")
+        validate.number("AdvancedConfig.max_decision_interval_s", self.max_decision_interval_s, 0,
+                        what="a finite number of seconds >= 0 (0: no ceiling)")
         if isinstance(self.multipliers, (str, bytes)) or not isinstance(self.multipliers, (tuple, list)) \
                 or not all(validate.is_number(m) for m in self.multipliers):
             raise ValueError(f"AdvancedConfig.multipliers={self.multipliers!r}; give a tuple of finite numbers, "

@@ -30,7 +30,7 @@ import torch
 
 from . import wire
 from .actions import BatchBounds
-from .cadence import DecisionCadence
+from .cadence import DecisionCadence, interval_ceiling
 from .config import POLICY_NAMES, ControllerConfig, make_core
 from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
@@ -119,6 +119,7 @@ class DynamixController:
         self._due = False  # a decision fell due between the micro-batches of a step: taken at its end
         self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
         self._recheck = False  # the last decision asked for the next one soon (sent with it, like the spacing)
+        self._ceiling = 0  # most steps in an in-epoch interval, sent by rank 0 with the last decision
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
@@ -151,6 +152,7 @@ class DynamixController:
         self.core.decisions = len(self.history)  # a new rank 0 numbers on from the shared history
         self._spacing = 0  # every rank of the new world starts without it (the cadence must agree)
         self._recheck = False
+        self._ceiling = 0
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
@@ -171,7 +173,7 @@ class DynamixController:
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
                                epoch_length=lambda: len(loader), spacing=self._spacing,
-                               recheck=self._recheck_steps())
+                               recheck=self._recheck_steps(), ceiling=self._ceiling)
         # Ordering hazard: with accumulation a decision between micro-batches would report a step
         # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
         # (every rank is between the same micro-batches; an epoch's end always ends a step).
@@ -208,9 +210,14 @@ class DynamixController:
             decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
                                         passes=self.optimizer.backward_passes_per_step)
             record = decision.record()
-            spacing = self._budget_spacing(time.perf_counter() - t1, [i.report.step_s for i in inputs])
+            step_s = [i.report.step_s for i in inputs]
+            spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
+            # per loader step (the cadence's unit): a step record spans its micro-batches
+            passes = self.optimizer.backward_passes_per_step
+            ceiling = interval_ceiling(self.cfg.advanced.max_decision_interval_s, [t / passes for t in step_s])
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
-                                        decision.previous_sizes, decision.passes, spacing, decision.recheck)
+                                        decision.previous_sizes, decision.passes, spacing, decision.recheck,
+                                        ceiling)
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
@@ -223,9 +230,9 @@ class DynamixController:
         if compact["passes"] != self.optimizer.backward_passes_per_step:
             self.optimizer.set_backward_passes_per_step(compact["passes"])
         self.optimizer.lr_gain = compact["lr_gain"]
-        self._spacing, self._recheck = compact["spacing"], compact["recheck"]
+        self._spacing, self._recheck, self._ceiling = compact["spacing"], compact["recheck"], compact["ceiling"]
         record = dict(record or compact, overhead_s=time.perf_counter() - t0, spacing=self._spacing,
-                      recheck=self._recheck)
+                      recheck=self._recheck, ceiling=self._ceiling)
         if self.rank == 0:
             t1 = time.perf_counter()
             update = self.policy.after_decision()  # learning runs after the others got the decision
@@ -307,6 +314,7 @@ class DynamixController:
         # continues where the checkpointed run was
         self._spacing = int(self.history[-1].get("spacing") or 0) if self.history else 0
         self._recheck = bool(self.history[-1].get("recheck")) if self.history else False
+        self._ceiling = int(self.history[-1].get("ceiling") or 0) if self.history else 0
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
         passes = int(self.history[-1].get("passes", 0)) if self.history else 0

@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--target-decisions", type=int, default=32, help="with --every -1")
     ap.add_argument("--decision-budget", type=float, default=0.01, help="with --every -1 (0: no limit)")
+    ap.add_argument("--max-interval", type=float, default=None,
+                    help="AdvancedConfig.max_decision_interval_s (default: its default)")
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
@@ -60,7 +62,9 @@ def main() -> None:
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
                               ppo={"rollout_length": 4, "seed": 3} if args.policy == "ppo" else {}, decision_budget=args.decision_budget,
                               advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs,
-                                                         target_decisions=args.target_decisions))
+                                                         target_decisions=args.target_decisions,
+                                                         **({} if args.max_interval is None else
+                                                            {"max_decision_interval_s": args.max_interval})))
     controller = dx.DynamixController(loader, opt, cfg)
     if args.mode == "silent":
         if rank == args.silent:
@@ -101,7 +105,7 @@ def main() -> None:
             opt.step()
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing",
-                                 "recheck")}
+                                 "recheck", "ceiling")}
                for d in controller.history]
     for h, d in zip(history, controller.history):  # rank 0: the network fit of each decision
         h["net"] = (d.get("fit") or {}).get("net")
