@@ -2,9 +2,9 @@
 depends only on what every rank shares, so a rank that joins or restores decides where the others do."""
 from __future__ import annotations
 
-import pytest
-
 import math
+
+import pytest
 
 from dynamix_hvd.control.cadence import FREE_DECISIONS, DecisionCadence, interval_ceiling
 
@@ -103,7 +103,7 @@ def test_interval_ceiling_is_the_seconds_asked_for_at_the_median_step_time():
     assert interval_ceiling(5.0, [0.1, 0.2, 0.3]) == 25
     assert interval_ceiling(5.0, [0.3, math.nan, 0.1, 0.2, -1.0, math.inf]) == 25  # only finite times > 0 count
     assert interval_ceiling(0.01, [0.5]) == 1       # at least one step
-    assert interval_ceiling(5.0, [1e-12]) == 1 << 20  # bounded
+    assert interval_ceiling(5.0, [1e-12]) == 1 << 20 and interval_ceiling(1e308, [0.1]) == 1 << 20  # bounded
     assert interval_ceiling(0.0, [0.1]) == 0 and interval_ceiling(5.0, []) == 0 and interval_ceiling(5.0, [0.0]) == 0
 
 

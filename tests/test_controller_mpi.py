@@ -111,8 +111,8 @@ def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(
     assert results[1]["when"] == when
     ceilings = [d["ceiling"] for d in history]
     assert [d["ceiling"] for d in results[1]["history"]] == ceilings
-    # 0.12 s at steps of 12-13 ms (a slower machine: more ms, fewer steps)
-    assert all(3 <= c <= 11 for c in ceilings), ceilings
+    # 0.12 s at steps of 12-13 ms (a slower or busier machine: more ms, fewer steps)
+    assert all(1 <= c <= 11 for c in ceilings), ceilings
     steps = [e * 60 + s for e, s, _ in when]
     assert steps[:2] == [8, 16]  # the ramp's first intervals are min_decision_steps (8), under any ceiling
     for i in range(2, len(steps)):

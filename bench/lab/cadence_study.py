@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -115,6 +116,18 @@ def table(rows: list[dict[str, Any]], ceilings: tuple[float, ...] = CEILINGS) ->
     return lines
 
 
+def revision() -> str:
+    """The checkout's commit (and "modified" where its tracked files differ from it), for the record."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), *args], capture_output=True,
+                                  text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("rev-parse", "--short=12", "HEAD") or "commit unknown"
+    return f"commit {commit}" + (" (modified)" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=8, help="simulated jobs (each under every condition)")
@@ -145,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--world-sizes {args.world_sizes!r}: every size must be >= 2 (a rank to slow down)")
     import torch
     torch.set_num_threads(1)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = evaluate(args.jobs, args.seed, args.job_s, world_sizes, args.epochs, ceilings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     command = " ".join(["python -m bench.lab.cadence_study", *(argv if argv is not None else sys.argv[1:])])
-    text = "\n".join([f"`{command}` ({time.perf_counter() - t0:.0f} s); time to target under each ceiling "
-                      "over no ceiling, geometric means over jobs", "", *table(rows, ceilings)])
+    text = "\n".join([f"`{command}` ({time.perf_counter() - t0:.0f} s, {started}, {revision()}); time to "
+                      "target under each ceiling over no ceiling, geometric means over jobs", "",
+                      *table(rows, ceilings)])
     (out / "summary.md").write_text(text + "\n")
     print(text)
     return 0

@@ -402,6 +402,7 @@ class ClusterSimulator:
         self._spike = 0.0
         self._intervals = 0
         self._step_guess = float(self.expected_step_time(np.asarray(self.sizes, dtype=np.float64)))
+        self._loader_step_guess = self._step_guess / self.passes
         self._interfered = np.random.default_rng([self.seed, 7]).integers(0, self.R, 4096)  # rank per slow-down
         self._load = s.contention
         self.last_reward: Optional[torch.Tensor] = None
@@ -416,7 +417,7 @@ class ClusterSimulator:
         if s.cadence == "fixed":
             return np.ones(s.steps_per_decision)
         B, fractions, p = float(self.passes * sum(self.sizes)), [], self.passes
-        ceiling = interval_ceiling(s.max_decision_interval_s, [self._step_guess / p])  # per loader step
+        ceiling = interval_ceiling(s.max_decision_interval_s, [self._loader_step_guess])
         while len(fractions) < 100_000:
             left = s.dataset_size - self._pos_samples
             f = min(1.0, left / B)
@@ -513,6 +514,7 @@ class ClusterSimulator:
         if s.move_every and self._intervals % s.move_every == 0:
             self.slow = np.roll(self.slow, 1)
         self._step_guess = float(step_s.mean())
+        self._loader_step_guess = self._step_guess / p  # the cadence's unit, at the passes that ran
         # reports, exactly the fields the controller's ranks send
         mem_used = self.mem_base + self.mem_ps * b_full
         mean_step = float(step_s.mean())

@@ -48,7 +48,7 @@ class DecisionCadence:
     so many seconds and follows a rank whose speed changes within about two intervals. Rank 0 sets it
     from ``AdvancedConfig.max_decision_interval_s`` and the step time (`interval_ceiling`) and sends
     it with every decision, like the spacing; the spacing wins where the two disagree (the decision
-    budget is a bound, the ceiling a wish)."""
+    budget is a bound, the ceiling a wish), and no interval is shorter than `min_steps`."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
@@ -60,7 +60,8 @@ class DecisionCadence:
             sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
             recheck: int = 0, ceiling: int = 0) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
-        epoch, the number of decisions or the sizes changed (reading it replans the epoch's rest)."""
+        epoch, the number of decisions, the sizes or the ceiling changed (reading it replans the
+        epoch's rest)."""
         k = self.every
         if k is not None:
             # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
@@ -102,9 +103,10 @@ class DecisionCadence:
 
 
 def interval_ceiling(max_interval_s: float, step_s: Sequence[float]) -> int:
-    """Steps in `max_interval_s` seconds at the median of the ranks' step times `step_s` (0: no
-    ceiling, where `max_interval_s` is 0 or no step time is known)."""
+    """Steps in `max_interval_s` seconds at the median of the ranks' step times `step_s`, at most
+    2**20 (0: no ceiling, where `max_interval_s` is 0 or no step time is known)."""
     finite = [t for t in step_s if math.isfinite(t) and t > 0]
     if not max_interval_s > 0 or not finite:
         return 0
-    return min(1 << 20, max(1, math.ceil(max_interval_s / statistics.median(finite))))
+    steps = max_interval_s / statistics.median(finite)
+    return 1 << 20 if not steps < 1 << 20 else max(1, math.ceil(steps))

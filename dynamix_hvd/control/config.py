@@ -54,7 +54,8 @@ class AdvancedConfig:
     """With ``decide_every_steps=None``: the longest an interval inside an epoch may last, in seconds
     of training at the ranks' median step time, so that a long job (32 decisions over days, or epochs
     of many minutes) still follows a rank whose speed changes within about two intervals; the decision
-    budget's spacing still comes first. 0: no ceiling (target_decisions alone spreads them)."""
+    budget's spacing and `min_decision_steps` still come first. 0: no ceiling (target_decisions alone
+    spreads them)."""
     multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
     """The discrete PPO actions: corrections of a rank's proposed share and of the proposed global
     batch (must include 1.0; a policy file is refused unless it was trained with the same set)."""

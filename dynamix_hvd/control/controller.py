@@ -210,11 +210,12 @@ class DynamixController:
             decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
                                         passes=self.optimizer.backward_passes_per_step)
             record = decision.record()
-            step_s = [i.report.step_s for i in inputs]
-            spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
-            # per loader step (the cadence's unit): a step record spans its micro-batches
+            # per loader step, the cadence's unit (a step record spans the micro-batches of the
+            # interval that ran, before this decision sets their number for the next)
             passes = self.optimizer.backward_passes_per_step
-            ceiling = interval_ceiling(self.cfg.advanced.max_decision_interval_s, [t / passes for t in step_s])
+            step_s = [i.report.step_s / passes for i in inputs]
+            spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
+            ceiling = interval_ceiling(self.cfg.advanced.max_decision_interval_s, step_s)
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes, decision.passes, spacing, decision.recheck,
                                         ceiling)
@@ -249,8 +250,9 @@ class DynamixController:
         return self.cfg.advanced.min_decision_steps * self.optimizer.backward_passes_per_step
 
     def _budget_spacing(self, decide_s: float, step_s: list[float]) -> int:
-        """Rank 0: fewest steps before the next decision so that deciding (rank 0's share, which every
-        rank waits for) stays within `decision_budget` of the training time (0: no limit)."""
+        """Rank 0: fewest loader steps (of `step_s` seconds, per rank) before the next decision so that
+        deciding (rank 0's share, which every rank waits for) stays within `decision_budget` of the
+        training time (0: no limit)."""
         step = statistics.median(step_s) if step_s else 0.0
         if not self.cfg.decision_budget or not step > 0 or not math.isfinite(decide_s):
             return 0
