@@ -25,7 +25,6 @@ allreduce or a fixed per-step cost dominates, and a split gains little)::
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig
-from .evaluate import gmean_ratio
+from .evaluate import gmean_ratio, write_rows
 from .scenarios import ScenarioConfig, sample_cluster
 from .simulator import ClusterSimulator, ClusterSpec
 
@@ -161,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     rows = evaluate(args.jobs, args.seed, args.job_s, world_sizes, args.epochs, ceilings)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "runs.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(out, rows)
     command = " ".join(["python -m bench.lab.cadence_study", *(argv if argv is not None else sys.argv[1:])])
     text = "\n".join([f"`{command}` ({time.perf_counter() - t0:.0f} s, {started}, {revision()}); time to "
                       "target under each ceiling over no ceiling, geometric means over jobs", "",

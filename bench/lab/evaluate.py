@@ -9,7 +9,9 @@ seed, and all static scales count progress in the same unit (the initial global 
 """
 from __future__ import annotations
 
+import csv
 import math
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -51,6 +53,15 @@ def evaluate_job(spec: ClusterSpec, ppo: Callable[[], BatchSizePolicy], seed: in
 
 
 CONTENDERS = ("ppo_s", "model_s", "goodput_s", "speed_split_s", "static_s", "best_static_s", "oracle_s")
+
+
+def write_rows(out: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """A study's rows as OUT/runs.csv (OUT created), the columns those of the first row."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "runs.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def gmean_ratio(rows: Sequence[dict[str, Any]], a: str, b: str) -> float:

@@ -16,7 +16,6 @@ coming). Ratios are geometric means over jobs of time to target, against the pro
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.proposal import ModelPolicy
 from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.rules import make_baseline
-from .evaluate import gmean_ratio
+from .evaluate import gmean_ratio, write_rows
 from .scenarios import MISSPECIFIED, ScenarioConfig, misspecify, sample_cluster
 from .simulator import ClusterSimulator
 
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = evaluate(conditions, args.jobs, args.seed, world_sizes, per_size=args.by_world_size)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "runs.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows(out, rows)
     command = " ".join(["python -m bench.lab.misspecified", *(argv if argv is not None else sys.argv[1:])])
     text = "\n".join([f"`{command}` ({time.perf_counter() - t0:.0f} s); time to target over the proposal's, "
                       "geometric means", "", *table(rows, args.by_world_size)])
