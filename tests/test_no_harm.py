@@ -478,5 +478,66 @@ def test_growth_check_bans_divergence_and_never_accepts_without_a_reference():
     flat = GrowthCheck()  # a reference that did not improve: judged against its mean and spread
     for k, value in enumerate((1.98, 2.0, 2.0, 2.02)):
         flat.observe([report(0, 64, 10, 0.01, value)], 64, 64)
-    predicted, tol = flat._predict(100.0, 2.0)
-    assert predicted == pytest.approx(2.0) and 0 < tol < 0.1
+    coef, cov, scale, measured = flat._line()
+    assert coef[1] == 0.0 and coef[0] == pytest.approx(2.0) and not measured
+    assert 0 < math.sqrt(scale) < 0.05, "without per-step losses the noise is the reference's scatter"
+
+
+def judge_growth(interval_s, excess, steps_per_s=50, static_s=60.0, grown_s=120.0, noise=0.05, seed=0):
+    """A GrowthCheck fed `static_s` seconds at the initial batch, then up to `grown_s` seconds grown,
+    in intervals of `interval_s` seconds of per-step losses: the static curve 2 - 0.3 log(1 + t) plus
+    `excess(seconds grown)` after the growth, each step with noise of sd `noise`. Returns the check and
+    the training seconds of its verdict (NaN: none)."""
+    rng = np.random.default_rng(seed)
+    check, t, verdict_at = GrowthCheck(), 0.0, math.nan
+    n = max(int(round(interval_s * steps_per_s)), 1)
+    while t < static_s + grown_s and math.isnan(verdict_at):
+        grown = t >= static_s
+        ts = t + (np.arange(n) + 0.5) / steps_per_s
+        losses = 2.0 - 0.3 * np.log1p(ts) + rng.normal(0.0, noise, n)
+        if grown:
+            losses += excess(ts - static_s)
+        check.observe([report(0, 96 if grown else 64, n, interval_s / n, float(losses.mean()))],
+                      128 if grown else 64, 64, losses.tolist())
+        t += interval_s
+        if check.banned or check.accepted:
+            verdict_at = t
+    return check, verdict_at
+
+
+@pytest.mark.parametrize("interval_s", [0.25, 1.0, 4.0, 15.0])
+def test_a_growth_that_falls_behind_slowly_is_returned_whatever_the_interval_length(interval_s):
+    """A larger batch that keeps pace at first and falls behind by 0.002 a second (half a per-step noise
+    sd after 12 s): returned within the judged span at every cadence, not accepted after a few short
+    intervals; one that is a little ahead throughout is accepted at every cadence, after about the same
+    training time."""
+    behind, at = judge_growth(interval_s, lambda s: 0.002 * s)
+    assert behind.banned and not behind.accepted, (interval_s, behind.last)
+    ahead, accepted_at = judge_growth(interval_s, lambda s: -0.01 + 0 * s)
+    assert ahead.accepted and not ahead.banned, (interval_s, ahead.last)
+    # judged for half the reference's span (the last half of 60 s), and at least 1 + 3 intervals
+    assert 60.0 + 15.0 <= accepted_at <= 60.0 + max(15.0 + 3 * interval_s, 4 * interval_s) + 4, accepted_at
+
+
+@pytest.mark.parametrize("interval_s", [0.25, 1.0, 4.0])
+def test_a_growth_level_with_the_static_batch_is_kept_in_most_seeds(interval_s):
+    """No difference at all after the growth: few false returns (the looks are spaced in judged time,
+    so short intervals do not buy more chances to fail on noise)."""
+    banned = sum(judge_growth(interval_s, lambda s: 0 * s, seed=seed)[0].banned for seed in range(40))
+    assert banned <= 6, banned
+
+
+def test_the_variance_of_an_interval_mean_comes_from_its_steps():
+    from dynamix_hvd.control.growth import mean_variance
+
+    rng = np.random.default_rng(3)
+    x = 1.0 - 0.001 * np.arange(400) + rng.normal(0.0, 0.1, 400)  # a trend under noise of sd 0.1
+    assert mean_variance(x) == pytest.approx(0.01 / 400, rel=0.2)
+    assert math.isnan(mean_variance([1.0, math.nan, 2.0])) and math.isnan(mean_variance(None))
+
+
+def test_an_older_growth_check_state_loads_with_unknown_noise():
+    check = GrowthCheck()
+    state = check.state_dict() | {"reference": [[1.0, 2.0], [2.0, 1.9], [3.0, 1.85]]}
+    check.load_state_dict(state)
+    assert check.ready and all(math.isnan(p[2]) for p in check.reference)

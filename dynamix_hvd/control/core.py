@@ -133,6 +133,7 @@ class Observation:
     throughput: float
     layer_variance: dict[str, float] | None
     fit: dict[str, Any] | None = None  # the cost and network fits the observation used (plain values)
+    step_losses: np.ndarray | None = None  # the interval's per-step loss, sample-weighted over ranks (NaN: none)
 
 
 @dataclass
@@ -267,7 +268,7 @@ class DecisionCore:
         self.passes = passes
         B = passes * sum(sizes)  # samples per optimizer step
         reports = [i.report for i in inputs]
-        self._record_steps(inputs)
+        step_losses = self._record_steps(inputs)
         for i in inputs:
             if i.steps.memory_kind == "cuda":
                 r = i.report
@@ -297,12 +298,13 @@ class DecisionCore:
         self.prev_sizes, self.prev_loss, self.prev_passes = sizes, loss, passes
         self.decisions += 1
         return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
-                           self._layer_variance(inputs, [passes * b for b in sizes]), fit)
+                           self._layer_variance(inputs, [passes * b for b in sizes]), fit, step_losses)
 
     def policy_input(self, seen: Observation) -> DecisionInput:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
-                             costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes)
+                             costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes,
+                             step_losses=seen.step_losses)
 
     def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
@@ -331,10 +333,11 @@ class DecisionCore:
             return current
         return max(1, min(self.bounds.max_passes, int(chosen)))
 
-    def _record_steps(self, inputs: Sequence[RankInput]) -> None:
+    def _record_steps(self, inputs: Sequence[RankInput]) -> np.ndarray | None:
         """Feed the interval's per-step norms of all ranks, and each step's sample-weighted loss, into the
-        noise-scale estimator (in step order, as arrays)."""
+        noise-scale estimator (in step order, as arrays); those losses (None without steps)."""
         n = min(len(i.steps.local_batch) for i in inputs)
+        loss = None
         if n:
             b = np.array([i.steps.local_batch[:n] for i in inputs], dtype=np.float64).T  # [n, R]
             losses = np.array([i.steps.losses[:n] for i in inputs], dtype=np.float64).T
@@ -346,6 +349,7 @@ class DecisionCore:
             self.stats.record_many(b.astype(np.int64), np.array([i.steps.local_sq[:n] for i in inputs]).T,
                                    inputs[0].steps.global_sq[:n], loss)
         self._record_costs(inputs, n)
+        return loss
 
     def _record_costs(self, inputs: Sequence[RankInput], n: int) -> None:
         """Feed the per-step (batch, arrival, end of allreduce) points into the cost model; intervals

@@ -29,6 +29,7 @@ class DecisionInput:
     noise_lower: float = math.nan     # lower confidence bound on the noise scale (NaN: unknown)
     noise_point: float = math.nan     # its continuous point estimate (NaN: unknown)
     passes: int = 1                   # micro-batches per optimizer step the interval ran with
+    step_losses: Sequence[float] | None = None  # the interval's per-step loss over all ranks (None: unknown)
 
 
 @dataclass

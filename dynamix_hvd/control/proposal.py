@@ -474,7 +474,7 @@ class ModelPolicy:
         if self.neutral is None or len(self.neutral) != len(inp.sizes):
             self.neutral = [float(b) for b in inp.sizes]
         if self.check is not None:
-            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch)
+            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch, inp.step_losses)
         may_grow = self.check is None or (self.check.ready and not self.check.banned)
         costs = self._costs(inp)
         fit = costs.fit()
