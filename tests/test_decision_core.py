@@ -103,6 +103,10 @@ def test_the_interval_loss_is_each_steps_sample_weighted_mean_over_ranks_that_ha
     core._record_steps(inputs)
     expected = [(10 * 1 + 30 * 4) / 40, (30 * 3 + 20 * 9) / 50, (10 * 2 + 20 * 6) / 30, (30 * 5 + 20 * 1) / 50]
     assert list(core.stats.loss.window) == pytest.approx(expected, rel=1e-15)
+    # the same per-step losses reach the policy (the growth check's noise), a step without one as NaN
+    again = DecisionCore(3, 60)
+    step_losses = again.policy_input(again.observe(inputs, [10, 30, 20], 0)).step_losses
+    assert list(step_losses[:4]) == pytest.approx(expected, rel=1e-15) and math.isnan(step_losses[4])
 
 
 def test_core_replays_the_simulators_reports_to_the_same_decisions() -> None:

@@ -69,13 +69,14 @@ def long_job(base: ClusterSpec, job_s: float, condition: str, epochs: int = EPOC
 
 
 def evaluate(jobs: int, seed: int, job_s: float, world_sizes: tuple[int, ...], epochs: int = EPOCHS,
-             ceilings: tuple[float, ...] = CEILINGS) -> list[dict[str, Any]]:
+             ceilings: tuple[float, ...] = CEILINGS, policies: tuple[str, ...] = tuple(POLICIES)) -> list[dict[str, Any]]:
     """One row per (policy, condition, job): time to target (s) and decisions under every ceiling."""
     cfg = ScenarioConfig(families=FAMILIES, world_sizes=world_sizes)
     rows = []
     for j in range(jobs):
         base = sample_cluster(np.random.default_rng([seed, j]), cfg)
-        for policy, settings in POLICIES.items():
+        for policy in policies:
+            settings = POLICIES[policy]
             for condition in CONDITIONS:
                 spec = long_job(base, job_s, condition, epochs)
                 row: dict[str, Any] = {"policy": policy, "condition": condition, "job": j, "family": base.name,
@@ -101,7 +102,7 @@ def table(rows: list[dict[str, Any]], ceilings: tuple[float, ...] = CEILINGS) ->
     lines = ["| policy | condition | jobs | " + " | ".join(f"{c:g} s / none" for c in capped)
              + " | decisions: none / " + " / ".join(f"{c:g} s" for c in capped) + " (median) |",
              "|" + "---|" * (len(capped) + 4)]
-    for policy in POLICIES:
+    for policy in dict.fromkeys(r["policy"] for r in rows):
         hit = sensitive(rows, policy)
         for condition, only in [(c, False) for c in CONDITIONS] + [("drift", True), ("interference", True)]:
             g = [r for r in rows if r["condition"] == condition and r["policy"] == policy
@@ -137,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=EPOCHS, help="each job's epochs (total_epochs)")
     ap.add_argument("--ceilings", default=",".join(f"{c:g}" for c in CEILINGS if c > 0),
                     help="ceilings to try, in seconds, comma-separated (no ceiling is always run)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"policies to run, comma-separated (of: {', '.join(POLICIES)})")
     ap.add_argument("--out", default="bench/results/cadence-ceiling")
     args = ap.parse_args(argv)
+    policies = tuple(p.strip() for p in args.policies.split(","))
+    if not policies or any(p not in POLICIES for p in policies):
+        ap.error(f"--policies {args.policies!r}: choose from {', '.join(POLICIES)}")
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")
     if not args.job_s > 0:
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     torch.set_num_threads(1)
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows = evaluate(args.jobs, args.seed, args.job_s, world_sizes, args.epochs, ceilings)
+    rows = evaluate(args.jobs, args.seed, args.job_s, world_sizes, args.epochs, ceilings, policies)
     out = Path(args.out)
     write_rows(out, rows)
     command = " ".join(["python -m bench.lab.cadence_study", *(argv if argv is not None else sys.argv[1:])])

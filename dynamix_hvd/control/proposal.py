@@ -112,9 +112,9 @@ class ProposalConfig:
     gain is measured, not guessed. False: AdaptDL's optimistic pinned fixed share."""
     check_growth: bool = True
     """After B grew past the initial batch, compare the training loss with what the initial
-    batch was making (its recent loss against log time, extrapolated); where the larger batch falls
-    behind by more than the static fit's scatter, return to the initial batch and never grow again in
-    this job (see :class:`GrowthCheck`)."""
+    batch was making (its loss against log time over the latest half of the run, extrapolated); where
+    the larger batch falls behind by more than the noise of the per-step losses and of the line allows,
+    return to the initial batch and never grow again in this job (see :class:`GrowthCheck`)."""
 
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
