@@ -536,8 +536,70 @@ def test_the_variance_of_an_interval_mean_comes_from_its_steps():
     assert math.isnan(mean_variance([1.0, math.nan, 2.0])) and math.isnan(mean_variance(None))
 
 
-def test_an_older_growth_check_state_loads_with_unknown_noise():
+def test_an_older_growth_check_state_loads_with_unknown_noise_and_is_judged_mid_growth():
+    old = {"window": 4, "settle": 1, "judged": 3, "z": 2.0, "min_rel": 0.005, "elapsed_s": 3.5,
+           "reference": [[1.0, 2.0], [2.0, 1.9], [3.0, 1.85]], "grown_for": 1, "verdicts": 0,
+           "banned": False, "accepted": False, "last": {}}  # a checkpoint of the interval-counting check
     check = GrowthCheck()
-    state = check.state_dict() | {"reference": [[1.0, 2.0], [2.0, 1.9], [3.0, 1.85]]}
-    check.load_state_dict(state)
-    assert check.ready and all(math.isnan(p[2]) for p in check.reference)
+    check.load_state_dict(old)
+    assert check.ready and check.judging and all(math.isnan(p[2]) for p in check.reference)
+    for k in range(6):  # far above the reference's line: judged, and returned
+        check.observe([report(0, 96, 10, 0.1, 2.5)], 128, 64)
+    assert check.banned
+
+
+def feed(check, t_s, losses, grown, n_steps=None):
+    """One interval of `t_s` seconds with these per-step losses (at 128 when grown, else 64)."""
+    losses = np.asarray(losses, dtype=float)
+    n = n_steps or len(losses)
+    check.observe([report(0, 96 if grown else 64, n, t_s / n, float(losses.mean()))], 128 if grown else 64, 64,
+                  losses.tolist())
+
+
+def test_a_judged_interval_with_too_few_steps_borrows_the_measured_noise():
+    """A grown interval of two steps has no noise of its own: it is given the measured intervals' noise
+    per second (not the weights' scale), so a clear excess still returns B."""
+    rng = np.random.default_rng(0)
+    check = GrowthCheck()
+    for k in range(8):
+        feed(check, 1.0, 2.0 - 0.05 * k + rng.normal(0, 0.05, 50), False)
+    for _ in range(6):
+        feed(check, 1.0, [2.0, 2.0], True, n_steps=2)
+    assert check.banned and check.last["tolerance"] < 0.2, check.last
+
+
+def test_an_episode_ends_when_b_returns_and_a_new_one_is_judged_afresh():
+    rng = np.random.default_rng(1)
+    check = GrowthCheck()
+    for k in range(8):
+        feed(check, 1.0, 2.0 - 0.02 * k + rng.normal(0, 0.05, 50), False)
+    feed(check, 1.0, 1.8 + rng.normal(0, 0.05, 50), True)
+    assert check.judging and check.grown_for == 1
+    feed(check, 1.0, 1.8 + rng.normal(0, 0.05, 50), False)  # the proposal took B back itself
+    assert not check.judging and check.trial == [] and check.next_look == 0.0 and math.isnan(check.grown_at_s)
+    feed(check, 1.0, 1.8 + rng.normal(0, 0.05, 50), True)
+    assert check.judging and check.grown_at_s == pytest.approx(10.0)
+
+
+def test_a_reference_of_many_short_intervals_keeps_its_span_by_merging():
+    rng = np.random.default_rng(2)
+    check = GrowthCheck(max_reference=16)
+    for k in range(400):
+        feed(check, 0.25, 2.0 - 0.001 * k + rng.normal(0, 0.05, 10), False)
+    assert len(check.reference) == 16
+    assert check.reference_span() == pytest.approx(50.0, abs=3.5), "the latest half of 100 s (to a bin of ~3 s)"
+    assert sum(p[3] for p in check.reference) == pytest.approx(check.reference_span(), abs=0.3)
+
+
+def test_b_holds_while_a_growth_is_judged():
+    """Communication-bound ranks make a larger B pay by the model; the proposal grows B once and then
+    holds it until the check has accepted the growth (one change at a time)."""
+    def loss(t, B):
+        return 2.0 - 0.3 * math.log(1 + t) - (0.05 if B > 128 else 0.0)
+
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.0, 0.0], c=[1e-4, 1e-4], net=0.05, loss=loss, decisions=20)
+    totals = [sum(s) for s in hist]
+    first = next(k for k, t in enumerate(totals) if t > 128)
+    assert totals[first + 1] == totals[first], totals  # judged at the first grown B
+    assert policy.check.accepted and max(totals) > totals[first], totals  # then free to grow

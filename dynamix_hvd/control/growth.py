@@ -15,7 +15,8 @@ growth whether the controller decides every second or every minute:
   per-step losses (successive differences, which a slow trend hardly moves), and the fit weighs the
   intervals by it; where the means scatter around the line more than that noise explains (the line
   is a poor model, or the steps are correlated) the variance is scaled up by the excess;
-- verdict: after the growth has run `settle_frac` of the time before it (and `settle` intervals),
+- verdict: B holds while a growth is judged (one change at a time, as a split is judged); after
+  the growth has run `settle_frac` of the time before it (and `settle` intervals),
   the judged intervals' losses are compared with the line at their times: their inverse-variance
   weighted mean excess must stay within `z` standard deviations (the judged means' noise and the
   line's extrapolation, floored at `min_rel` of the loss). It is looked at as the judged time
@@ -45,12 +46,13 @@ class GrowthCheck:
     window: int = 4
     """Fewest intervals at the initial batch the reference line is fitted on (the most recent)."""
     span: float = 0.5
-    """The reference also holds every interval at the initial batch that ended within this fraction
-    of the training time so far, counted back from now (at most `max_reference` intervals)."""
-    max_reference: int = 512
-    """Most intervals the reference keeps (the most recent)."""
+    """The reference also holds every interval at the initial batch that began within this fraction
+    of the training time so far, counted back from now."""
+    max_reference: int = 256
+    """Most intervals the reference keeps apart; beyond, its two oldest are merged into one, so a
+    reference of many short intervals still spans the same time."""
     settle: int = 1
-    """Intervals after a growth that are not judged (the LR and the loss adjust) ..."""
+    """Intervals after each rise of B that are not judged (the LR rises with B; the loss adjusts) ..."""
     settle_frac: float = 0.05
     """... and, in training seconds, this fraction of the time before the growth."""
     judged: int = 3
@@ -62,14 +64,21 @@ class GrowthCheck:
     min_rel: float = 0.005
     """Floor of that deviation, as a fraction of the loss."""
     elapsed_s: float = 0.0
-    reference: list[tuple[float, float, float]] = field(default_factory=list)
-    """(mid-interval seconds, mean loss, variance of that mean; NaN: unknown) at the initial batch."""
+    reference: list[tuple[float, float, float, float]] = field(default_factory=list)
+    """(mid-interval seconds, mean loss, variance of that mean (NaN: unknown), interval seconds) at
+    the initial batch."""
     trial: list[tuple[float, float, float, float]] = field(default_factory=list)
-    """(mid-interval seconds, mean loss, its variance, interval seconds) judged in this episode."""
+    """The same for the intervals judged in this episode."""
     grown_at_s: float = math.nan
     """Training seconds when the current episode's growth began."""
+    rose_at_s: float = math.nan
+    """Training seconds when B last rose in this episode."""
+    batch: int = 0
+    """The global batch of the latest interval."""
     grown_for: int = 0
     """Intervals run above the initial batch in the current episode."""
+    since_rise: int = 0
+    """Intervals run since B last rose."""
     verdicts: int = 0
     """Looks taken in the current episode."""
     next_look: float = 0.0
@@ -83,6 +92,11 @@ class GrowthCheck:
         """The reference exists: growth may be tried."""
         return self.accepted or len(self.reference) >= min(self.window, 3)
 
+    @property
+    def judging(self) -> bool:
+        """A growth is under judgement (the proposal holds B meanwhile: one change at a time)."""
+        return self.grown_for > 0 and not (self.accepted or self.banned)
+
     def observe(self, reports: Sequence[RankReport], global_batch: int, initial_batch: int,
                 step_losses: Sequence[float] | None = None) -> None:
         """One interval's reports (the batch it ran with) and, where known, its per-step losses (the
@@ -92,34 +106,40 @@ class GrowthCheck:
         mid = self.elapsed_s + seconds / 2
         self.elapsed_s += seconds
         loss = _mean_loss(reports)
-        var = mean_variance(step_losses)
+        point = (mid, loss, mean_variance(step_losses), seconds)
+        rose, self.batch = global_batch > self.batch, global_batch
         if global_batch <= initial_batch:
-            self.grown_for = self.verdicts = 0
-            self.trial, self.grown_at_s, self.next_look = [], math.nan, 0.0
-            if math.isfinite(loss) and mid > 0:
-                self.reference.append((mid, loss, var))
-                keep = max(self.window, sum(1 for t, _, _ in self.reference if t >= self.elapsed_s * (1 - self.span)))
-                self.reference = self.reference[-min(keep, self.max_reference):]
+            self.grown_for = self.verdicts = self.since_rise = 0
+            self.trial, self.grown_at_s, self.rose_at_s, self.next_look = [], math.nan, math.nan, 0.0
+            if math.isfinite(loss) and seconds > 0:
+                self._add_reference(point)
             return
         if self.grown_for == 0:
             self.grown_at_s = self.elapsed_s - seconds
+        if rose or not math.isfinite(self.rose_at_s):
+            self.rose_at_s, self.since_rise = self.elapsed_s - seconds, 0
         self.grown_for += 1
+        self.since_rise += 1
         if self.accepted or self.banned:
             return
         if loss == math.inf:  # diverged at the larger batch
             self.banned = True
             return
-        settled = self.grown_for > self.settle and mid - self.grown_at_s >= self.settle_frac * self.grown_at_s
-        if not settled or not math.isfinite(loss) or len(self.reference) < 2 or mid <= 0:
+        settled = (self.since_rise > self.settle
+                   and mid - self.rose_at_s >= self.settle_frac * max(self.grown_at_s, 0.0))
+        if not settled or not math.isfinite(loss) or seconds <= 0 or len(self.reference) < 2:
             return  # nothing to judge with: no verdict either way
-        self.trial.append((mid, loss, var, seconds))
+        self.trial.append(point)
         judged_s = sum(p[3] for p in self.trial)
         need_s = self.judge_frac * self.reference_span()
         if self.next_look <= 0:
             self.next_look = max(need_s / 8, 1e-9)
         if judged_s < min(self.next_look, need_s):
             return
-        excess, tolerance, predicted = self._judge()
+        verdict = self._judge()
+        if verdict is None:  # the line could not be fitted: no verdict either way
+            return
+        excess, tolerance, predicted = verdict
         self.last = {"loss": loss, "predicted_static": predicted, "excess": excess, "tolerance": tolerance,
                      "t": self.elapsed_s, "judged_s": judged_s, "need_s": need_s}
         self.verdicts += 1
@@ -130,51 +150,84 @@ class GrowthCheck:
         elif judged_s >= need_s and len(self.trial) >= self.judged:
             self.accepted = True
 
-    def reference_span(self) -> float:
-        """Seconds from the reference's first interval to the growth (or to now)."""
-        end = self.grown_at_s if math.isfinite(self.grown_at_s) else self.elapsed_s
-        return max(end - self.reference[0][0], 0.0) if self.reference else 0.0
+    def _add_reference(self, point: tuple[float, float, float, float]) -> None:
+        """Append an interval at the initial batch; keep those that began within the latest `span` of
+        the run (at least `window`), merging the two neighbours of the shortest joint length while
+        more than `max_reference` remain."""
+        self.reference.append(point)
+        since = self.elapsed_s * (1 - self.span)
+        keep = max(self.window, sum(1 for p in self.reference if p[0] - p[3] / 2 >= since))
+        self.reference = self.reference[-keep:]
+        while len(self.reference) > max(self.max_reference, 2):
+            i = int(np.argmin([a[3] + b[3] for a, b in zip(self.reference, self.reference[1:])]))
+            (m0, l0, v0, s0), (m1, l1, v1, s1) = self.reference[i:i + 2]
+            s = s0 + s1
+            merged = ((m0 * s0 + m1 * s1) / s, (l0 * s0 + l1 * s1) / s, (v0 * s0 ** 2 + v1 * s1 ** 2) / s ** 2, s)
+            self.reference[i:i + 2] = [merged]
 
-    def _line(self) -> tuple[np.ndarray, np.ndarray, float, bool]:
+    def reference_span(self) -> float:
+        """Seconds from the start of the reference's first interval to the growth (or to now)."""
+        end = self.grown_at_s if math.isfinite(self.grown_at_s) else self.elapsed_s
+        return max(end - (self.reference[0][0] - self.reference[0][3] / 2), 0.0) if self.reference else 0.0
+
+    def _noise(self, points: Sequence[tuple[float, float, float, float]]) -> tuple[np.ndarray, bool]:
+        """Variances of the intervals' mean losses: measured, or where an interval's is not (too few
+        per-step losses), the measured ones' median per second of training over its seconds; and
+        whether any was measured (otherwise all ones: the scale comes from the scatter)."""
+        var = np.array([p[2] for p in points])
+        secs = np.array([p[3] for p in points])
+        known = np.isfinite(var) & (var > 0)
+        pool = [p[2] * p[3] for p in (*self.reference, *self.trial) if math.isfinite(p[2]) and p[2] > 0]
+        if not pool:
+            return np.ones(len(points)), False
+        return np.where(known, var, float(np.median(pool)) / np.maximum(secs, 1e-12)), True
+
+    def _line(self) -> tuple[np.ndarray, np.ndarray, float, bool] | None:
         """The reference's weighted line in log seconds: coefficients [intercept, slope] (slope 0 where
-        it did not improve: its weighted mean), their covariance, the weights' scale (the variance of a
-        mean of unit weight), and whether the weights are the intervals' measured noise."""
+        it did not improve: its weighted mean), their covariance, the weights' scale (how much more the
+        means scatter around the line than their noise says, at least 1; without measured noise, the
+        variance of one mean), and whether the noise was measured. None where it cannot be fitted."""
         ts = np.log([p[0] for p in self.reference])
         ls = np.array([p[1] for p in self.reference])
-        vs = np.array([p[2] for p in self.reference])
-        measured = bool(np.all(np.isfinite(vs) & (vs > 0)))
-        w = 1.0 / vs if measured else np.ones_like(ls)
+        var, measured = self._noise(self.reference)
+        w = 1.0 / var
         X = np.stack([np.ones_like(ts), ts], 1) if np.ptp(ts) > 0 else np.ones((len(ts), 1))
-        XtW = X.T * w
-        coef = np.linalg.solve(XtW @ X, XtW @ ls)
-        if len(coef) == 2 and coef[1] >= 0:  # a reference that did not improve predicts no improvement
-            X, XtW = X[:, :1], XtW[:1]
+        try:
+            XtW = X.T * w
             coef = np.linalg.solve(XtW @ X, XtW @ ls)
-        resid = ls - X @ coef
-        dof = max(len(ls) - len(coef), 1)
-        chi2 = float((w * resid ** 2).sum()) / dof
-        scale = max(chi2, 1.0) if measured else chi2
-        cov = np.linalg.inv(XtW @ X) * scale
+            if len(coef) == 2 and coef[1] >= 0:  # a reference that did not improve predicts no improvement
+                X, XtW = X[:, :1], XtW[:1]
+                coef = np.linalg.solve(XtW @ X, XtW @ ls)
+            resid = ls - X @ coef
+            chi2 = float((w * resid ** 2).sum()) / max(len(ls) - len(coef), 1)
+            scale = max(chi2, 1.0) if measured else chi2
+            cov = np.linalg.inv(XtW @ X) * scale
+        except np.linalg.LinAlgError:
+            return None
         if len(coef) == 1:
             coef, cov = np.array([coef[0], 0.0]), np.array([[cov[0, 0], 0.0], [0.0, 0.0]])
+        if not (np.isfinite(coef).all() and np.isfinite(cov).all() and math.isfinite(scale)):
+            return None
         return coef, cov, scale, measured
 
-    def _judge(self) -> tuple[float, float, float]:
+    def _judge(self) -> tuple[float, float, float] | None:
         """The judged intervals' weighted mean excess over the reference line, its tolerance, and the
-        line's loss at the latest judged interval."""
-        coef, cov, scale, measured = self._line()
+        line's loss at the latest judged interval (None: no line)."""
+        line = self._line()
+        if line is None:
+            return None
+        coef, cov, scale, _ = line
         ts = np.log([p[0] for p in self.trial])
         ls = np.array([p[1] for p in self.trial])
-        vs = np.array([p[2] for p in self.trial])
-        ok = measured and bool(np.all(np.isfinite(vs) & (vs > 0)))
-        w = 1.0 / vs if ok else np.ones_like(ls)
+        var, _ = self._noise(self.trial)
+        w = 1.0 / var
         g = np.array([1.0, float((w * ts).sum() / w.sum())])
         excess = float((w * (ls - coef[0] - coef[1] * ts)).sum() / w.sum())
-        # the judged means' own noise (scaled like the reference's), and the line's at their mean time;
-        # intervals without measured noise are each taken as noisy as the reference's scatter
-        noise = scale / w.sum() if ok else scale
-        sd = math.sqrt(max(noise + float(g @ cov @ g), 0.0))
+        # the judged mean's own noise, scaled like the reference's, and the line's at its mean time
+        sd = math.sqrt(max(scale / float(w.sum()) + float(g @ cov @ g), 0.0))
         tolerance = self.z * max(sd, self.min_rel * abs(float(ls[-1])))
+        if not (math.isfinite(excess) and math.isfinite(tolerance)):
+            return None
         return excess, tolerance, float(coef[0] + coef[1] * ts[-1])
 
     def state_dict(self) -> dict[str, Any]:
@@ -183,11 +236,12 @@ class GrowthCheck:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             if k in self.__dataclass_fields__:
-                if k == "reference":  # (seconds, loss) points of an older checkpoint: noise unknown
-                    v = [(float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else math.nan) for p in v]
-                elif k == "trial":
-                    v = [tuple(float(x) for x in p) for p in v]
+                if k in ("reference", "trial"):  # an older checkpoint's (seconds, loss): noise and length unknown
+                    v = [(float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else math.nan,
+                          float(p[3]) if len(p) > 3 else 0.0) for p in v]
                 setattr(self, k, v)
+        if self.grown_for > 0 and not math.isfinite(self.grown_at_s):  # an older checkpoint, mid-growth
+            self.grown_at_s = self.rose_at_s = self.elapsed_s
 
 
 def mean_variance(step_losses: Sequence[float] | None) -> float:

@@ -529,9 +529,11 @@ class ModelPolicy:
                            split_margin=margin, force_neutral=split_failed)
 
         # one change at a time: B holds while a split is judged (its step compares with the neutral one),
-        # when a failed split is undone, and in the decision that leaves the neutral split
+        # when a failed split is undone, in the decision that leaves the neutral split, and while a
+        # growth is judged (its loss compares with the initial batch's)
         held = replace(self.cfg, search_batch=False)
-        self.last = proposal(held if split_failed or (checking and self.split_check.judging) else self.cfg)
+        hold = split_failed or (checking and self.split_check.judging) or (self.check is not None and self.check.judging)
+        self.last = proposal(held if hold else self.cfg)
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
             self.last = proposal(held)
