@@ -21,7 +21,9 @@ growth whether the controller decides every second or every minute:
   weighted mean excess must stay within `z` standard deviations (the judged means' noise and the
   line's extrapolation, floored at `min_rel` of the loss). It is looked at as the judged time
   doubles (an eighth, a quarter, a half and all of `judge_frac` of the reference's span, and at
-  least `judged` intervals), so short intervals do not buy more looks at the noise. A failed look
+  least `judged` intervals), so short intervals do not buy more looks at the noise, and a look with
+  a share f of that evidence asks for z / sqrt(f) (O'Brien-Fleming's boundary: all the looks
+  together return a level growth about as rarely as one at the end). A failed look
   returns B to the initial batch, and growth stays off for the rest of the job (`banned`); passing
   the last one accepts the growth.
 
@@ -59,8 +61,10 @@ class GrowthCheck:
     """Fewest intervals judged before a growth is accepted ..."""
     judge_frac: float = 0.5
     """... and, in training seconds, this fraction of the reference's span."""
-    z: float = 2.0
-    """Tolerance in standard deviations of the excess loss."""
+    z: float = 2.5
+    """Tolerance in standard deviations of the excess loss at the last look (one-sided: a level growth
+    is returned in well under 1% of judgements where the line and the noise are right; the simulated
+    tuning half's early growths, judged on a few dozen steps, are returned by 2.0)."""
     min_rel: float = 0.005
     """Floor of that deviation, as a fraction of the loss."""
     elapsed_s: float = 0.0
@@ -136,7 +140,11 @@ class GrowthCheck:
             self.next_look = max(need_s / 8, 1e-9)
         if judged_s < min(self.next_look, need_s):
             return
-        verdict = self._judge()
+        # the share of the evidence a verdict needs that is in; an earlier look asks for more
+        # (O'Brien-Fleming: z / sqrt(share)), so the looks together return a level growth about as
+        # rarely as one look at the end would
+        share = min(judged_s / need_s if need_s > 0 else 1.0, len(self.trial) / self.judged, 1.0)
+        verdict = self._judge(self.z / math.sqrt(share))
         if verdict is None:  # the line could not be fitted: no verdict either way
             return
         excess, tolerance, predicted = verdict
@@ -210,9 +218,9 @@ class GrowthCheck:
             return None
         return coef, cov, scale, measured
 
-    def _judge(self) -> tuple[float, float, float] | None:
-        """The judged intervals' weighted mean excess over the reference line, its tolerance, and the
-        line's loss at the latest judged interval (None: no line)."""
+    def _judge(self, z: float) -> tuple[float, float, float] | None:
+        """The judged intervals' weighted mean excess over the reference line, its tolerance at `z`
+        standard deviations, and the line's loss at the latest judged interval (None: no line)."""
         line = self._line()
         if line is None:
             return None
@@ -225,7 +233,7 @@ class GrowthCheck:
         excess = float((w * (ls - coef[0] - coef[1] * ts)).sum() / w.sum())
         # the judged mean's own noise, scaled like the reference's, and the line's at its mean time
         sd = math.sqrt(max(scale / float(w.sum()) + float(g @ cov @ g), 0.0))
-        tolerance = self.z * max(sd, self.min_rel * abs(float(ls[-1])))
+        tolerance = z * max(sd, self.min_rel * abs(float(ls[-1])))
         if not (math.isfinite(excess) and math.isfinite(tolerance)):
             return None
         return excess, tolerance, float(coef[0] + coef[1] * ts[-1])
