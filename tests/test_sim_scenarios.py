@@ -221,6 +221,11 @@ def test_cadence_study_runs_every_ceiling_and_tables_them(tmp_path) -> None:
         cadence_study.long_job(job, 100.0, "storm")
     with pytest.raises(SystemExit):
         cadence_study.main(["--world-sizes", "1", "--out", str(tmp_path)])
+    only = cadence_study.evaluate(1, 0, 120.0, (2,), epochs=4, ceilings=(0.0,), policies=("default",))
+    assert {r["policy"] for r in only} == {"default"} and len(only) == conditions
+    assert [r["t_0"] for r in only] == [r["t_0"] for r in rows if r["policy"] == "default"], "deterministic"
+    with pytest.raises(SystemExit):
+        cadence_study.main(["--policies", "fastest", "--out", str(tmp_path)])
 
 
 def test_misspecified_benchmark_runs_every_contender_and_tables_them(tmp_path) -> None:

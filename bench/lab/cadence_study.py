@@ -21,6 +21,8 @@ allreduce or a fixed per-step cost dominates, and a split gains little)::
     python -m bench.lab.cadence_study --jobs 12 --seed 0 --world-sizes 2,2,4,8 --out bench/results/cadence-ceiling
     python -m bench.lab.cadence_study --jobs 12 --seed 0 --world-sizes 2,2,4,8 --job-s 7200 --epochs 10 \
         --ceilings 60,20 --out bench/results/cadence-ceiling-long-epochs
+    python -m bench.lab.cadence_study --jobs 12 --seed 0 --world-sizes 2,2,4,8 --policies default \
+        --out bench/results/cadence-growth-check
 """
 from __future__ import annotations
 
