@@ -543,6 +543,7 @@ def test_an_older_growth_check_state_loads_with_unknown_noise_and_is_judged_mid_
     check = GrowthCheck()
     check.load_state_dict(old)
     assert check.ready and check.judging and all(math.isnan(p[2]) for p in check.reference)
+    assert check.z == GrowthCheck().z, "settings are the code's: an older checkpoint's z is not restored"
     for k in range(6):  # far above the reference's line: judged, and returned
         check.observe([report(0, 96, 10, 0.1, 2.5)], 128, 64)
     assert check.banned
@@ -589,6 +590,19 @@ def test_a_reference_of_many_short_intervals_keeps_its_span_by_merging():
     assert len(check.reference) == 16
     assert check.reference_span() == pytest.approx(50.0, abs=3.5), "the latest half of 100 s (to a bin of ~3 s)"
     assert sum(p[3] for p in check.reference) == pytest.approx(check.reference_span(), abs=0.3)
+
+
+def test_many_short_judged_intervals_are_merged_and_still_judged():
+    rng = np.random.default_rng(4)
+    check = GrowthCheck(max_reference=8, judged=0)  # judged=0: the span alone decides
+    for k in range(40):
+        feed(check, 1.0, 2.0 - 0.01 * k + rng.normal(0, 0.05, 50), False)
+    for _ in range(400):
+        if check.accepted or check.banned:
+            break
+        feed(check, 0.05, 1.5 + rng.normal(0, 0.05, 3), True)
+    assert len(check.trial) <= 8 and check.accepted, (len(check.trial), check.last)
+    assert check.verdict_intervals > 8
 
 
 def test_b_holds_while_a_growth_is_judged():

@@ -16,7 +16,7 @@ growth whether the controller decides every second or every minute:
   intervals by it; where the means scatter around the line more than that noise explains (the line
   is a poor model, or the steps are correlated) the variance is scaled up by the excess;
 - verdict: B holds while a growth is judged (one change at a time, as a split is judged); after
-  the growth has run `settle_frac` of the time before it (and `settle` intervals),
+  each rise of B has run `settle` intervals and `settle_frac` of the time before the growth,
   the judged intervals' losses are compared with the line at their times: their inverse-variance
   weighted mean excess must stay within `z` standard deviations (the judged means' noise and the
   line's extrapolation, floored at `min_rel` of the loss). It is looked at as the judged time
@@ -51,8 +51,8 @@ class GrowthCheck:
     """The reference also holds every interval at the initial batch that began within this fraction
     of the training time so far, counted back from now."""
     max_reference: int = 256
-    """Most intervals the reference keeps apart; beyond, its two oldest are merged into one, so a
-    reference of many short intervals still spans the same time."""
+    """Most intervals the reference (and the judged intervals) keep apart; beyond, the two neighbours
+    of the shortest joint length are merged into one, so many short intervals still span the same time."""
     settle: int = 1
     """Intervals after each rise of B that are not judged (the LR rises with B; the loss adjusts) ..."""
     settle_frac: float = 0.05
@@ -62,9 +62,10 @@ class GrowthCheck:
     judge_frac: float = 0.5
     """... and, in training seconds, this fraction of the reference's span."""
     z: float = 2.5
-    """Tolerance in standard deviations of the excess loss at the last look (one-sided: a level growth
-    is returned in well under 1% of judgements where the line and the noise are right; the simulated
-    tuning half's early growths, judged on a few dozen steps, are returned by 2.0)."""
+    """Tolerance in standard deviations of the excess loss at the last look (one-sided, about 0.6% per
+    look where the line and the noise are right; a short reference, the cadence's first intervals of
+    a few dozen steps, is less right than that, and at 2.0 the simulated tuning half's early growths
+    were returned on noise)."""
     min_rel: float = 0.005
     """Floor of that deviation, as a fraction of the loss."""
     elapsed_s: float = 0.0
@@ -85,6 +86,8 @@ class GrowthCheck:
     """Intervals run since B last rose."""
     verdicts: int = 0
     """Looks taken in the current episode."""
+    verdict_intervals: int = 0
+    """Intervals judged in the current episode."""
     next_look: float = 0.0
     """Judged seconds at which the next look is due."""
     banned: bool = False
@@ -113,7 +116,7 @@ class GrowthCheck:
         point = (mid, loss, mean_variance(step_losses), seconds)
         rose, self.batch = global_batch > self.batch, global_batch
         if global_batch <= initial_batch:
-            self.grown_for = self.verdicts = self.since_rise = 0
+            self.grown_for = self.verdicts = self.since_rise = self.verdict_intervals = 0
             self.trial, self.grown_at_s, self.rose_at_s, self.next_look = [], math.nan, math.nan, 0.0
             if math.isfinite(loss) and seconds > 0:
                 self._add_reference(point)
@@ -134,6 +137,8 @@ class GrowthCheck:
         if not settled or not math.isfinite(loss) or seconds <= 0 or len(self.reference) < 2:
             return  # nothing to judge with: no verdict either way
         self.trial.append(point)
+        judged_n = self.verdict_intervals = self.verdict_intervals + 1
+        self.trial = _merged(self.trial, self.max_reference)
         judged_s = sum(p[3] for p in self.trial)
         need_s = self.judge_frac * self.reference_span()
         if self.next_look <= 0:
@@ -143,7 +148,7 @@ class GrowthCheck:
         # the share of the evidence a verdict needs that is in; an earlier look asks for more
         # (O'Brien-Fleming: z / sqrt(share)), so the looks together return a level growth about as
         # rarely as one look at the end would
-        share = min(judged_s / need_s if need_s > 0 else 1.0, len(self.trial) / self.judged, 1.0)
+        share = min(judged_s / need_s if need_s > 0 else 1.0, judged_n / max(self.judged, 1), 1.0)
         verdict = self._judge(self.z / math.sqrt(share))
         if verdict is None:  # the line could not be fitted: no verdict either way
             return
@@ -155,7 +160,7 @@ class GrowthCheck:
             self.next_look *= 2
         if excess > tolerance:
             self.banned = True
-        elif judged_s >= need_s and len(self.trial) >= self.judged:
+        elif judged_s >= need_s and judged_n >= self.judged:
             self.accepted = True
 
     def _add_reference(self, point: tuple[float, float, float, float]) -> None:
@@ -165,13 +170,7 @@ class GrowthCheck:
         self.reference.append(point)
         since = self.elapsed_s * (1 - self.span)
         keep = max(self.window, sum(1 for p in self.reference if p[0] - p[3] / 2 >= since))
-        self.reference = self.reference[-keep:]
-        while len(self.reference) > max(self.max_reference, 2):
-            i = int(np.argmin([a[3] + b[3] for a, b in zip(self.reference, self.reference[1:])]))
-            (m0, l0, v0, s0), (m1, l1, v1, s1) = self.reference[i:i + 2]
-            s = s0 + s1
-            merged = ((m0 * s0 + m1 * s1) / s, (l0 * s0 + l1 * s1) / s, (v0 * s0 ** 2 + v1 * s1 ** 2) / s ** 2, s)
-            self.reference[i:i + 2] = [merged]
+        self.reference = _merged(self.reference[-keep:], self.max_reference)
 
     def reference_span(self) -> float:
         """Seconds from the start of the reference's first interval to the growth (or to now)."""
@@ -243,13 +242,28 @@ class GrowthCheck:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
-            if k in self.__dataclass_fields__:
+            if k in self.__dataclass_fields__ and k not in _SETTINGS:  # settings are the code's, not state
                 if k in ("reference", "trial"):  # an older checkpoint's (seconds, loss): noise and length unknown
                     v = [(float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else math.nan,
                           float(p[3]) if len(p) > 3 else 0.0) for p in v]
                 setattr(self, k, v)
         if self.grown_for > 0 and not math.isfinite(self.grown_at_s):  # an older checkpoint, mid-growth
             self.grown_at_s = self.rose_at_s = self.elapsed_s
+
+
+_SETTINGS = ("window", "span", "max_reference", "settle", "settle_frac", "judged", "judge_frac", "z", "min_rel")
+
+
+def _merged(points: list[tuple[float, float, float, float]], limit: int) -> list[tuple[float, float, float, float]]:
+    """`points` (mid-seconds, mean loss, its variance, seconds) with the two neighbours of the shortest
+    joint length merged (seconds-weighted) while more than `limit` remain."""
+    points = list(points)
+    while len(points) > max(limit, 2):
+        i = int(np.argmin([a[3] + b[3] for a, b in zip(points, points[1:])]))
+        (m0, l0, v0, s0), (m1, l1, v1, s1) = points[i:i + 2]
+        s = s0 + s1
+        points[i:i + 2] = [((m0 * s0 + m1 * s1) / s, (l0 * s0 + l1 * s1) / s, (v0 * s0 ** 2 + v1 * s1 ** 2) / s ** 2, s)]
+    return points
 
 
 def mean_variance(step_losses: Sequence[float] | None) -> float:
