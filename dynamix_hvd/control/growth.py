@@ -27,8 +27,9 @@ growth whether the controller decides every second or every minute:
   returns B to the initial batch, and growth stays off for the rest of the job (`banned`); passing
   the last one accepts the growth.
 
-Intervals known only by their mean loss (no per-step losses: a hand-built input) are weighed alike,
-their noise taken from the reference's scatter around the line. Growth is not allowed before the
+An interval with too few per-step losses borrows the measured intervals' noise per second of
+training; where none has them (a hand-built input: means only), all are weighed alike, their noise
+taken from the reference's scatter around the line. Growth is not allowed before the
 reference exists (without losses, ``controller.record_loss``, there is none, and B never grows past
 the initial batch). Pure: no MPI, no Horovod.
 """
