@@ -16,7 +16,7 @@ growth whether the controller decides every second or every minute:
   intervals by it; where the means scatter around the line more than that noise explains (the line
   is a poor model, or the steps are correlated) the variance is scaled up by the excess;
 - verdict: B holds while a growth is judged (one change at a time, as a split is judged); after
-  each rise of B has run `settle` intervals and `settle_frac` of the time before the growth,
+  the growth has run `settle` intervals and `settle_frac` of the time before it,
   the judged intervals' losses are compared with the line at their times: their inverse-variance
   weighted mean excess must stay within `z` standard deviations (the judged means' noise and the
   line's extrapolation, floored at `min_rel` of the loss). It is looked at as the judged time
@@ -55,7 +55,7 @@ class GrowthCheck:
     """Most intervals the reference (and the judged intervals) keep apart; beyond, the two neighbours
     of the shortest joint length are merged into one, so many short intervals still span the same time."""
     settle: int = 1
-    """Intervals after each rise of B that are not judged (the LR rises with B; the loss adjusts) ..."""
+    """Intervals after the growth that are not judged (the LR rises with B; the loss adjusts) ..."""
     settle_frac: float = 0.05
     """... and, in training seconds, this fraction of the time before the growth."""
     judged: int = 3
@@ -65,8 +65,7 @@ class GrowthCheck:
     z: float = 2.5
     """Tolerance in standard deviations of the excess loss at the last look (one-sided, about 0.6% per
     look where the line and the noise are right; a short reference, the cadence's first intervals of
-    a few dozen steps, is less right than that, and at 2.0 the simulated tuning half's early growths
-    were returned on noise)."""
+    a few dozen steps, is less right than that)."""
     min_rel: float = 0.005
     """Floor of that deviation, as a fraction of the loss."""
     elapsed_s: float = 0.0
@@ -77,16 +76,8 @@ class GrowthCheck:
     """The same for the intervals judged in this episode."""
     grown_at_s: float = math.nan
     """Training seconds when the current episode's growth began."""
-    rose_at_s: float = math.nan
-    """Training seconds when B last rose in this episode."""
-    batch: int = 0
-    """The global batch of the latest interval."""
     grown_for: int = 0
     """Intervals run above the initial batch in the current episode."""
-    since_rise: int = 0
-    """Intervals run since B last rose."""
-    verdicts: int = 0
-    """Looks taken in the current episode."""
     verdict_intervals: int = 0
     """Intervals judged in the current episode."""
     next_look: float = 0.0
@@ -115,26 +106,22 @@ class GrowthCheck:
         self.elapsed_s += seconds
         loss = _mean_loss(reports)
         point = (mid, loss, mean_variance(step_losses), seconds)
-        rose, self.batch = global_batch > self.batch, global_batch
         if global_batch <= initial_batch:
-            self.grown_for = self.verdicts = self.since_rise = self.verdict_intervals = 0
-            self.trial, self.grown_at_s, self.rose_at_s, self.next_look = [], math.nan, math.nan, 0.0
+            self.grown_for = self.verdict_intervals = 0
+            self.trial, self.grown_at_s, self.next_look = [], math.nan, 0.0
             if math.isfinite(loss) and seconds > 0:
                 self._add_reference(point)
             return
         if self.grown_for == 0:
             self.grown_at_s = self.elapsed_s - seconds
-        if rose or not math.isfinite(self.rose_at_s):
-            self.rose_at_s, self.since_rise = self.elapsed_s - seconds, 0
         self.grown_for += 1
-        self.since_rise += 1
         if self.accepted or self.banned:
             return
         if loss == math.inf:  # diverged at the larger batch
             self.banned = True
             return
-        settled = (self.since_rise > self.settle
-                   and mid - self.rose_at_s >= self.settle_frac * max(self.grown_at_s, 0.0))
+        # B holds while judged (the proposal), so the growth is the episode's only rise of B
+        settled = self.grown_for > self.settle and mid - self.grown_at_s >= self.settle_frac * max(self.grown_at_s, 0.0)
         if not settled or not math.isfinite(loss) or seconds <= 0 or len(self.reference) < 2:
             return  # nothing to judge with: no verdict either way
         self.trial.append(point)
@@ -156,7 +143,6 @@ class GrowthCheck:
         excess, tolerance, predicted = verdict
         self.last = {"loss": loss, "predicted_static": predicted, "excess": excess, "tolerance": tolerance,
                      "t": self.elapsed_s, "judged_s": judged_s, "need_s": need_s}
-        self.verdicts += 1
         while self.next_look <= judged_s:
             self.next_look *= 2
         if excess > tolerance:
@@ -249,7 +235,7 @@ class GrowthCheck:
                           float(p[3]) if len(p) > 3 else 0.0) for p in v]
                 setattr(self, k, v)
         if self.grown_for > 0 and not math.isfinite(self.grown_at_s):  # an older checkpoint, mid-growth
-            self.grown_at_s = self.rose_at_s = self.elapsed_s
+            self.grown_at_s = self.elapsed_s
 
 
 _SETTINGS = ("window", "span", "max_reference", "settle", "settle_frac", "judged", "judge_frac", "z", "min_rel")
