@@ -524,7 +524,7 @@ def test_a_growth_level_with_the_static_batch_is_kept_in_most_seeds(interval_s):
     """No difference at all after the growth: few false returns (the looks are spaced in judged time,
     so short intervals do not buy more chances to fail on noise)."""
     banned = sum(judge_growth(interval_s, lambda s: 0 * s, seed=seed)[0].banned for seed in range(40))
-    assert banned <= 3, banned  # the interval-counting check returned 10-14 of these 40
+    assert banned <= 3, banned
 
 
 def test_the_variance_of_an_interval_mean_comes_from_its_steps():
