@@ -109,6 +109,18 @@ def test_the_interval_loss_is_each_steps_sample_weighted_mean_over_ranks_that_ha
     assert list(step_losses[:4]) == pytest.approx(expected, rel=1e-15) and math.isnan(step_losses[4])
 
 
+def test_the_budget_still_to_run_reaches_the_policy() -> None:
+    """From the epochs done (fractional where given, else the epoch) and `total_epochs`; unknown
+    (NaN) without a budget."""
+    inputs = [sample_input(r, steps=5, layers=0) for r in range(3)]
+    with_budget = DecisionCore(3, 60, total_epochs=8)
+    assert with_budget.policy_input(with_budget.observe(inputs, [20, 20, 20], 2, done=2.5)).budget_left == 1 - 2.5 / 8
+    assert with_budget.policy_input(with_budget.observe(inputs, [20, 20, 20], 2)).budget_left == 1 - 2 / 8
+    assert with_budget.policy_input(with_budget.observe(inputs, [20, 20, 20], 9, done=9.0)).budget_left == 0.0
+    without = DecisionCore(3, 60)
+    assert math.isnan(without.policy_input(without.observe(inputs, [20, 20, 20], 2, done=2.5)).budget_left)
+
+
 def test_core_replays_the_simulators_reports_to_the_same_decisions() -> None:
     """The simulator runs on a decision core; a fresh core handed the same typed reports (through their
     array form, as rank 0 receives them) with the same policy decides the same sizes, gains and rewards."""
@@ -223,7 +235,8 @@ def test_decisions_of_a_real_mpirun_job_replay_exactly(tmp_path: Path) -> None:
     cfg = ControllerConfig(policy="ppo", decide_every_steps=5, max_batch=40, min_batch=2, total_epochs=2)
     core = make_core(cfg, 2, dump["initial_batch"], dump["layer_names"])
     for inputs, logged in zip(dump["inputs"], decisions):
-        d = core.decide([RankInput.from_dict(i) for i in inputs], logged["previous_sizes"], logged["epoch"]).record()
+        d = core.decide([RankInput.from_dict(i) for i in inputs], logged["previous_sizes"], logged["epoch"],
+                        done=logged["done"]).record()
         for key in ("decision", "sizes", "lr_gain", "reward", "loss", "noise_scale", "efficiency", "throughput",
                     "layer_variance", "info"):
             assert same(d[key], logged[key]), (key, d[key], logged[key])

@@ -33,12 +33,13 @@ def report(rank, size, n, step_s, loss):
 
 
 def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lambda t, B: 2.0 / (1 + t) ** 0.3,
-        seed=0, step=None, lengths=False, change=None, unrecorded=(), n=40, jitter=0.04):
+        seed=0, step=None, lengths=False, change=None, unrecorded=(), n=40, jitter=0.04, left=None, infos=None):
     """Decisions of `policy` on ranks with costs a + c b (jittered); the interval's loss is `loss(t, B)`
     at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
     whatever the per-rank lines say (a split that cannot shorten it); `change=(k, a, c)`: the costs
     from interval k on; intervals in `unrecorded` reach the policy but not the cost model (no timed
-    steps)."""
+    steps); `left(k)`: the budget still to run at decision k (None: no budget); `infos`: a list that
+    collects each decision's info."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
@@ -54,9 +55,12 @@ def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lamb
         reports = [report(r, s, len(b), step_s, loss(clock, sum(sizes))) for r, s in enumerate(sizes)]
         obs = torch.zeros(len(a) + 1, OBS_DIM)
         inp = DecisionInput(obs, reports, ctx, sizes, BatchBounds(len(a), 1, 4096), None, costs=model,
-                            noise_lower=noise, noise_point=noise)
-        sizes = list(policy.decide(inp).sizes)
+                            noise_lower=noise, noise_point=noise, budget_left=math.nan if left is None else left(k))
+        out = policy.decide(inp)
+        sizes = list(out.sizes)
         out_sizes.append(sizes)
+        if infos is not None:
+            infos.append(out.info)
     return out_sizes
 
 
@@ -617,3 +621,44 @@ def test_b_holds_while_a_growth_is_judged():
     first = next(k for k, t in enumerate(totals) if t > 128)
     assert totals[first + 1] == totals[first], totals  # judged at the first grown B
     assert policy.check.accepted and max(totals) > totals[first], totals  # then free to grow
+
+
+def _paying_growth(left=None, decisions=20):
+    """Communication-bound ranks (a larger B pays by the model) whose loss is level with the initial
+    batch's curve; the global batches chosen and each decision's info."""
+    def loss(t, B):
+        return 2.0 - 0.3 * math.log(1 + t)
+
+    infos: list = []
+    policy = ModelPolicy()
+    hist = run(policy, a=[0.0, 0.0], c=[1e-4, 1e-4], net=0.05, loss=loss, decisions=decisions, left=left,
+               infos=infos)
+    return [sum(s) for s in hist], infos, policy
+
+
+def test_a_growth_whose_verdict_cannot_come_before_the_budget_ends_does_not_start():
+    """The same job grows B with a long budget (or none) and keeps the initial batch where the budget
+    ends before the growth check could judge a growth (the check needs the settling time and half the
+    reference's span, at least three intervals)."""
+    free, _, _ = _paying_growth()
+    long, _, _ = _paying_growth(left=lambda k: 1 - (k + 1) / 400)
+    assert max(free) > 128 and long == free, (free, long)
+    # the reference exists from the fourth decision; with six in the budget two are left: too few
+    short, infos, policy = _paying_growth(left=lambda k: max(0.0, 1 - (k + 1) / 6), decisions=8)
+    assert short == [128] * 8, short
+    assert any(i.get("growth_late") for i in infos) and not policy.check.banned, infos
+    # with the budget spent in the middle of a judgement the growth already made is still judged
+    late_start = next(k for k, t in enumerate(free) if t > 128)
+    grown, _, _ = _paying_growth(left=lambda k: 1.0 if k <= late_start else 0.0)
+    assert grown[late_start + 1] == free[late_start + 1] > 128, (free, grown)
+
+
+def test_the_verdict_time_is_the_settling_and_the_judged_time():
+    check = GrowthCheck()
+    for k in range(20):  # 20 intervals of 1 s at the initial batch: the reference spans the latest 10 s
+        feed(check, 1.0, [2.0 - 0.01 * k] * 3, False)
+    assert check.reference_span() == pytest.approx(10.0)
+    # settle: max(1 interval, 5% of 20 s) = 1 s; judged: max(half the span, 3 intervals) = 5 s
+    assert check.verdict_seconds(1.0) == pytest.approx(1.0 + 5.0)
+    assert check.verdict_seconds(4.0) == pytest.approx(4.0 + 12.0)  # long intervals: 1 + 3 of them
+    assert check.verdict_seconds(math.nan) == pytest.approx(1.0 + 5.0)

@@ -243,3 +243,17 @@ def test_loader_budget_arguments_are_checked():
     assert loader.epoch_size == 55 and loader.global_micro_batch == 16
     seen = [i for batch in loader for i in batch.tolist()]
     assert len(seen) == len(loader.tracker.records) or seen  # iterates
+
+
+def test_epochs_done_counts_the_samples_handed_out_as_the_step_end_callbacks_see_them():
+    """What the controller's decisions read for the budget still to run: the epoch plus the share of
+    its samples handed out, at every step's end (the epoch's end counts as the next epoch's start)."""
+    ld = AdaptiveLoader(TensorDataset(torch.arange(10.0)), [2, 3], 0, seed=1)
+    seen = []
+    ld.step_end_callbacks.append(lambda loader, end: seen.append(loader.epochs_done))
+    assert ld.epochs_done == 0.0
+    for epoch in range(2):
+        ld.set_epoch(epoch)
+        for _ in ld:
+            pass
+    assert seen == pytest.approx([0.5, 1.0, 1.5, 2.0]) and ld.epochs_done == 2.0

@@ -543,7 +543,8 @@ class ClusterSimulator:
                                                  data[:, r].tolist(), wait[:, r].tolist(), [p] * k))
                        for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
-        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p)
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p,
+                                                      self.samples_seen / self.spec.dataset_size)
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 

@@ -208,7 +208,8 @@ class DynamixController:
             if self.inputs.maxlen:
                 self.inputs.append(inputs)
             decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
-                                        passes=self.optimizer.backward_passes_per_step)
+                                        passes=self.optimizer.backward_passes_per_step,
+                                        done=self.loader.epochs_done)
             record = decision.record()
             # per loader step, the cadence's unit (a step record spans the micro-batches of the
             # interval that ran, before this decision sets their number for the next)

@@ -134,6 +134,7 @@ class Observation:
     layer_variance: dict[str, float] | None
     fit: dict[str, Any] | None = None  # the cost and network fits the observation used (plain values)
     step_losses: np.ndarray | None = None  # the interval's per-step loss, sample-weighted over ranks (NaN: none)
+    budget_left: float = math.nan     # fraction of the training budget still to run (NaN: no budget known)
 
 
 @dataclass
@@ -162,6 +163,8 @@ class Decision:
     previous_passes: int = 1
     recheck: bool = False
     """Decide again soon (`DecisionCadence`'s recheck): the policy saw evidence it must confirm."""
+    done: float | None = None
+    """Epochs done, fractional, when the decision was taken (None: `epoch`): the budget still to run."""
 
     def record(self) -> dict[str, Any]:
         """The controller's history entry (plain values only)."""
@@ -171,7 +174,8 @@ class Decision:
                 "throughput": self.throughput, "reports": [r.to_dict() for r in self.reports],
                 "policy": self.policy, "info": self.info, "layer_variance": self.layer_variance, "fit": self.fit,
                 "noise_lower": self.noise_interval[0], "noise_point": self.noise_interval[1],
-                "passes": self.passes, "previous_passes": self.previous_passes, "recheck": self.recheck}
+                "passes": self.passes, "previous_passes": self.previous_passes, "recheck": self.recheck,
+                "done": self.done}
 
 
 # --- the pieces shared with the transition rebuild ----------------------------------------------------
@@ -188,6 +192,12 @@ def loss_trend(loss: float, previous: float) -> float:
 
 def progress_fraction(epoch: int, total_epochs: int | None) -> float:
     return min(1.0, epoch / total_epochs) if total_epochs else 0.0
+
+
+def budget_left(done: float, total_epochs: int | None) -> float:
+    """Fraction of the training budget still to run after `done` epochs (fractional); NaN without a
+    budget (`total_epochs` None)."""
+    return min(1.0, max(0.0, 1.0 - done / total_epochs)) if total_epochs else math.nan
 
 
 def observe_reports(reports: Sequence[RankReport], sizes: Sequence[int], initial_batch: int, noise_scale: float,
@@ -258,9 +268,11 @@ class DecisionCore:
         return len(self.bounds.learned_max)
 
     # --- one decision --------------------------------------------------------------------------------
-    def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Observation:
+    def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1,
+                done: float | None = None) -> Observation:
         """Take one interval's reports (in rank order), the sizes it ran with (per micro-batch) and its
-        micro-batches per optimizer step; update the state."""
+        micro-batches per optimizer step; update the state. `done`: epochs done so far, fractional
+        (None: `epoch`), for the budget still to run."""
         if [i.report.rank for i in inputs] != list(range(len(inputs))) or len(inputs) != len(sizes):
             raise ValueError(f"need one input per rank in rank order for {len(sizes)} sizes, got ranks "
                              f"{[i.report.rank for i in inputs]}")
@@ -298,22 +310,24 @@ class DecisionCore:
         self.prev_sizes, self.prev_loss, self.prev_passes = sizes, loss, passes
         self.decisions += 1
         return Observation(obs, reports, ctx, sizes, reward, loss, efficiency, tput,
-                           self._layer_variance(inputs, [passes * b for b in sizes]), fit, step_losses)
+                           self._layer_variance(inputs, [passes * b for b in sizes]), fit, step_losses,
+                           budget_left(float(epoch if done is None else done), self.total_epochs))
 
     def policy_input(self, seen: Observation) -> DecisionInput:
         lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
                              costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes,
-                             step_losses=seen.step_losses)
+                             step_losses=seen.step_losses, budget_left=seen.budget_left)
 
-    def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1) -> Decision:
+    def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1,
+               done: float | None = None) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
         optimizer step (`passes` micro-batches of the new sizes) over `base_batch`."""
         if self.policy is None:
             raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
         validate.integer("DecisionCore.decide passes", passes, 1)
         index = self.decisions
-        seen = self.observe(inputs, sizes, epoch, passes)
+        seen = self.observe(inputs, sizes, epoch, passes, done)
         out = self.policy.decide(self.policy_input(seen))
         new_passes = self.next_passes(out.passes, passes)
         gain = float(self.stats.gain_at(new_passes * sum(out.sizes), self.base_batch))
@@ -324,7 +338,8 @@ class DecisionCore:
                         noise_scale=self.stats.noise_scale, efficiency=seen.efficiency, throughput=seen.throughput,
                         reports=seen.reports, policy=self.policy.name, info=out.info,
                         layer_variance=seen.layer_variance, fit=seen.fit,
-                        noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point), recheck=out.recheck)
+                        noise_interval=(seen.ctx.noise_lower, seen.ctx.noise_point), recheck=out.recheck,
+                        done=done)
 
     def next_passes(self, chosen: int | None, current: int) -> int:
         """The policy's micro-batches per step (None: keep `current`), within [1, bounds.max_passes]

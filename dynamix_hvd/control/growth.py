@@ -96,6 +96,14 @@ class GrowthCheck:
         """A growth is under judgement (the proposal holds B meanwhile: one change at a time)."""
         return self.grown_for > 0 and not (self.accepted or self.banned)
 
+    def verdict_seconds(self, interval_s: float) -> float:
+        """Training seconds from a growth that starts now to its last look, at the earliest, with
+        decision intervals of `interval_s` seconds: the settling time, then the judged time (at least
+        `judged` intervals)."""
+        interval_s = max(float(interval_s), 0.0) if math.isfinite(interval_s) else 0.0
+        settle = max(self.settle * interval_s, self.settle_frac * self.elapsed_s)
+        return settle + max(self.judge_frac * self.reference_span(), self.judged * interval_s)
+
     def observe(self, reports: Sequence[RankReport], global_batch: int, initial_batch: int,
                 step_losses: Sequence[float] | None = None) -> None:
         """One interval's reports (the batch it ran with) and, where known, its per-step losses (the

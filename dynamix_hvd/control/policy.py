@@ -30,6 +30,7 @@ class DecisionInput:
     noise_point: float = math.nan     # its continuous point estimate (NaN: unknown)
     passes: int = 1                   # micro-batches per optimizer step the interval ran with
     step_losses: Sequence[float] | None = None  # the interval's per-step loss over all ranks (None: unknown)
+    budget_left: float = math.nan     # fraction of the training budget still to run (NaN: unknown)
 
 
 @dataclass

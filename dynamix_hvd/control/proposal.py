@@ -24,7 +24,9 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   one is predicted to pay `split_margin` and the ranks' speeds are measured to differ by that much
   (:mod:`dynamix_hvd.control.speedgap`), and a split taken is judged by the measured step
   (:mod:`dynamix_hvd.control.splitcheck`); B grows past the initial batch only on a confident
-  predicted gain, then judged by the loss (:mod:`dynamix_hvd.control.growth`).
+  predicted gain, then judged by the loss (:mod:`dynamix_hvd.control.growth`), and only where that
+  judgement can end before the training budget does (a growth that could not be judged would run
+  unchecked to the end).
 
 :class:`ModelPolicy` (policy "model") applies the proposal; the rules "goodput" and "speed-split"
 (:mod:`dynamix_hvd.control.rules`) are the same code with other settings.
@@ -114,7 +116,9 @@ class ProposalConfig:
     """After B grew past the initial batch, compare the training loss with what the initial
     batch was making (its loss against log time over the latest half of the run, extrapolated); where
     the larger batch falls behind by more than the noise of the per-step losses and of the line allows,
-    return to the initial batch and never grow again in this job (see :class:`GrowthCheck`)."""
+    return to the initial batch and never grow again in this job (see :class:`GrowthCheck`). With a
+    training budget (``total_epochs``), a growth starts only where the check's verdict can come
+    before the budget ends."""
 
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
@@ -534,6 +538,10 @@ class ModelPolicy:
         held = replace(self.cfg, search_batch=False)
         hold = split_failed or (checking and self.split_check.judging) or (self.check is not None and self.check.judging)
         self.last = proposal(held if hold else self.cfg)
+        late = not hold and self._growth_too_late(inp)
+        if late:  # no growth whose check could not give its verdict before the budget ends
+            may_grow = False
+            self.last = proposal(self.cfg)
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
             self.last = proposal(held)
@@ -547,7 +555,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
+                "may_grow": may_grow, "growth_late": late, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
                 "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
@@ -555,6 +563,34 @@ class ModelPolicy:
         if self.check is not None and self.check.last:
             info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
+
+    def _growth_too_late(self, inp: DecisionInput) -> bool:
+        """The proposal (`self.last`) starts a growth past the initial batch whose check could not
+        give its verdict before the training budget ends: the verdict's earliest time (settling and
+        judging, :meth:`GrowthCheck.verdict_seconds`, at the latest interval's length) exceeds the
+        training time left, at the rate so far (training seconds over the budget's share done) sped
+        up by the proposal's predicted throughput gain. Such a growth would run unchecked for the
+        rest of the job. False without a budget (``total_epochs`` unknown) or a growth check."""
+        check, left = self.check, inp.budget_left
+        if check is None or check.accepted or check.banned or not math.isfinite(left) or self.last is None:
+            return False
+        B_now, B_new, initial = inp.ctx.global_batch, self.last.global_batch, inp.ctx.initial_batch
+        if not B_new > max(B_now, initial) or B_now > initial:
+            return False  # not a growth past the initial batch
+        done = 1.0 - left
+        if left <= 0:
+            return True
+        if done <= 0 or check.elapsed_s <= 0:
+            return False  # nothing to go by yet (and no reference to judge against: no growth anyway)
+        noise = self.noise(inp)
+        eff_now = statistical_efficiency(noise, B_now, initial, unknown="no_gain")
+        eff_new = statistical_efficiency(noise, B_new, initial, unknown="no_gain")
+        speedup = 1.0
+        if self.last.goodput_now > 0 and eff_new > 0 and math.isfinite(eff_now / eff_new):
+            speedup = max(self.last.predicted_goodput / self.last.goodput_now * eff_now / eff_new, 1.0)
+        remaining_s = check.elapsed_s * left / done / speedup
+        interval_s = float(np.median([r.step_s * r.steps for r in inp.reports])) if inp.reports else 0.0
+        return check.verdict_seconds(interval_s) > remaining_s
 
     def _test_interval(self, costs: CostModel, neutral_ran: bool) -> tuple[float, int, bool]:
         """The paired test on the interval just recorded, with any neutral steps before it too few to

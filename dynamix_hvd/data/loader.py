@@ -156,6 +156,12 @@ class AdaptiveLoader:
         return self._step
 
     @property
+    def epochs_done(self) -> float:
+        """Epochs handed out so far, fractional: the current epoch's number plus the share of its
+        samples handed out."""
+        return self.epoch + self._cursor / max(self.num_samples, 1)
+
+    @property
     def current_step(self) -> PlannedStep:
         """The step whose batch was handed out last: every rank's sample count in it."""
         if self._current is None:
