@@ -543,8 +543,10 @@ class ClusterSimulator:
                                                  data[:, r].tolist(), wait[:, r].tolist(), [p] * k))
                        for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
-        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p,
-                                                      self.samples_seen / self.spec.dataset_size)
+        # the simulated job ends at its progress target, not after a number of epochs: the budget
+        # still to run is the progress still to make
+        done = self.total_epochs * min(1.0, self.progress / s.target_progress)
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p, done)
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 

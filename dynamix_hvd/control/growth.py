@@ -27,6 +27,10 @@ growth whether the controller decides every second or every minute:
   returns B to the initial batch, and growth stays off for the rest of the job (`banned`); passing
   the last one accepts the growth.
 
+With a training budget the proposal starts a growth only where the verdict can come before the
+budget ends (:meth:`GrowthCheck.verdict_seconds`, the settling and judging time at the earliest):
+a growth late in the job would otherwise run unjudged to its end.
+
 An interval with too few per-step losses borrows the measured intervals' noise per second of
 training; where none has them (a hand-built input: means only), all are weighed alike, their noise
 taken from the reference's scatter around the line. Growth is not allowed before the
