@@ -133,15 +133,15 @@ def test_core_replays_the_simulators_reports_to_the_same_decisions() -> None:
         out = policy.decide(sim.decision_input())
         gain = float(sim.stats.gain_at(sum(out.sizes)))
         gain = gain if math.isfinite(gain) and gain > 0 else 1.0
-        logged.append((sim.inputs, list(sim.sizes), sim.epoch, out.sizes, gain, sim.last_reward,
+        logged.append((sim.inputs, list(sim.sizes), sim.epoch, sim.budget_done, out.sizes, gain, sim.last_reward,
                        sim.stats.noise_scale, list(sim.bounds.learned_max)))
         sim.step_sizes(out.sizes)
     s = sim.spec
     replay = DecisionCore(3, sum(s.initial_batch), PPOPolicy(learner, learn=False), min_batch=s.min_batch,
                           max_batch=s.max_batch, total_epochs=sim.total_epochs, fit_warmup=True)
-    for t, (inputs, sizes, epoch, chosen, gain, reward, noise, bounds) in enumerate(logged):
+    for t, (inputs, sizes, epoch, done, chosen, gain, reward, noise, bounds) in enumerate(logged):
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        d = replay.decide(wire.decode_reports(rows), sizes, epoch)
+        d = replay.decide(wire.decode_reports(rows), sizes, epoch, done=done)
         assert d.index == t and d.sizes == chosen and d.previous_sizes == sizes and d.lr_gain == gain
         assert (d.reward is None) == (reward is None) and (reward is None or d.reward == reward.tolist())
         assert d.noise_scale == noise and replay.bounds.learned_max == bounds
@@ -195,7 +195,7 @@ def test_core_state_is_plain_and_continues_exactly_after_a_weights_only_load() -
     cfg = ControllerConfig(policy="ppo", learn=True, total_epochs=sim.total_epochs)
     core = make_core(cfg, 2, sum(sim.sizes))
     for _ in range(6):
-        d = core.decide(sim.inputs, list(sim.sizes), sim.epoch)
+        d = core.decide(sim.inputs, list(sim.sizes), sim.epoch, done=sim.budget_done)
         core.policy.after_decision()
         sim.step_sizes(d.sizes)
     state = core.state_dict()
@@ -205,7 +205,8 @@ def test_core_state_is_plain_and_continues_exactly_after_a_weights_only_load() -
     buf.seek(0)
     again = make_core(cfg, 2, 1)
     again.load_state_dict(torch.load(buf, weights_only=True))
-    a, b = core.decide(sim.inputs, list(sim.sizes), sim.epoch), again.decide(sim.inputs, list(sim.sizes), sim.epoch)
+    a = core.decide(sim.inputs, list(sim.sizes), sim.epoch, done=sim.budget_done)
+    b = again.decide(sim.inputs, list(sim.sizes), sim.epoch, done=sim.budget_done)
     assert same(a.record(), b.record()), (a, b)
     assert again.stats.snapshot() == pytest.approx(core.stats.snapshot(), nan_ok=True)
 

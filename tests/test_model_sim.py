@@ -82,8 +82,8 @@ def rows() -> list[dict[str, Any]]:
 def test_model_policy_beats_static_and_the_rules_on_stragglers(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         model, static = row["model"][0], row["static"][0]
-        # 0.81, not 0.8: on 2 ranks the model's first growth would come at 89% of the progress target,
-        # too late for the growth check's verdict, so it does not start (0.80 of static's time there)
+        # on 2 ranks the model's first growth would come at 89% of the progress target, too late for
+        # the growth check's verdict, so it does not start: 0.80 of static's time there
         assert model < 0.81 * static, f"{row['cluster']}: model {model:.2f} vs static {static:.2f} x oracle"
         assert model <= 1.02 * row["best static"][0], f"{row['cluster']}: not better than the best static batch"
         assert model <= 1.02 * row["speed-split"][0], f"{row['cluster']}: split alone does better"

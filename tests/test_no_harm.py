@@ -13,7 +13,7 @@ from dynamix_hvd.control.costmodel import CostModel, NetworkFit
 from dynamix_hvd.control.growth import GrowthCheck
 from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
-from dynamix_hvd.control.proposal import ModelPolicy, ProposalConfig, propose
+from dynamix_hvd.control.proposal import ModelPolicy, Proposal, ProposalConfig, propose
 from dynamix_hvd.control.refine import PPOPolicy
 from dynamix_hvd.control.splitcheck import SplitCheck
 from dynamix_hvd.control.state import OBS_DIM, GlobalContext, RankReport
@@ -639,7 +639,8 @@ def _paying_growth(left=None, decisions=20):
 def test_a_growth_whose_verdict_cannot_come_before_the_budget_ends_does_not_start():
     """The same job grows B with a long budget (or none) and keeps the initial batch where the budget
     ends before the growth check could judge a growth (the check needs the settling time and half the
-    reference's span, at least three intervals)."""
+    reference's span, at least three intervals); a growth started in time is judged and, accepted,
+    grows on as without a budget."""
     free, _, _ = _paying_growth()
     long, _, _ = _paying_growth(left=lambda k: 1 - (k + 1) / 400)
     assert max(free) > 128 and long == free, (free, long)
@@ -647,18 +648,53 @@ def test_a_growth_whose_verdict_cannot_come_before_the_budget_ends_does_not_star
     short, infos, policy = _paying_growth(left=lambda k: max(0.0, 1 - (k + 1) / 6), decisions=8)
     assert short == [128] * 8, short
     assert any(i.get("growth_late") for i in infos) and not policy.check.banned, infos
-    # with the budget spent in the middle of a judgement the growth already made is still judged
-    late_start = next(k for k, t in enumerate(free) if t > 128)
-    grown, _, _ = _paying_growth(left=lambda k: 1.0 if k <= late_start else 0.0)
-    assert grown[late_start + 1] == free[late_start + 1] > 128, (free, grown)
+    in_time, _, policy = _paying_growth(left=lambda k: 1 - (k + 1) / 24)
+    assert in_time == free and policy.check.accepted, (free, in_time)
 
 
-def test_the_verdict_time_is_the_settling_and_the_judged_time():
+def _late_case(predicted_gain: float, budget_intervals: int, noise: float = math.inf) -> bool:
+    """A growth check fed 20 intervals of 1 s at the initial batch of 128 while the budget of
+    `budget_intervals` such intervals is spent (8 left after them at 28), asked whether a growth to 256
+    predicted to raise goodput by `predicted_gain`x starts too late (the step of 256 predicted as long
+    as the measured one, so intervals stay 1 s: the verdict needs 1 + 5 s)."""
+    policy = ModelPolicy()
+    for k in range(20):
+        reports = [report(0, 64, 100, 0.01, 2.0 - 0.01 * k), report(1, 64, 100, 0.01, 2.0 - 0.01 * k)]
+        policy.check.observe(reports, 128, 128, None, 1 - (k + 1) / budget_intervals)
+    policy.last = Proposal([128, 128], 256, 0.01, 1000.0 * predicted_gain, 1000.0, 128, True, False, noise, 64,
+                           256)
+    ctx = GlobalContext(global_batch=128, initial_batch=128, noise_scale=noise, efficiency=1.0, loss_trend=0.0,
+                        progress=0.5, world_size=2)
+    inp = DecisionInput(torch.zeros(3, OBS_DIM), reports, ctx, [64, 64], BatchBounds(2, 1, 4096), None,
+                        noise_lower=noise, noise_point=noise, budget_left=1 - 20 / budget_intervals)
+    return policy._growth_too_late(inp)
+
+
+def test_the_time_left_is_shortened_by_the_predicted_throughput_gain():
+    """8 s left at the rate so far against a verdict that needs 6 s: in time at the same throughput,
+    too late where the larger batch is predicted to run 2x the samples per second (4 s left), in time
+    again with 5 more intervals in the budget (6.5 s). The throughput gain is the goodput gain over
+    the efficiency lost: with 11 s left, a 1.5x goodput gain at E(256) / E(128) = 0.75 (noise scale
+    256) is 2x the samples (5.5 s left: too late), at E = 1 1.5x (7.3 s: in time)."""
+    assert not _late_case(1.0, 28)
+    assert _late_case(2.0, 28)
+    assert not _late_case(2.0, 33)
+    assert _late_case(1.5, 31, noise=256.0) and not _late_case(1.5, 31)
+
+
+def test_the_verdict_time_is_the_settling_and_the_judged_time_and_the_budget_counts_from_the_checks_start():
     check = GrowthCheck()
     for k in range(20):  # 20 intervals of 1 s at the initial batch: the reference spans the latest 10 s
-        feed(check, 1.0, [2.0 - 0.01 * k] * 3, False)
-    assert check.reference_span() == pytest.approx(10.0)
+        check.observe([report(0, 64, 3, 1.0 / 3, 2.0 - 0.01 * k)], 64, 64, None, 1 - (k + 11) / 40)
+    assert check.reference_span() == pytest.approx(10.0) and check.typical_interval_s() == pytest.approx(1.0)
     # settle: max(1 interval, 5% of 20 s) = 1 s; judged: max(half the span, 3 intervals) = 5 s
-    assert check.verdict_seconds(1.0) == pytest.approx(1.0 + 5.0)
+    assert check.verdict_seconds() == pytest.approx(1.0 + 5.0)
     assert check.verdict_seconds(4.0) == pytest.approx(4.0 + 12.0)  # long intervals: 1 + 3 of them
     assert check.verdict_seconds(math.nan) == pytest.approx(1.0 + 5.0)
+    # a check that started with a quarter of the budget spent: 19 s spent 19 of the 40 intervals'
+    # budget since, so the 10 left hold 10 s (not 20 s x 10 / 30)
+    assert check.seconds_left(10 / 40) == pytest.approx(10.0)
+    assert math.isnan(check.seconds_left(math.nan)) and check.seconds_left(0.0) == 0.0
+    again = GrowthCheck()
+    again.load_state_dict(check.state_dict())
+    assert again.budget_origin == check.budget_origin and again.seconds_left(10 / 40) == pytest.approx(10.0)

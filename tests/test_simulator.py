@@ -66,7 +66,7 @@ def drive_both(sim: ClusterSimulator, schedule: Sequence[Sequence[int]]) -> tupl
     for sizes in schedule:
         core.policy.next_sizes = list(sizes)
         rows = np.stack([wire.encode_report(i) for i in sim.inputs])  # what rank 0 gathers
-        decisions.append(core.decide(wire.decode_reports(rows), list(sim.sizes), sim.epoch).record())
+        decisions.append(core.decide(wire.decode_reports(rows), list(sim.sizes), sim.epoch, done=sim.budget_done).record())
         inp = core.policy.inputs[-1]
         assert torch.equal(inp.obs, sim.obs), "observation differs from the controller's"
         if sim.last_reward is None:

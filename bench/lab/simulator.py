@@ -543,10 +543,7 @@ class ClusterSimulator:
                                                  data[:, r].tolist(), wait[:, r].tolist(), [p] * k))
                        for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
-        # the simulated job ends at its progress target, not after a number of epochs: the budget
-        # still to run is the progress still to make
-        done = self.total_epochs * min(1.0, self.progress / s.target_progress)
-        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p, done)
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p, self.budget_done)
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
 
@@ -599,6 +596,15 @@ class ClusterSimulator:
     def epoch(self) -> int:
         """Epochs completed (the loader's epoch counter at this decision)."""
         return int(self.samples_seen // self.spec.dataset_size)
+
+    @property
+    def budget_done(self) -> float:
+        """The budget done, in epochs of `total_epochs`: the simulated job ends at its progress target,
+        not after a number of epochs, so this is the share of the progress made (what a replay of its
+        decisions passes as ``done``). The late-growth rule shortens the time left by the predicted
+        gain in samples per second, more than the gain in progress here: the simulated rule is the
+        stricter one."""
+        return self.total_epochs * min(1.0, self.progress / self.spec.target_progress)
 
     def _grad_norms(self, b: np.ndarray, phi_t: np.ndarray, g2: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-step squared norms of each rank's local mean gradient ``[k, R]`` and of the global one ``[k]``

@@ -118,9 +118,10 @@ class ControllerConfig:
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
     total_epochs: int | None = None
-    """Training budget in epochs: spreads the automatic cadence's decisions over the job, feeds the
-    progress feature, and lets a batch growth start only where its check can end before the budget
-    does (None: 4 decisions per epoch, progress stays 0, growth unbounded by time)."""
+    """Training budget in epochs, counted from the loader's epoch 0 (``set_epoch``): spreads the
+    automatic cadence's decisions over the job, feeds the progress feature, and lets a batch growth
+    start only where its check can end before the budget does (None: 4 decisions per epoch, progress
+    stays 0, growth unbounded by time)."""
     min_batch: int = 1
     """Smallest local batch any rank may get (in the loader's unit: tokens when it plans by token
     budgets)."""

@@ -89,6 +89,10 @@ class GrowthCheck:
     banned: bool = False
     accepted: bool = False
     last: dict[str, float] = field(default_factory=dict)
+    budget_origin: list[float] | None = None
+    """(training seconds, budget share done) at the first interval that came with a training budget:
+    the origin of the rate at which the budget is spent (a check started late, after an elastic
+    reset or mid-job, counts from there)."""
 
     @property
     def ready(self) -> bool:
@@ -100,22 +104,43 @@ class GrowthCheck:
         """A growth is under judgement (the proposal holds B meanwhile: one change at a time)."""
         return self.grown_for > 0 and not (self.accepted or self.banned)
 
-    def verdict_seconds(self, interval_s: float) -> float:
+    def verdict_seconds(self, interval_s: float | None = None) -> float:
         """Training seconds from a growth that starts now to its last look, at the earliest, with
-        decision intervals of `interval_s` seconds: the settling time, then the judged time (at least
-        `judged` intervals)."""
+        decision intervals of `interval_s` seconds (None: the reference's median interval): the
+        settling time, then the judged time (at least `judged` intervals)."""
+        if interval_s is None:
+            interval_s = self.typical_interval_s()
         interval_s = max(float(interval_s), 0.0) if math.isfinite(interval_s) else 0.0
         settle = max(self.settle * interval_s, self.settle_frac * self.elapsed_s)
         return settle + max(self.judge_frac * self.reference_span(), self.judged * interval_s)
 
+    def typical_interval_s(self) -> float:
+        """The median length of the reference's intervals in seconds (0 without a reference; merged
+        intervals count as one)."""
+        return float(np.median([p[3] for p in self.reference])) if self.reference else 0.0
+
+    def seconds_left(self, budget_left: float) -> float:
+        """Training seconds the budget still holds at the rate it was spent since `budget_origin`; NaN
+        where unknown (no budget, or none of it spent since the origin)."""
+        if self.budget_origin is None or not math.isfinite(budget_left):
+            return math.nan
+        t0, done0 = self.budget_origin
+        spent, seconds = (1.0 - budget_left) - done0, self.elapsed_s - t0
+        if budget_left <= 0:
+            return 0.0
+        return seconds * budget_left / spent if spent > 0 and seconds > 0 else math.nan
+
     def observe(self, reports: Sequence[RankReport], global_batch: int, initial_batch: int,
-                step_losses: Sequence[float] | None = None) -> None:
+                step_losses: Sequence[float] | None = None, budget_left: float = math.nan) -> None:
         """One interval's reports (the batch it ran with) and, where known, its per-step losses (the
-        sample-weighted mean over ranks, in step order): advance the clock and judge."""
+        sample-weighted mean over ranks, in step order) and the training budget still to run after it:
+        advance the clock and judge."""
         seconds = float(np.median([r.step_s * r.steps for r in reports])) if reports else 0.0
         seconds = seconds if math.isfinite(seconds) and seconds > 0 else 0.0
         mid = self.elapsed_s + seconds / 2
         self.elapsed_s += seconds
+        if self.budget_origin is None and math.isfinite(budget_left):
+            self.budget_origin = [self.elapsed_s, 1.0 - budget_left]
         loss = _mean_loss(reports)
         point = (mid, loss, mean_variance(step_losses), seconds)
         if global_batch <= initial_batch:

@@ -205,6 +205,8 @@ class Proposal:
     predicted_goodput: float
     goodput_now: float
     """Predicted goodput of the current B with the equalised split."""
+    batch_keep: int
+    """The current B as `goodput_now` scores it (within the bounds)."""
     switched: bool
     dithered: bool
     noise_scale: float
@@ -227,7 +229,7 @@ class Proposal:
 def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[int], bounds: BatchBounds,
             initial_batch: int, noise: float, index: int, passes: int = 1, neutral: Sequence[float] | None = None,
             may_grow: bool = True, split_confirmed: bool = True, split_margin: float | None = None,
-            force_neutral: bool = False) -> Proposal:
+            force_neutral: bool = False, cap: int | None = None) -> Proposal:
     """The proposal for the next interval (see the module docstring); `index` drives the dither;
     `sizes` are the current micro-batch sizes, `passes` the current micro-batches per step;
     `neutral`: each rank's share of the neutral split (default equal); `may_grow` False: B returns to
@@ -235,7 +237,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     difference in speed is not measured to exceed the margin (see `ModelPolicy`), so a neutral split
     stays neutral;
     `split_margin` replaces `cfg.split_margin` (a margin raised by a failed split); `force_neutral`:
-    the neutral split now, whatever the prediction (a split just failed its check).
+    the neutral split now, whatever the prediction (a split just failed its check); `cap`: B stays at
+    most this, with the usual margins (a growth whose check could not end before the budget does).
 
     Global batches count samples per optimizer step. With ``bounds.max_passes`` > 1 every count of
     micro-batches p up to it is scored: B = p x micro-batch, the micro-batch split within the memory
@@ -274,6 +277,8 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     B_hi = float(max(p * hi.sum() for p, (_, hi) in limits.items()))
     if not may_grow:
         B_hi = min(B_hi, float(initial_batch))
+    if cap is not None:
+        B_hi = min(B_hi, float(cap))
     B_lo = min(B_lo, B_hi)  # memory below the initial batch: as large as it allows
 
     def goodput(Bs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -343,7 +348,7 @@ def propose(cfg: ProposalConfig, fit: CostFit, net: NetworkFit, sizes: Sequence[
     if not cfg.search_batch:  # B is kept: a refinement of the proposal (PPO's batch row) keeps it too
         b_min = b_max = int(p_new * out.sum())
     return Proposal(out.tolist(), int(p_new * out.sum()), float(step_new[0]), float(gp_new[0]), float(keep_gp[0]),
-                    switched, dithered, float(noise), b_min, b_max, p_new, split_gain, even is not None)
+                    B_keep, switched, dithered, float(noise), b_min, b_max, p_new, split_gain, even is not None)
 
 
 def neutral_shares(ranks: int, neutral: Sequence[float] | None) -> np.ndarray:
@@ -478,7 +483,8 @@ class ModelPolicy:
         if self.neutral is None or len(self.neutral) != len(inp.sizes):
             self.neutral = [float(b) for b in inp.sizes]
         if self.check is not None:
-            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch, inp.step_losses)
+            self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch, inp.step_losses,
+                               inp.budget_left)
         may_grow = self.check is None or (self.check.ready and not self.check.banned)
         costs = self._costs(inp)
         fit = costs.fit()
@@ -527,10 +533,12 @@ class ModelPolicy:
         recheck = passed and gap >= self.cfg.recheck_gap and not confirmed and not self._rechecked
         self._rechecked = recheck
 
+        cap = None
+
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
                            self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
-                           split_margin=margin, force_neutral=split_failed)
+                           split_margin=margin, force_neutral=split_failed, cap=cap)
 
         # one change at a time: B holds while a split is judged (its step compares with the neutral one),
         # when a failed split is undone, in the decision that leaves the neutral split, and while a
@@ -540,7 +548,7 @@ class ModelPolicy:
         self.last = proposal(held if hold else self.cfg)
         late = not hold and self._growth_too_late(inp)
         if late:  # no growth whose check could not give its verdict before the budget ends
-            may_grow = False
+            cap = max(inp.ctx.global_batch, inp.ctx.initial_batch)
             self.last = proposal(self.cfg)
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
@@ -567,30 +575,30 @@ class ModelPolicy:
     def _growth_too_late(self, inp: DecisionInput) -> bool:
         """The proposal (`self.last`) starts a growth past the initial batch whose check could not
         give its verdict before the training budget ends: the verdict's earliest time (settling and
-        judging, :meth:`GrowthCheck.verdict_seconds`, at the latest interval's length) exceeds the
-        training time left, at the rate so far (training seconds over the budget's share done) sped
-        up by the proposal's predicted throughput gain. Such a growth would run unchecked for the
-        rest of the job. False without a budget (``total_epochs`` unknown) or a growth check."""
-        check, left = self.check, inp.budget_left
-        if check is None or check.accepted or check.banned or not math.isfinite(left) or self.last is None:
+        judging, :meth:`GrowthCheck.verdict_seconds`, at the reference's typical interval, longer by
+        the predicted step's growth) exceeds the training seconds the budget still holds
+        (:meth:`GrowthCheck.seconds_left`, the rate so far) shortened by the predicted throughput
+        gain. Such a growth would run unjudged to the end of the job. False where nothing is judged
+        (no growth check, or its growth already accepted or banned), where the budget or the rate it
+        is spent at is unknown, and for anything but a growth past the initial batch."""
+        check = self.check
+        if check is None or check.accepted or check.banned or self.last is None:
             return False
         B_now, B_new, initial = inp.ctx.global_batch, self.last.global_batch, inp.ctx.initial_batch
         if not B_new > max(B_now, initial) or B_now > initial:
-            return False  # not a growth past the initial batch
-        done = 1.0 - left
-        if left <= 0:
-            return True
-        if done <= 0 or check.elapsed_s <= 0:
-            return False  # nothing to go by yet (and no reference to judge against: no growth anyway)
+            return False
+        left_s = check.seconds_left(inp.budget_left)
+        if not math.isfinite(left_s):
+            return False
         noise = self.noise(inp)
-        eff_now = statistical_efficiency(noise, B_now, initial, unknown="no_gain")
+        eff_keep = statistical_efficiency(noise, self.last.batch_keep, initial, unknown="no_gain")
         eff_new = statistical_efficiency(noise, B_new, initial, unknown="no_gain")
-        speedup = 1.0
-        if self.last.goodput_now > 0 and eff_new > 0 and math.isfinite(eff_now / eff_new):
-            speedup = max(self.last.predicted_goodput / self.last.goodput_now * eff_now / eff_new, 1.0)
-        remaining_s = check.elapsed_s * left / done / speedup
-        interval_s = float(np.median([r.step_s * r.steps for r in inp.reports])) if inp.reports else 0.0
-        return check.verdict_seconds(interval_s) > remaining_s
+        speedup = 1.0  # samples per second at the new B over the current one
+        if self.last.goodput_now > 0 and eff_new > 0 and math.isfinite(eff_keep / eff_new):
+            speedup = max(self.last.predicted_goodput / self.last.goodput_now * eff_keep / eff_new, 1.0)
+        steps = [r.step_s for r in inp.reports if math.isfinite(r.step_s) and r.step_s > 0]
+        longer = max(self.last.predicted_step_s / float(np.median(steps)), 1.0) if steps else 1.0
+        return check.verdict_seconds(check.typical_interval_s() * longer) > left_s / speedup
 
     def _test_interval(self, costs: CostModel, neutral_ran: bool) -> tuple[float, int, bool]:
         """The paired test on the interval just recorded, with any neutral steps before it too few to
