@@ -199,7 +199,8 @@ def write_decisions(history: list[dict], out: str) -> None:
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
             "efficiency", "throughput", "loss", "overhead_s")
     network = ("net_s", "latency_s", "bus_bandwidth_Bps")
-    info = ("split_gain", "gap_bound", "gap_intervals", "margin_lifted", "speed_shift", "neutral", "dithered", "switched", "may_grow", "predicted_goodput",
+    info = ("split_gain", "gap_bound", "gap_intervals", "margin_lifted", "speed_shift", "neutral", "dithered", "switched", "may_grow",
+            "growth_late", "predicted_goodput",
             "goodput_now", "split_check")
     rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
             | {k: ((h.get("fit") or {}).get("net") or {}).get(k) for k in network}
