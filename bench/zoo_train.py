@@ -200,7 +200,7 @@ def write_decisions(history: list[dict], out: str) -> None:
             "efficiency", "throughput", "loss", "overhead_s")
     network = ("net_s", "latency_s", "bus_bandwidth_Bps")
     info = ("split_gain", "gap_bound", "gap_intervals", "margin_lifted", "speed_shift", "neutral", "dithered", "switched", "may_grow",
-            "growth_late", "predicted_goodput",
+            "growth_late", "budget_cap", "predicted_goodput",
             "goodput_now", "split_check")
     rows = [{k: h.get(k) for k in keep} | {k: (h.get("info") or {}).get(k) for k in info}
             | {k: ((h.get("fit") or {}).get("net") or {}).get(k) for k in network}

@@ -48,7 +48,7 @@ from .splitcheck import SplitCheck
 from .jointfit import fit_joint
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
-from ..stats.noise_scale import statistical_efficiency
+from ..stats.noise_scale import batch_at_efficiency, statistical_efficiency
 from .. import validate
 
 
@@ -120,6 +120,15 @@ class ProposalConfig:
     training budget (``total_epochs``), a growth starts only where the check's verdict can come
     before the budget ends."""
 
+    budget_loss: float = 0.05
+    """With a training budget (``total_epochs``), B stays at sizes whose predicted loss of progress
+    by the budget's end is at most this fraction: (1 - E(B)) times the share of the budget still to
+    run, E the statistical efficiency against the initial batch with the noise scale `noise` names.
+    A budget fixes the samples, so what a larger batch loses per sample is lost from the job's end
+    (its final metric), whatever it gains per second. Where B already grew past that size, it comes
+    back to it (not while a growth or a split is judged). 1: goodput alone decides, as without a
+    budget; 0: no batch past the initial one under a budget."""
+
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
     not shorten by half the predicted gain, return to neutral and from then on split only for twice
@@ -142,6 +151,7 @@ class ProposalConfig:
             validate.integer("ProposalConfig.dither_decisions", self.dither_decisions, 0, what="an integer >= 0 or None")
         for name in ("split_margin", "grow_margin"):
             validate.number(f"ProposalConfig.{name}", getattr(self, name), 0, below=1, what="a fraction in [0, 1)")
+        validate.number("ProposalConfig.budget_loss", self.budget_loss, 0, maximum=1, what="a fraction in [0, 1]")
         validate.number("ProposalConfig.recheck_gap", self.recheck_gap, 0, what="a number >= 0 (1 or more: never)")
 
 
@@ -533,22 +543,24 @@ class ModelPolicy:
         recheck = passed and gap >= self.cfg.recheck_gap and not confirmed and not self._rechecked
         self._rechecked = recheck
 
-        cap = None
+        # one change at a time: B holds while a split is judged (its step compares with the neutral one),
+        # when a failed split is undone, in the decision that leaves the neutral split, and while a
+        # growth is judged (its loss compares with the initial batch's)
+        held = replace(self.cfg, search_batch=False)
+        hold = split_failed or (checking and self.split_check.judging) or (self.check is not None and self.check.judging)
+        # A budget caps B where a larger batch would cost the job's end more than `budget_loss`; not
+        # while a change is judged (its sizes must hold until the verdict).
+        cap = None if hold else self._budget_cap(inp)
 
         def proposal(cfg: ProposalConfig) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
                            self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
                            split_margin=margin, force_neutral=split_failed, cap=cap)
 
-        # one change at a time: B holds while a split is judged (its step compares with the neutral one),
-        # when a failed split is undone, in the decision that leaves the neutral split, and while a
-        # growth is judged (its loss compares with the initial batch's)
-        held = replace(self.cfg, search_batch=False)
-        hold = split_failed or (checking and self.split_check.judging) or (self.check is not None and self.check.judging)
         self.last = proposal(held if hold else self.cfg)
         late = not hold and self._growth_too_late(inp)
         if late:  # no growth whose check could not give its verdict before the budget ends
-            cap = max(inp.ctx.global_batch, inp.ctx.initial_batch)
+            cap = min(max(inp.ctx.global_batch, inp.ctx.initial_batch), cap if cap is not None else math.inf)
             self.last = proposal(self.cfg)
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
@@ -563,7 +575,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "growth_late": late, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
+                "may_grow": may_grow, "growth_late": late, "budget_cap": cap, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
                 "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
@@ -571,6 +583,16 @@ class ModelPolicy:
         if self.check is not None and self.check.last:
             info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
         return DecisionOutput(self.last.sizes, info, self.last.passes)
+
+    def _budget_cap(self, inp: DecisionInput) -> int | None:
+        """The largest global batch whose loss of progress by the budget's end stays within
+        `budget_loss` (see `ProposalConfig.budget_loss`), at least the initial batch; None without a
+        budget, with `budget_loss` 1, or where every batch qualifies."""
+        left = inp.budget_left
+        if not (math.isfinite(left) and left > 0) or self.cfg.budget_loss >= 1:
+            return None
+        limit = batch_at_efficiency(self.noise(inp), 1.0 - self.cfg.budget_loss / left, inp.ctx.initial_batch)
+        return max(int(math.floor(limit + 1e-9)), inp.ctx.initial_batch) if math.isfinite(limit) else None
 
     def _growth_too_late(self, inp: DecisionInput) -> bool:
         """The proposal (`self.last`) starts a growth past the initial batch whose check could not

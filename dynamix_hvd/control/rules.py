@@ -240,7 +240,8 @@ class Goodput(ModelPolicy):
         super().__init__(ProposalConfig(hysteresis=config.hysteresis, candidates=config.candidates, trust=None,
                                         noise="point",
                                         dither=0.0, hold_unidentified=0, joint_fit=True, split_margin=0.0,
-                                        grow_margin=0.0, confident_growth=False, check_growth=False))
+                                        grow_margin=0.0, confident_growth=False, check_growth=False,
+                                        budget_loss=1.0))
 
 
 BASELINES = {cls.name: cls for cls in (LinearRamp, AdaBatch, IncreaseBatch, NoiseScaleRule, SpeedSplit, Goodput)}

@@ -211,6 +211,23 @@ def statistical_efficiency(noise: float, batch: ArrayLike, base_batch: float, *,
     return _scalar(out)
 
 
+def batch_at_efficiency(noise: float, efficiency: float, base_batch: float) -> float:
+    """The largest global batch B whose statistical efficiency E(B) (see `statistical_efficiency`)
+    is at least `efficiency`: B = (phi + B0) / e - phi. +inf where phi is +inf or ``efficiency`` is
+    at most 0 (every batch qualifies); phi unknown (NaN, negative) is taken as 0, as ``"no_gain"``
+    does (B0 / e). ``efficiency`` must be a number (ValueError otherwise), ``base_batch`` > 0."""
+    e = float(efficiency)
+    if math.isnan(e):
+        raise ValueError(f"efficiency={efficiency!r}; give a number")
+    b0 = float(_positive("base_batch", base_batch))
+    phi = float(noise)
+    if math.isnan(phi) or phi < 0:
+        phi = 0.0
+    if e <= 0 or math.isinf(phi):
+        return math.inf
+    return (phi + b0) / e - phi
+
+
 class LossStatistics:
     """Loss over a sliding window: mean, sample variance, least-squares slope per step, plus a
     bias-corrected EMA over the whole run. Non-finite losses are counted and ignored."""
