@@ -207,7 +207,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
     """Arms by name: "plain" (plain Horovod), "static" (every static size), "static-N",
     "dataplane" (loader + weighted optimizer, no controller, default size), "rules" (every classic
     rule), a rule name, "model" (the cost-model proposal alone), "model-explore" (the proposal letting B
-    grow before the cost lines are identified, as AdaptDL), "ppo" (shipped policy, greedy),
+    grow before the cost lines are identified, as AdaptDL), "model-nobudget" (the proposal without the
+    training budget's cap on B), "ppo" (shipped policy, greedy),
     "ppo-online" (it keeps learning), "ppo-progress" (the shipped policy, ending on training progress)."""
     out: list[Arm] = []
     for name in names:
@@ -231,6 +232,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
                                   "--batchnorm-floor", "1")))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
+        elif name == "model-nobudget":  # the default without the budget's cap on B (goodput alone decides)
+            out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"budget_loss": 1.0}))))
         elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
             out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"hold_unidentified": 0}))))
         elif name == "ppo-progress":  # the shipped policy ending on training progress (zoo jobs: --budget progress)
@@ -383,6 +386,8 @@ CONFIGS.update({
                     "seeds": 1}],
     # the controller's gate on the tuning half before the evaluation half is run: equal ranks, a 2x
     # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)
+    "zoo-budget-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x", "slow-phases"],
+                           "arms": ["plain", "model", "model-nobudget"], "seeds": 1}],
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
                              {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-phases"],
                               "arms": ["plain", "split", "model"], "seeds": 1}],
