@@ -252,7 +252,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
 
 ALL_ARMS = ["plain", "static", "rules", "model", "ppo", "ppo-online"]
 TIMING = ["none", "slow2x", "slow3x", "slow-varying", "stalls", "net10", "net1g-1ms"]
-# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5).
+# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5; from `first_seed`, default 0,
+# to add seeds to an earlier run).
 CONFIGS: dict[str, list[dict[str, Any]]] = {
     "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
                "seeds": 1}],
@@ -388,6 +389,8 @@ CONFIGS.update({
     # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)
     "zoo-budget-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x", "slow-phases"],
                            "arms": ["plain", "model", "model-nobudget"], "seeds": 1}],
+    "zoo-budget-tuning-more": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x"],
+                                "arms": ["plain", "model", "model-nobudget"], "seeds": 3, "first_seed": 1}],
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
                              {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-phases"],
                               "arms": ["plain", "split", "model"], "seeds": 1}],
@@ -457,7 +460,7 @@ def expand(groups: list[dict[str, Any]]) -> list[Job]:
     minutes, so they run next to each other rather than a whole seed apart."""
     jobs = []
     for seed in range(max(g["seeds"] for g in groups)):
-        cells = [(g, cname, wname) for g in groups if seed < g["seeds"]
+        cells = [(g, cname, wname) for g in groups if g.get("first_seed", 0) <= seed < g["seeds"]
                  for cname in g["conditions"] for wname in g["workloads"]]
         first = list(dict.fromkeys(wname for _, _, wname in cells))
         for g, cname, wname in sorted(cells, key=lambda cell: first.index(cell[2])):  # stable
