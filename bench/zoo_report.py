@@ -505,6 +505,39 @@ def batch_growth(results: Path) -> str:
                       "rule held B | final |", "|---|---|---|---|---|---|---|---|", *lines])
 
 
+def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
+    """Per job and condition, arms `a` and `b` against plain Horovod run beside them: medians over
+    seeds of the per-seed time-to-target and budget-time ratios, the finals' medians, and per seed
+    a's final over b's (in points of the metric, positive where a ended better)."""
+    from bench.zoo import JOBS
+
+    lines = []
+    for (w, c), g in jobs.groupby(["workload", "condition"], sort=False):
+        by = {arm: g[g.arm == arm].set_index("seed") for arm in ("plain-horovod", a, b)}
+        seeds = sorted(set(by["plain-horovod"].index) & set(by[a].index) & set(by[b].index))
+        if not seeds:
+            continue
+        higher = JOBS[str(w).removeprefix("zoo:").split(":")[0]].higher_is_better
+        unit = 100.0 if higher else 1.0  # accuracy in points; a loss as it is
+
+        def ratio(arm: str, col: str) -> float:
+            return float(np.median([by[arm].at[s, col] / by["plain-horovod"].at[s, col] for s in seeds]))
+
+        def final(arm: str) -> float:
+            return float(np.median([by[arm].at[s, "final"] for s in seeds]))
+
+        diff = [(by[a].at[s, "final"] - by[b].at[s, "final"]) * unit * (1 if higher else -1) for s in seeds]
+        lines.append(f"| {str(w).removeprefix('zoo:')} | {c} | {len(seeds)} | {ratio(a, 'ttt_s'):.2f} / {ratio(b, 'ttt_s'):.2f} "
+                     f"| {ratio(a, 'budget_s'):.2f} / {ratio(b, 'budget_s'):.2f} "
+                     f"| {final('plain-horovod'):.4f} / {final(a):.4f} / {final(b):.4f} "
+                     f"| {', '.join(f'{d:+.{2 if higher else 4}f}' for d in diff)} |")
+    if not lines:
+        return ""
+    return "\n".join([f"| job | condition | seeds | time to target / plain: {a} / {b} | budget time / plain: {a} / {b} "
+                      f"| final: plain / {a} / {b} | {a} - {b} final, per seed (accuracy in points; a loss as it is, lower counts +) |",
+                      "|---|---|---|---|---|---|---|", *lines])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.zoo_report", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -523,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--growth", action="store_true",
                     help="per run of a deciding arm, where its global batch first grew (predicted and measured gain) "
                          "and where the late-growth rule held it (needs the run folders) instead of the headline")
+    ap.add_argument("--pair", nargs=2, metavar=("A", "B"),
+                    help="arms A and B side by side against plain Horovod, per job and condition (time to "
+                         "target, budget time, finals) instead of the headline; with --also, over several runs")
+    ap.add_argument("--also", action="append", default=[], metavar="RESULTS",
+                    help="with --pair: another results directory whose runs join RESULTS's (e.g. more seeds)")
     ap.add_argument("--target", action="append", default=[], metavar="WORKLOAD=VALUE",
                     help="time to target at VALUE instead of the workload's own target (repeatable), e.g. "
                          "zoo:lstm-rows:long=0.96 for a target reached late in a longer job")
@@ -553,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.growth:
         text = f"# {results.name}: batch growth per run\n\n" + batch_growth(results)
         (results / "growth.md").write_text(text + "\n")
+        print(text)
+        return 0
+    if args.pair:
+        jobs = pd.concat([collect(Path(r), targets) for r in (results, *args.also)], ignore_index=True)
+        names = ", ".join(Path(r).name for r in (results, *args.also))
+        text = f"# {names}: {args.pair[0]} and {args.pair[1]} against plain Horovod\n\n" + paired_arms(jobs, *args.pair)
+        (results / "paired.md").write_text(text + "\n")
         print(text)
         return 0
     if args.steps:

@@ -38,8 +38,9 @@ def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lamb
     at the training seconds t its end; `step(sizes)`, when given, is the measured wall time per step
     whatever the per-rank lines say (a split that cannot shorten it); `change=(k, a, c)`: the costs
     from interval k on; intervals in `unrecorded` reach the policy but not the cost model (no timed
-    steps); `left(k)`: the budget still to run at decision k (None: no budget); `infos`: a list that
-    collects each decision's info."""
+    steps); `left(k)`: the budget still to run at decision k (None: no budget); `noise`: the noise
+    scale, or a function of the decision's index giving it; `infos`: a list that collects each
+    decision's info."""
     rng, model = np.random.default_rng(seed), CostModel(len(a))
     sizes, out_sizes, clock = list(base), [], 0.0
     for k in range(decisions):
@@ -50,12 +51,13 @@ def run(policy, a, c, decisions=30, base=(64, 64), net=0.0, noise=1e6, loss=lamb
             model.record(b, t, sync, overhead_s=1e-3, sq_tokens=b * 150.0 if lengths else None)
         step_s = float(sync.mean()) + 1e-3 if step is None else step(sizes) * float(np.exp(rng.normal(0, 0.02)))
         clock += step_s * len(b)
-        ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=noise, efficiency=1.0,
+        phi = noise(k) if callable(noise) else noise
+        ctx = GlobalContext(global_batch=sum(sizes), initial_batch=sum(base), noise_scale=phi, efficiency=1.0,
                             loss_trend=0.0, progress=k / decisions, world_size=len(a))
         reports = [report(r, s, len(b), step_s, loss(clock, sum(sizes))) for r, s in enumerate(sizes)]
         obs = torch.zeros(len(a) + 1, OBS_DIM)
         inp = DecisionInput(obs, reports, ctx, sizes, BatchBounds(len(a), 1, 4096), None, costs=model,
-                            noise_lower=noise, noise_point=noise, budget_left=math.nan if left is None else left(k))
+                            noise_lower=phi, noise_point=phi, budget_left=math.nan if left is None else left(k))
         out = policy.decide(inp)
         sizes = list(out.sizes)
         out_sizes.append(sizes)
@@ -443,7 +445,8 @@ def test_growth_check_state_round_trips():
 @pytest.mark.parametrize("kwargs", [dict(split_margin=1.5), dict(grow_margin=-0.1), dict(check_growth=1),
                                     dict(confident_growth="yes"), dict(dither_decisions=-1), dict(split_margin=True),
                                     dict(check_split="no"), dict(split_intervals=0), dict(recheck_gap=-0.1),
-                                    dict(recheck_gap=math.nan)])
+                                    dict(recheck_gap=math.nan), dict(budget_loss=1.5), dict(budget_loss=-0.01),
+                                    dict(budget_loss=math.nan), dict(budget_loss=True)])
 def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
     (name, value), = kwargs.items()
     with pytest.raises(ValueError, match=f"ProposalConfig.{name}={value!r}"):
@@ -623,16 +626,16 @@ def test_b_holds_while_a_growth_is_judged():
     assert policy.check.accepted and max(totals) > totals[first], totals  # then free to grow
 
 
-def _paying_growth(left=None, decisions=20):
+def _paying_growth(left=None, decisions=20, noise=1e6, **config):
     """Communication-bound ranks (a larger B pays by the model) whose loss is level with the initial
     batch's curve; the global batches chosen and each decision's info."""
     def loss(t, B):
         return 2.0 - 0.3 * math.log(1 + t)
 
     infos: list = []
-    policy = ModelPolicy()
+    policy = ModelPolicy(ProposalConfig(**config))
     hist = run(policy, a=[0.0, 0.0], c=[1e-4, 1e-4], net=0.05, loss=loss, decisions=decisions, left=left,
-               infos=infos)
+               infos=infos, noise=noise)
     return [sum(s) for s in hist], infos, policy
 
 
@@ -698,3 +701,51 @@ def test_the_verdict_time_is_the_settling_and_the_judged_time_and_the_budget_cou
     again = GrowthCheck()
     again.load_state_dict(check.state_dict())
     assert again.budget_origin == check.budget_origin and again.seconds_left(10 / 40) == pytest.approx(10.0)
+
+
+def test_a_budget_keeps_b_where_a_larger_batch_would_cost_the_jobs_end():
+    """At a noise scale of 512 a larger batch pays per second (the job is communication-bound) but
+    loses progress per sample: without a budget B grows to 512 (E = 0.62); with one, B stays where
+    (1 - E(B)) x the budget still to run is at most 5% (E >= 0.95 at the start: B <= 161), and the
+    cap loosens as the budget is spent (E >= 0.9 with half left: B <= 199). The growth to the cap is
+    judged and accepted like any other."""
+    free, _, _ = _paying_growth(noise=512.0)
+    assert max(free) == 512, free
+    left = lambda k: 1 - k / 20  # noqa: E731
+    capped, infos, policy = _paying_growth(left=left, noise=512.0)
+    for k in range(16):  # (later the cap is loose: the budget left nears 5%)
+        cap = math.floor((512 + 128) / (1 - 0.05 / left(k)) - 512)
+        assert infos[k]["budget_cap"] in (cap, None) and capped[k] <= cap, (k, capped[k], infos[k]["budget_cap"], cap)
+    assert infos[0]["budget_cap"] == 161 and infos[10]["budget_cap"] == 199
+    assert max(capped[:12]) == 165 and all(c <= f for c, f in zip(capped, free)), (capped, free)
+    assert policy.check.accepted and not policy.check.banned
+
+
+def test_budget_loss_one_is_goodput_alone_and_zero_keeps_the_initial_batch():
+    left = lambda k: 1 - k / 20  # noqa: E731
+    free, _, _ = _paying_growth(noise=512.0)
+    assert _paying_growth(left=left, noise=512.0, budget_loss=1.0)[0] == free
+    kept, infos, _ = _paying_growth(left=left, noise=512.0, budget_loss=0.0)
+    assert kept == [128] * 20 and all(i["budget_cap"] in (128, None) for i in infos), kept
+
+
+def test_a_grown_batch_comes_back_to_the_cap_when_the_noise_scale_falls():
+    """B grew while the noise scale was large (no cap binds) and the growth was accepted; when the
+    estimate falls to 512 with most of the budget left, B returns to the largest batch that costs the
+    budget's end at most 5%, in one decision (a growth is not being judged then)."""
+    noise = lambda k: 1e6 if k < 14 else 512.0  # noqa: E731
+    left = lambda k: 1 - k / 400  # noqa: E731
+    hist, infos, policy = _paying_growth(left=left, noise=noise)
+    assert policy.check.accepted and hist[13] > 300, hist
+    cap = math.floor((512 + 128) / (1 - 0.05 / left(14)) - 512)
+    assert hist[14] == cap and all(B <= cap + 1 for B in hist[14:]), (hist, cap)
+
+
+def test_the_budget_cap_waits_while_a_growth_is_judged():
+    """A growth that started before the noise estimate fell is judged at its own batch: the cap does
+    not cut it mid-check (its verdict would compare two batches)."""
+    _, infos, policy = _paying_growth(noise=1e6)
+    grown = next(k for k, i in enumerate(infos) if i.get("target_global_batch", 128) > 128)
+    noise = lambda k: 1e6 if k <= grown else 512.0  # noqa: E731
+    hist, infos, policy = _paying_growth(left=lambda k: 1 - k / 400, noise=noise)
+    assert hist[grown + 1] == hist[grown] > 161 and infos[grown + 1]["budget_cap"] is None, (grown, hist)

@@ -14,7 +14,7 @@ from torch.func import functional_call, grad, vmap
 
 from dynamix_hvd.stats.noise_scale import (SNAPSHOT_FIELDS, BiasCorrectedEMA, GradientStatistics, LossStatistics,
                                      StatsConfig, adascale_gain, noise_scale, pooled_estimate, rank_estimate,
-                                     statistical_efficiency)
+                                     batch_at_efficiency, statistical_efficiency)
 from dynamix_hvd.stats.sqnorm import segment_sq_norms
 
 RANK_BATCHES = (3, 7, 12)
@@ -315,3 +315,21 @@ def test_module_never_imports_mpi_or_horovod():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("phi", [0.0, 40.0, 512.0, 1e6])
+@pytest.mark.parametrize("e", [0.5, 0.9, 0.95, 1.0])
+def test_batch_at_efficiency_inverts_the_efficiency(phi, e):
+    B = batch_at_efficiency(phi, e, 128)
+    assert statistical_efficiency(phi, B, 128) == pytest.approx(e, rel=1e-9)
+    assert statistical_efficiency(phi, B * 1.01, 128) < e or e == 1.0 and B == 128
+
+
+def test_batch_at_efficiency_edges():
+    assert batch_at_efficiency(math.inf, 0.9, 128) == math.inf  # noise dominates: every batch qualifies
+    assert batch_at_efficiency(100.0, 0.0, 128) == math.inf
+    assert batch_at_efficiency(math.nan, 0.5, 128) == pytest.approx(256.0)  # unknown: phi = 0, as no_gain
+    with pytest.raises(ValueError, match="efficiency=nan"):
+        batch_at_efficiency(100.0, math.nan, 128)
+    with pytest.raises(ValueError, match="base_batch"):
+        batch_at_efficiency(100.0, 0.9, 0)

@@ -13,7 +13,7 @@ import pytest
 
 from bench import suite
 from bench.zoo import EVALUATION, JOBS, TUNING, halves
-from bench.zoo_report import collect, headline, reference_condition, smoothed_time
+from bench.zoo_report import collect, headline, paired_arms, reference_condition, smoothed_time
 from launching import command, job_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -321,6 +321,27 @@ def test_the_growth_table_finds_the_first_growth_and_the_late_holds(tmp_path):
             "measured 1.30x samples/s | 128 / 96 | - | 0.9500 |") in table, table
     assert "| mnist-cnn | none | model | 1 | - | 64 / 64 | 3, 4 | 0.9500 |" in table, table
     assert "| mnist-cnn | none | model | 2 | - | 64 / 64 | 3, 5 | 0.9500 |" in table, table
+
+
+def test_the_paired_table_reads_two_arms_against_plain_seed_by_seed():
+    rows = []
+    for seed, (plain, a, b) in enumerate([((10.0, 20.0, 0.950), (9.0, 18.0, 0.952), (5.0, 10.0, 0.940)),
+                                          ((12.0, 20.0, 0.960), (12.0, 22.0, 0.958), (6.0, 11.0, 0.962))]):
+        for arm, (ttt, budget, final) in (("plain-horovod", plain), ("model", a), ("model-nobudget", b)):
+            rows.append(dict(workload="zoo:mnist-cnn", condition="slow2x", arm=arm, seed=seed, ttt_s=ttt,
+                             budget_s=budget, final=final))
+            rows.append(dict(workload="zoo:gru-charlm", condition="none", arm=arm, seed=seed, ttt_s=ttt,
+                             budget_s=budget, final=1.0 + final))  # a loss: lower is better
+    rows.append(dict(workload="zoo:resnet-bn", condition="none", arm="model", seed=0, ttt_s=1.0, budget_s=1.0,
+                     final=0.9))  # no plain run beside it: no row
+    lines = paired_arms(pd.DataFrame(rows), "model", "model-nobudget").splitlines()
+    assert len(lines) == 4, lines
+    mnist = next(line for line in lines if "mnist-cnn" in line).split(" | ")
+    # per-seed ratios 0.9 and 1.0 (median 0.95) against 0.5 and 0.5; budgets 0.9, 1.1 against 0.5, 0.55
+    assert mnist[3] == "0.95 / 0.50" and mnist[4] == "1.00 / 0.53", mnist
+    assert mnist[5] == "0.9550 / 0.9550 / 0.9510" and mnist[6].startswith("+1.20, -0.40"), mnist
+    gru = next(line for line in lines if "gru-charlm" in line).split(" | ")
+    assert gru[6].startswith("-0.0120, +0.0040"), gru  # a loss: lower counts +
 
 
 def test_the_digits_read_fast_are_mlxtends_digits():
