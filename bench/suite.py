@@ -252,8 +252,8 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
 
 ALL_ARMS = ["plain", "static", "rules", "model", "ppo", "ppo-online"]
 TIMING = ["none", "slow2x", "slow3x", "slow-varying", "stalls", "net10", "net1g-1ms"]
-# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5; from `first_seed`, default 0,
-# to add seeds to an earlier run).
+# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5); with `first_seed` k the seeds
+# k .. seeds - 1 only (to add seeds to an earlier run of seeds 0 .. k - 1).
 CONFIGS: dict[str, list[dict[str, Any]]] = {
     "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
                "seeds": 1}],

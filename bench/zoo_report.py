@@ -511,6 +511,11 @@ def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
     a's final over b's (in points of the metric, positive where a ended better)."""
     from bench.zoo import JOBS
 
+    twice = jobs[jobs.duplicated(["workload", "condition", "arm", "seed"])]
+    if len(twice):
+        r = twice.iloc[0]
+        raise ValueError(f"{r['workload']} {r['condition']} {r['arm']} seed {r['seed']} is in two of the results "
+                         "folders: give folders that add different seeds")
     lines = []
     for (w, c), g in jobs.groupby(["workload", "condition"], sort=False):
         by = {arm: g[g.arm == arm].set_index("seed") for arm in ("plain-horovod", a, b)}

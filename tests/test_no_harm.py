@@ -749,3 +749,22 @@ def test_the_budget_cap_waits_while_a_growth_is_judged():
     noise = lambda k: 1e6 if k <= grown else 512.0  # noqa: E731
     hist, infos, policy = _paying_growth(left=lambda k: 1 - k / 400, noise=noise)
     assert hist[grown + 1] == hist[grown] > 161 and infos[grown + 1]["budget_cap"] is None, (grown, hist)
+
+
+def test_a_cap_just_below_the_batch_does_not_move_it():
+    """The noise scale's bound moves between decisions: a cap that falls below B by less than the
+    hysteresis keeps B; one that falls further brings B down to it."""
+    noise = lambda k: 512.0 if k < 10 else 490.0 if k < 15 else 300.0  # noqa: E731
+    left = lambda k: 1 - k / 400  # noqa: E731
+    hist, infos, _ = _paying_growth(left=left, noise=noise)
+    assert hist[9] > 128 and hist[10:15] == [hist[9]] * 5, hist
+    assert all(i["budget_cap"] == hist[9] for i in infos[10:15]), [i["budget_cap"] for i in infos[10:15]]
+    cap = math.floor((300 + 128) / (1 - 0.05 / left(15)) - 300)
+    assert hist[15] == cap < hist[9] / 1.05, (hist, cap)
+
+
+def test_the_late_rule_and_the_cap_are_recorded_apart():
+    """Where the late-growth rule holds B, the decision still records the budget's own cap."""
+    short, infos, _ = _paying_growth(left=lambda k: max(0.0, 1 - (k + 1) / 6), decisions=8)
+    late = [i for i in infos if i.get("growth_late")]
+    assert late and all(i["budget_cap"] is None or i["budget_cap"] > 128 for i in late), late

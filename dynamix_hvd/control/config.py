@@ -121,8 +121,9 @@ class ControllerConfig:
     """Training budget in epochs, counted from the loader's epoch 0 (``set_epoch``): spreads the
     automatic cadence's decisions over the job, feeds the progress feature, lets a batch growth
     start only where its check can end before the budget does, and bounds how far B grows (the
-    model policy's ``budget_loss``: a larger batch may cost the budget's end at most 5% of its
-    progress) (None: 4 decisions per epoch, progress stays 0, growth unbounded by time and budget)."""
+    model policy's ``budget_loss``: a batch held from a decision to the end may cost the budget at
+    most 5% of its progress) (None: 4 decisions per epoch, progress stays 0, growth unbounded by
+    time and budget)."""
     min_batch: int = 1
     """Smallest local batch any rank may get (in the loader's unit: tokens when it plans by token
     budgets)."""

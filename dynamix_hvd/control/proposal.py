@@ -121,13 +121,16 @@ class ProposalConfig:
     before the budget ends."""
 
     budget_loss: float = 0.05
-    """With a training budget (``total_epochs``), B stays at sizes whose predicted loss of progress
-    by the budget's end is at most this fraction: (1 - E(B)) times the share of the budget still to
-    run, E the statistical efficiency against the initial batch with the noise scale `noise` names.
-    A budget fixes the samples, so what a larger batch loses per sample is lost from the job's end
-    (its final metric), whatever it gains per second. Where B already grew past that size, it comes
-    back to it (not while a growth or a split is judged). 1: goodput alone decides, as without a
-    budget; 0: no batch past the initial one under a budget."""
+    """With a training budget (``total_epochs``), B stays at sizes that, held to the budget's end,
+    lose at most this fraction of the budget's progress: (1 - E(B)) times the share of the budget
+    still to run, E the statistical efficiency against the initial batch with the noise scale
+    `noise` names. A budget fixes the samples, so what a larger batch loses per sample is lost from
+    the job's end (its final metric), whatever it gains per second. Each decision asks this of the
+    rest of the job, so the cap loosens as the budget is spent and a B that follows it loses more
+    over the whole job (up to about four times this: the last twentieth of the budget is uncapped). Where B grew past the cap (by more than
+    `hysteresis`), it comes back to it in one decision, whatever `trust` allows (the cap bounds B
+    as memory does); not while a growth or a split is judged. 1: goodput alone decides, as without
+    a budget; 0: no batch past the initial one under a budget."""
 
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
@@ -552,19 +555,23 @@ class ModelPolicy:
         # while a change is judged (its sizes must hold until the verdict).
         cap = None if hold else self._budget_cap(inp)
 
-        def proposal(cfg: ProposalConfig) -> Proposal:
+        def proposal(cfg: ProposalConfig, neutral: bool = False) -> Proposal:
             return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
                            self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
-                           split_margin=margin, force_neutral=split_failed, cap=cap)
+                           split_margin=margin, force_neutral=split_failed or neutral, cap=cap)
 
+        budget = cap
         self.last = proposal(held if hold else self.cfg)
         late = not hold and self._growth_too_late(inp)
         if late:  # no growth whose check could not give its verdict before the budget ends
             cap = min(max(inp.ctx.global_batch, inp.ctx.initial_batch), cap if cap is not None else math.inf)
             self.last = proposal(self.cfg)
+        B_now = inp.passes * sum(inp.sizes)
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
-        if leaving and self.cfg.search_batch and self.last.global_batch != inp.passes * sum(inp.sizes):
+        if leaving and self.cfg.search_batch and self.last.global_batch != B_now:
             self.last = proposal(held)
+            if self.last.global_batch != B_now:  # the budget's cap moves B: that change alone, the split waits
+                self.last = proposal(held, neutral=True)
             leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving:
             self.split_check.start(self.last.split_gain)
@@ -575,7 +582,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "growth_late": late, "budget_cap": cap, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
+                "may_grow": may_grow, "growth_late": late, "budget_cap": budget, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
                 "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
@@ -585,14 +592,20 @@ class ModelPolicy:
         return DecisionOutput(self.last.sizes, info, self.last.passes)
 
     def _budget_cap(self, inp: DecisionInput) -> int | None:
-        """The largest global batch whose loss of progress by the budget's end stays within
-        `budget_loss` (see `ProposalConfig.budget_loss`), at least the initial batch; None without a
+        """The largest global batch that, held to the budget's end, loses at most `budget_loss` of
+        the budget's progress (see `ProposalConfig.budget_loss`), at least the initial batch; the
+        current batch where it lies above that by no more than `hysteresis` (the noise scale's bound
+        moves between decisions: a cap just below B must not move B every time). None without a
         budget, with `budget_loss` 1, or where every batch qualifies."""
         left = inp.budget_left
         if not (math.isfinite(left) and left > 0) or self.cfg.budget_loss >= 1:
             return None
         limit = batch_at_efficiency(self.noise(inp), 1.0 - self.cfg.budget_loss / left, inp.ctx.initial_batch)
-        return max(int(math.floor(limit + 1e-9)), inp.ctx.initial_batch) if math.isfinite(limit) else None
+        if not math.isfinite(limit):
+            return None
+        cap = max(int(math.floor(limit + 1e-9)), inp.ctx.initial_batch)
+        B_now = inp.passes * sum(inp.sizes)
+        return B_now if cap < B_now <= cap * (1 + self.cfg.hysteresis) else cap
 
     def _growth_too_late(self, inp: DecisionInput) -> bool:
         """The proposal (`self.last`) starts a growth past the initial batch whose check could not

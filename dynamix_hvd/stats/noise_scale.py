@@ -213,19 +213,20 @@ def statistical_efficiency(noise: float, batch: ArrayLike, base_batch: float, *,
 
 def batch_at_efficiency(noise: float, efficiency: float, base_batch: float) -> float:
     """The largest global batch B whose statistical efficiency E(B) (see `statistical_efficiency`)
-    is at least `efficiency`: B = (phi + B0) / e - phi. +inf where phi is +inf or ``efficiency`` is
-    at most 0 (every batch qualifies); phi unknown (NaN, negative) is taken as 0, as ``"no_gain"``
-    does (B0 / e). ``efficiency`` must be a number (ValueError otherwise), ``base_batch`` > 0."""
+    is at least `efficiency` e: B = (phi + B0) / e - phi, written B0 / e + phi (1 - e) / e (exact for
+    a large phi). +inf where phi is +inf or e is at most 0 (every batch qualifies); phi unknown (NaN,
+    negative) is taken as 0, as ``"no_gain"`` does (B0 / e). e must be a number at most 1 and
+    ``base_batch`` > 0 (ValueError otherwise)."""
     e = float(efficiency)
-    if math.isnan(e):
-        raise ValueError(f"efficiency={efficiency!r}; give a number")
+    if not e <= 1:
+        raise ValueError(f"efficiency={efficiency!r}; give a number at most 1")
     b0 = float(_positive("base_batch", base_batch))
     phi = float(noise)
     if math.isnan(phi) or phi < 0:
         phi = 0.0
     if e <= 0 or math.isinf(phi):
         return math.inf
-    return (phi + b0) / e - phi
+    return b0 / e + phi * (1 - e) / e
 
 
 class LossStatistics:
