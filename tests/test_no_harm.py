@@ -768,3 +768,22 @@ def test_the_late_rule_and_the_cap_are_recorded_apart():
     short, infos, _ = _paying_growth(left=lambda k: max(0.0, 1 - (k + 1) / 6), decisions=8)
     late = [i for i in infos if i.get("growth_late")]
     assert late and all(i["budget_cap"] is None or i["budget_cap"] > 128 for i in late), late
+
+
+@pytest.mark.parametrize("falls_at", range(12, 18))
+def test_a_split_leaves_neutral_only_at_a_batch_the_cap_does_not_move(falls_at):
+    """B grew on a paying job; rank 1 turns 3x slower at decision 12 and the noise scale falls (the
+    budget's cap drops below B) at `falls_at`. Wherever the split leaves the neutral split, B holds
+    in that decision (one change at a time: the split check compares steps at one batch); where the
+    cap falls in the decision the split would leave (13), B comes down first and the split follows."""
+    def loss(t, B):
+        return 2.0 - 0.3 * math.log(1 + t)
+
+    noise = lambda k: 1e6 if k < falls_at else 512.0  # noqa: E731
+    hist = run(ModelPolicy(), a=[0.0, 0.0], c=[1e-4, 1e-4], net=0.05, loss=loss, decisions=22,
+               left=lambda k: 1 - k / 400, noise=noise, change=(12, [0.0, 0.0], [1e-4, 3e-4]))
+    leaves = [k for k in range(1, len(hist)) if hist[k - 1][0] == hist[k - 1][1] and hist[k][0] != hist[k][1]]
+    assert leaves and all(sum(hist[k]) == sum(hist[k - 1]) for k in leaves), (leaves, hist)
+    assert sum(hist[-1]) < 200, hist  # the cap holds B near 162 in the end
+    if falls_at == 13:
+        assert sum(hist[13]) < sum(hist[12]) and hist[13][0] == hist[13][1] and leaves == [14], hist
