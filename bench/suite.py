@@ -391,6 +391,8 @@ CONFIGS.update({
                            "arms": ["plain", "model", "model-nobudget"], "seeds": 1}],
     "zoo-budget-tuning-more": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x"],
                                 "arms": ["plain", "model", "model-nobudget"], "seeds": 3, "first_seed": 1}],
+    "zoo-budget-eval": [{"workloads": ZOO_HEADLINE, "conditions": ["slow3x"],
+                         "arms": ["plain", "model", "model-nobudget"], "seeds": 3}],
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
                              {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-phases"],
                               "arms": ["plain", "split", "model"], "seeds": 1}],

@@ -26,7 +26,8 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
   (:mod:`dynamix_hvd.control.splitcheck`); B grows past the initial batch only on a confident
   predicted gain, then judged by the loss (:mod:`dynamix_hvd.control.growth`), and only where that
   judgement can end before the training budget does (a growth that could not be judged would run
-  unchecked to the end).
+  unchecked to the end); with a budget, B also stays where, held to the end, it would lose at most
+  `budget_loss` of the budget's progress (a budget fixes the samples).
 
 :class:`ModelPolicy` (policy "model") applies the proposal; the rules "goodput" and "speed-split"
 (:mod:`dynamix_hvd.control.rules`) are the same code with other settings.
@@ -127,10 +128,11 @@ class ProposalConfig:
     `noise` names. A budget fixes the samples, so what a larger batch loses per sample is lost from
     the job's end (its final metric), whatever it gains per second. Each decision asks this of the
     rest of the job, so the cap loosens as the budget is spent and a B that follows it loses more
-    over the whole job (up to about four times this: the last twentieth of the budget is uncapped). Where B grew past the cap (by more than
-    `hysteresis`), it comes back to it in one decision, whatever `trust` allows (the cap bounds B
-    as memory does); not while a growth or a split is judged. 1: goodput alone decides, as without
-    a budget; 0: no batch past the initial one under a budget."""
+    over the whole job (up to about four times this; the last twentieth of the budget is uncapped).
+    Where B grew past the cap (by more than `hysteresis`), it comes back to it in one decision,
+    whatever `trust` allows (the cap bounds B as memory does); not while a growth or a split is
+    judged. 1: goodput alone decides, as without a budget; 0: no batch past the initial one under a
+    budget."""
 
     check_split: bool = True
     """After the split left neutral, compare the measured step with the neutral split's; where it did
