@@ -508,7 +508,8 @@ def batch_growth(results: Path) -> str:
 def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
     """Per job and condition, arms `a` and `b` against plain Horovod run beside them: medians over
     seeds of the per-seed time-to-target and budget-time ratios, the finals' medians, and per seed
-    a's final over b's (in points of the metric, positive where a ended better)."""
+    a's final over b's (in points of the metric, positive where a ended better) and both arms'
+    time-to-target ratios (the spread behind the medians)."""
     from bench.zoo import JOBS
 
     twice = jobs[jobs.duplicated(["workload", "condition", "arm", "seed"])]
@@ -525,8 +526,11 @@ def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
         higher = JOBS[str(w).removeprefix("zoo:").split(":")[0]].higher_is_better
         unit = 100.0 if higher else 1.0  # accuracy in points; a loss as it is
 
+        def ratios(arm: str, col: str) -> list[float]:
+            return [by[arm].at[s, col] / by["plain-horovod"].at[s, col] for s in seeds]
+
         def ratio(arm: str, col: str) -> float:
-            return float(np.median([by[arm].at[s, col] / by["plain-horovod"].at[s, col] for s in seeds]))
+            return float(np.median(ratios(arm, col)))
 
         def final(arm: str) -> float:
             return float(np.median([by[arm].at[s, "final"] for s in seeds]))
@@ -535,12 +539,14 @@ def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
         lines.append(f"| {str(w).removeprefix('zoo:')} | {c} | {len(seeds)} | {ratio(a, 'ttt_s'):.2f} / {ratio(b, 'ttt_s'):.2f} "
                      f"| {ratio(a, 'budget_s'):.2f} / {ratio(b, 'budget_s'):.2f} "
                      f"| {final('plain-horovod'):.4f} / {final(a):.4f} / {final(b):.4f} "
-                     f"| {', '.join(f'{d:+.{2 if higher else 4}f}' for d in diff)} |")
+                     f"| {', '.join(f'{d:+.{2 if higher else 4}f}' for d in diff)} "
+                     f"| {', '.join(f'{r:.2f}' for r in ratios(a, 'ttt_s'))}; {', '.join(f'{r:.2f}' for r in ratios(b, 'ttt_s'))} |")
     if not lines:
         return ""
     return "\n".join([f"| job | condition | seeds | time to target / plain: {a} / {b} | budget time / plain: {a} / {b} "
-                      f"| final: plain / {a} / {b} | {a} - {b} final, per seed (accuracy in points; a loss as it is, lower counts +) |",
-                      "|---|---|---|---|---|---|---|", *lines])
+                      f"| final: plain / {a} / {b} | {a} - {b} final, per seed (accuracy in points; a loss as it is, lower counts +) "
+                      f"| time to target / plain per seed: {a}; {b} |",
+                      "|---|---|---|---|---|---|---|---|", *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -578,38 +584,27 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             ap.error(f"--target {item!r}: give WORKLOAD=VALUE with a number, e.g. zoo:lstm-rows:long=0.96")
     results = Path(args.results)
-    if args.critical:
-        text = f"# {results.name}: measured critical batch against the noise-scale estimate\n\n" + critical_batch(results)
-        (results / "critical.md").write_text(text + "\n")
-        print(text)
-        return 0
-    if args.first_gaps:
-        text = f"# {results.name}: first passing intervals of the speed-gap test\n\n" + first_gaps(results)
-        (results / "first_gaps.md").write_text(text + "\n")
-        print(text)
-        return 0
-    if args.balance:
-        text = f"# {results.name}: each run's steps at the balanced split over their time\n\n" + balance(results)
-        (results / "balance.md").write_text(text + "\n")
-        print(text)
-        return 0
-    if args.growth:
-        text = f"# {results.name}: batch growth per run\n\n" + batch_growth(results)
-        (results / "growth.md").write_text(text + "\n")
-        print(text)
-        return 0
-    if args.pair:
+    def paired() -> str:
         jobs = pd.concat([collect(Path(r), targets) for r in (results, *args.also)], ignore_index=True)
-        names = ", ".join(Path(r).name for r in (results, *args.also))
-        text = f"# {names}: {args.pair[0]} and {args.pair[1]} against plain Horovod\n\n" + paired_arms(jobs, *args.pair)
-        (results / "paired.md").write_text(text + "\n")
-        print(text)
-        return 0
-    if args.steps:
-        text = f"# {results.name}: per-rank steps\n\n" + rank_steps(results)
-        (results / "steps.md").write_text(text + "\n")
-        print(text)
-        return 0
+        return paired_arms(jobs, *args.pair)
+
+    # each option: (its file, its title after the folder's name, the table)
+    reports = {"critical": ("critical.md", "measured critical batch against the noise-scale estimate",
+                            lambda: critical_batch(results)),
+               "first_gaps": ("first_gaps.md", "first passing intervals of the speed-gap test",
+                              lambda: first_gaps(results)),
+               "balance": ("balance.md", "each run's steps at the balanced split over their time",
+                           lambda: balance(results)),
+               "growth": ("growth.md", "batch growth per run", lambda: batch_growth(results)),
+               "pair": ("paired.md", "{} and {} against plain Horovod".format(*(args.pair or ("", ""))), paired),
+               "steps": ("steps.md", "per-rank steps", lambda: rank_steps(results))}
+    for option, (name, title, table) in reports.items():
+        if getattr(args, option):
+            folders = ", ".join(Path(r).name for r in (results, *args.also)) if option == "pair" else results.name
+            text = f"# {folders}: {title}\n\n" + table()
+            (results / name).write_text(text + "\n")
+            print(text)
+            return 0
     jobs = collect(results, targets)
     if jobs.empty:
         print(f"no finished jobs in {results / 'runs.csv'}")

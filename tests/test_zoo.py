@@ -340,6 +340,7 @@ def test_the_paired_table_reads_two_arms_against_plain_seed_by_seed():
     # per-seed ratios 0.9 and 1.0 (median 0.95) against 0.5 and 0.5; budgets 0.9, 1.1 against 0.5, 0.55
     assert mnist[3] == "0.95 / 0.50" and mnist[4] == "1.00 / 0.53", mnist
     assert mnist[5] == "0.9550 / 0.9550 / 0.9510" and mnist[6].startswith("+1.20, -0.40"), mnist
+    assert mnist[7].startswith("0.90, 1.00; 0.50, 0.50"), mnist  # the per-seed ratios behind the medians
     gru = next(line for line in lines if "gru-charlm" in line).split(" | ")
     assert gru[6].startswith("-0.0120, +0.0040"), gru  # a loss: lower counts +
 

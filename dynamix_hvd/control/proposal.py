@@ -606,7 +606,7 @@ class ModelPolicy:
         if not math.isfinite(limit):
             return None
         cap = max(int(math.floor(limit + 1e-9)), inp.ctx.initial_batch)
-        B_now = inp.passes * sum(inp.sizes)
+        B_now = inp.ctx.global_batch
         return B_now if cap < B_now <= cap * (1 + self.cfg.hysteresis) else cap
 
     def _growth_too_late(self, inp: DecisionInput) -> bool:
