@@ -238,6 +238,14 @@ def test_arms_are_interleaved_across_seeds():
                         {"workloads": ["cnn", "mlp"], "conditions": ["slow3x"], "arms": ["plain"], "seeds": 1}])
     assert [(j.workload.name, j.condition.name) for j in two] == [("cnn", "none"), ("cnn", "slow3x"),
                                                                   ("mlp", "none"), ("mlp", "slow3x")]
+    # first_seed adds seeds to an earlier run: seeds 1 and 2 only, the arms rotated as in a full run
+    more = suite.expand([{"workloads": ["cnn"], "conditions": ["none"], "arms": ["plain", "static", "ppo"],
+                          "seeds": 3, "first_seed": 1}])
+    assert sorted({j.seed for j in more}) == [1, 2]
+    assert [j.arm.label for j in more] == [j.arm.label for j in jobs if j.seed > 0 and j.workload.name == "cnn"
+                                           and j.condition.name == "none"]
+    nobudget = suite.arms(suite.WORKLOADS["cnn"], ["model-nobudget"])[0]
+    assert nobudget.flags[-1] == '{"budget_loss": 1.0}'
     with pytest.raises(ValueError, match="unknown arm 'nope'"):
         suite.arms(suite.WORKLOADS["cnn"], ["nope"])
 
