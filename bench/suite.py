@@ -294,7 +294,8 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
 }
 ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
 ZOO_HEADLINE = [f"{w}:x{HEADLINE_ZOO[n][0]}" if (n := w.removeprefix("zoo:")) in HEADLINE_ZOO else w for w in ZOO_EVAL]
-ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:charlm-transformer", "zoo:bag-code"]
+ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:vgg-digits", "zoo:charlm-transformer",
+              "zoo:bag-code"]
 # the workload zoo's headline: its evaluation half, with and without stragglers, the shipped PPO policy
 # deployed (which decides as the default proposal does) against plain Horovod and the best fixed split
 # (3 seeds; `bench.zoo_report` reads it)
@@ -336,9 +337,10 @@ CONFIGS.update({
     "zoo-batchnorm": [{"workloads": ["zoo:resnet-bn"], "conditions": ["slow3x"], "arms": ["plain", "ppo", "ppo-bn1"],
                        "seeds": 2}],
     # measured critical batch against the noise-scale estimate: static sizes (the controller deciding
-    # "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times the batch
+    # "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times the batch,
+    # 3 seeds (~15 min)
     "zoo-critical": [{"workloads": [w], "conditions": ["none"],
-                      "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 1}
+                      "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 3}
                      for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
     # slow and changing links (every rank in its own network namespace, tbf-shaped): where a larger
     # batch pays for the allreduce, and where it must not be grown
@@ -394,6 +396,12 @@ CONFIGS.update({
                                 "arms": ["plain", "model", "model-nobudget"], "seeds": 3, "first_seed": 1}],
     "zoo-budget-eval": [{"workloads": ZOO_HEADLINE, "conditions": ["slow3x"],
                          "arms": ["plain", "model", "model-nobudget"], "seeds": 3}],
+    # the tuning half's compute-dominated job (a few percent of a step fixed, where a split should come
+    # close to the limit): equal ranks, a 2x straggler and a changing one, 3 seeds (~20 min)
+    "zoo-vgg-tuning": [{"workloads": ["zoo:vgg-digits"], "conditions": ["none"], "arms": ["plain", "model"],
+                        "seeds": 3},
+                       {"workloads": ["zoo:vgg-digits"], "conditions": ["slow2x", "slow-phases"],
+                        "arms": ["plain", "split", "model"], "seeds": 3}],
     # the controller's gate on the tuning half before the evaluation half is run: equal ranks, a 2x
     # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)
     "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},

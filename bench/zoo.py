@@ -156,6 +156,15 @@ def wide_cnn(width: int = 64) -> nn.Module:
                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(width * 5 * 5, 10))
 
 
+def vgg_cnn(width: int = 40) -> nn.Module:
+    """Two VGG stages of two 3x3 convolutions each at full resolution: many multiply-adds per sample
+    and few parameters, so the step is almost all per-sample compute."""
+    def stage(cin: int, cout: int) -> list[nn.Module]:
+        return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU(),
+                nn.MaxPool2d(2)]
+    return nn.Sequential(*stage(1, width), *stage(width, 2 * width), nn.Flatten(), nn.Linear(2 * width * 7 * 7, 10))
+
+
 class CharRNN(nn.Module):
     """Character LM: embedding, a GRU or LSTM, a linear head over 128 ASCII characters."""
 
@@ -274,6 +283,9 @@ JOBS: dict[str, ZooJob] = {j.name: j for j in [
     ZooJob("cnn-wide", TUNING, "2-conv CNN, width 64 (compute dominated)",
            lambda: digits(4000, 1), lambda: wide_cnn(64), "sgd", 0.05, 32, 8, "accuracy", 0.96, eval_every=2000,
            aliases=("cnn_train",)),
+    ZooJob("vgg-digits", TUNING, "VGG-style CNN, two stages of two 3x3 convolutions (width 40, 80) at full "
+           "resolution, SGD momentum (per-sample compute dominated)",
+           lambda: digits(4000, 0), lambda: vgg_cnn(40), "sgd", 0.02, 32, 6, "accuracy", 0.96, eval_every=2000),
     ZooJob("charlm-transformer", TUNING, "2-layer transformer char LM on stdlib source, AdamW warm-up + cosine",
            lambda: char_windows(STDLIB_FILES, 400_000, 64), lambda: CharTransformer(64, 64, 2),
            "adamw-cosine", 2e-3, 16, 4, "loss", 2.1, task="lm", weight_decay=0.01, clip=1.0, eval_every=2048,

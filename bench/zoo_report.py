@@ -345,15 +345,26 @@ def critical_batch(results: Path) -> str:
     """Per job: samples to target E(B) of static runs at several global batches B (AdaScale LR), the
     critical batch from E(B) = E_min (1 + B / B_crit) (McCandlish et al.: a line in B, B_crit =
     intercept / slope), against the controller's noise-scale estimate over the same runs (median of
-    its decisions before the target, the point estimate and the lower bound)."""
+    its decisions in the first half of each run, before the target: the point estimate and the lower
+    bound). With several seeds, the line through every seed's points, each seed's own B_crit beside
+    it (inf: E(B) did not rise with B, nan: under two batches reached the target), and the
+    estimate's error against the pooled B_crit."""
     import numpy as np
 
+    def fitted(points: list[tuple[int, float]]) -> float:
+        if len({B for B, _ in points}) < 2:
+            return math.nan
+        slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+        return intercept / slope if slope > 0 else math.inf
+
     runs = pd.read_csv(results / "runs.csv")
-    lines = ["| job | B: samples to target | measured B_crit | noise scale (point) | lower bound | error |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| job | seeds | B: samples to target (median over seeds) | measured B_crit: pooled (per seed) "
+             "| noise scale (point) | lower bound | estimate / measured |",
+             "|---|---|---|---|---|---|---|"]
     statics = runs[(runs.status == "ok") & runs.arm.astype(str).str.startswith("static-")]
     for w, g in statics.groupby("workload", sort=False):
-        points, noise, lower = [], [], []
+        points: dict[int, list[tuple[int, float]]] = {}
+        noise, lower = [], []
         for r in g.to_dict("records"):
             run_dir = Path(r["run_dir"])
             if not _same_run(run_dir, r):
@@ -363,22 +374,25 @@ def critical_batch(results: Path) -> str:
             t = smoothed_time(evals, float(res["target"]), res.get("metric", "accuracy") == "accuracy")
             B = int(str(r["arm"]).split("-")[-1]) * 2
             if math.isfinite(t):
-                points.append((B, float(evals[evals.train_s <= t].samples.max())))
+                points.setdefault(int(r["seed"]), []).append((B, float(evals[evals.train_s <= t].samples.max())))
             decisions = run_dir / "decisions.csv"
             if decisions.exists():
                 d = pd.read_csv(decisions)
                 n = max(1, len(d) // 2)  # the first half of the run: before the target
                 noise += d.noise_point.head(n).dropna().tolist()
                 lower += d.noise_lower.head(n).dropna().tolist()
-        pts = ", ".join(f"{B}: {E:.0f}" for B, E in sorted(points))
-        crit = math.nan
-        if len(points) >= 2:
-            slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
-            crit = intercept / slope if slope > 0 else math.inf
+        pooled = [p for seed in sorted(points) for p in points[seed]]
+        by_B: dict[int, list[float]] = {}
+        for B, E in pooled:
+            by_B.setdefault(B, []).append(E)
+        pts = ", ".join(f"{B}: {np.median(E):.0f}" for B, E in sorted(by_B.items()))
+        crit = fitted(pooled)
+        per_seed = " (" + ", ".join(f"{fitted(points[s]):.0f}" for s in sorted(points)) + ")" if len(points) > 1 else ""
         est = float(np.median(noise)) if noise else math.nan
         low = float(np.median(lower)) if lower else math.nan
         err = est / crit if math.isfinite(crit) and crit > 0 else math.nan
-        lines.append(f"| {w.removeprefix('zoo:')} | {pts} | {crit:.0f} | {est:.0f} | {low:.0f} | x{err:.2f} |")
+        lines.append(f"| {w.removeprefix('zoo:')} | {len(points)} | {pts} | {crit:.0f}{per_seed} | {est:.0f} | "
+                     f"{low:.0f} | x{err:.2f} |")
     return "\n".join(lines)
 
 

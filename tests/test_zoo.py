@@ -294,6 +294,39 @@ def test_the_first_gaps_table_counts_first_passes_and_confirmations(tmp_path):
     assert "| none | 5 | 2 | 0.060-0.200 | 1 | 2 | 1 | 1 |" in first_gaps(tmp_path)
 
 
+def test_the_critical_batch_is_fitted_per_seed_and_pooled(tmp_path):
+    import numpy as np
+
+    from bench.zoo_report import critical_batch
+
+    # seed 0 follows E(B) = 10,000 (1 + B / 256), seed 1 E(B) = 10,000 (1 + B / 512); static-k runs a
+    # global batch of 2k; the metric passes the target at E (the median of three at the second pass)
+    lines = {0: 256, 1: 512}
+    runs = []
+    for seed, crit in lines.items():
+        for k in (32, 64, 128, 256):
+            B = 2 * k
+            E = 10_000 * (1 + B / crit)
+            path = tmp_path / f"s{seed}-{k}"
+            path.mkdir()
+            samples = np.arange(250, E + 1_000, 250)
+            pd.DataFrame({"samples": samples, "train_s": samples / 1000,
+                          "value": (samples >= E - 250).astype(float)}).to_csv(path / "suite_evals.csv", index=False)
+            (path / "suite_result.json").write_text(json.dumps({"train_s": 9.0, "target": 0.9, "metric": "accuracy"}))
+            pd.DataFrame({"noise_point": [300.0, 340.0, 9e9, 9e9], "noise_lower": [200.0, 240.0, 9e9, 9e9]}).to_csv(
+                path / "decisions.csv", index=False)
+            runs.append({"workload": "zoo:mnist-cnn", "condition": "none", "arm": f"static-{k}", "seed": seed,
+                         "status": "ok", "run_dir": str(path), "train_s": 9.0})
+    pd.DataFrame(runs).to_csv(tmp_path / "runs.csv", index=False)
+    row = critical_batch(tmp_path).splitlines()[2]
+    Bs = [64, 128, 256, 512]
+    slope, intercept = np.polyfit(Bs * 2, [10_000 * (1 + B / c) for c in lines.values() for B in Bs], 1)
+    pooled = intercept / slope
+    # the estimate: the median over the runs' first halves (the later decisions are not read)
+    assert row.startswith(f"| mnist-cnn | 2 | 64: 11875, 128: 13750, 256: 17500, 512: 25000 | {pooled:.0f} (256, 512) "
+                          f"| 320 | 220 | x{320 / pooled:.2f} |"), row
+
+
 def test_the_growth_table_finds_the_first_growth_and_the_late_holds(tmp_path):
     from bench.zoo_report import batch_growth
 
