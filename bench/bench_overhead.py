@@ -119,7 +119,8 @@ class Setup:
                 period = 0.0 if variant == "controller-nothreads" else dx.AdvancedConfig().resource_period_s
                 self.controller = dx.DynamixController(self.loader, self.opt,
                                                        dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=period),
-                                                                           decide_every_steps=0))
+                                                                           decide_every_steps=0),
+                                                       model=self.model)
             elif variant == "default":  # as bench.zoo_train's default arm builds it
                 cfg = dx.ControllerConfig(total_epochs=job.epochs if job is not None else 10)
                 self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)

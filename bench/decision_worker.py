@@ -32,7 +32,7 @@ def main() -> None:
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
-        policy="ppo", decide_every_steps=10**9, max_batch=64))
+        policy="ppo", decide_every_steps=10**9, max_batch=64), model=model)
     times, batches = [], iter(loader)
     for _ in range(args.decisions):
         for _ in range(args.steps_between):

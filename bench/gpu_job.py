@@ -142,7 +142,7 @@ def run_train(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
                        / args.samples) + 1
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
         policy="ppo", decide_every_steps=args.decide_every, total_epochs=epochs, max_batch=4 * args.batch),
-        device=dev)
+        device=dev, model=model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     clock = Clock(dev)
     checks: list[dict[str, float]] = []
@@ -380,7 +380,7 @@ def train_through_oom(model: nn.Module, protos: torch.Tensor, dev: torch.device,
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
-        policy="ppo", decide_every_steps=5, max_batch=4 * start, total_epochs=4), device=dev)
+        policy="ppo", decide_every_steps=5, max_batch=4 * start, total_epochs=4), device=dev, model=model)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     trace = []
     for epoch in range(4):

@@ -261,7 +261,7 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     # the headline's 3x row cut to what fits in about an hour: the references and the adaptive defaults
     "headline-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"],
                        "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
-    # the goal rows of the controller issue not in headline-lite (2x, no straggler), same arms and cut
+    # the CNN's other rows (2x, no straggler), same arms and cut as headline-lite
     # (~107 min: run it in parts with --budget-min and --resume)
     "goals-lite": [{"workloads": ["cnn"], "conditions": ["slow2x", "none"],
                     "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
@@ -296,8 +296,8 @@ ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows",
 ZOO_HEADLINE = [f"{w}:x{HEADLINE_ZOO[n][0]}" if (n := w.removeprefix("zoo:")) in HEADLINE_ZOO else w for w in ZOO_EVAL]
 ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:vgg-digits", "zoo:charlm-transformer",
               "zoo:bag-code"]
-# the workload zoo's headline: its evaluation half, with and without stragglers, the shipped PPO policy
-# deployed (which decides as the default proposal does) against plain Horovod and the best fixed split
+# the workload zoo's headline: its evaluation half, with and without stragglers, the default (the
+# proposal, policy "model") against plain Horovod and the fixed speed-proportional split
 # (3 seeds; `bench.zoo_report` reads it)
 CONFIGS.update({
     "zoo-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["slow3x"], "arms": ["plain", "split", "ppo"],
@@ -397,10 +397,10 @@ CONFIGS.update({
     "zoo-budget-eval": [{"workloads": ZOO_HEADLINE, "conditions": ["slow3x"],
                          "arms": ["plain", "model", "model-nobudget"], "seeds": 3}],
     # the tuning half's compute-dominated job (a few percent of a step fixed, where a split should come
-    # close to the limit): equal ranks, a 2x straggler and a changing one, 3 seeds (~20 min)
+    # close to the limit), added after the defaults were set: the headline's matrix on it (~28 min)
     "zoo-vgg-tuning": [{"workloads": ["zoo:vgg-digits"], "conditions": ["none"], "arms": ["plain", "model"],
                         "seeds": 3},
-                       {"workloads": ["zoo:vgg-digits"], "conditions": ["slow2x", "slow-phases"],
+                       {"workloads": ["zoo:vgg-digits"], "conditions": ["slow3x", "slow-phases"],
                         "arms": ["plain", "split", "model"], "seeds": 3}],
     # the controller's gate on the tuning half before the evaluation half is run: equal ranks, a 2x
     # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)

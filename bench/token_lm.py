@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,   # dx
                                                     loss_unit="tokens")                            # dx
         if not args.no_controller:
-            controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(total_epochs=math.ceil(args.epochs)))  # dx
+            controller = dx.DynamixController(loader, optimizer, dx.ControllerConfig(total_epochs=math.ceil(args.epochs)), model=model)  # dx
     slow = Slowdown(rank == args.slow_rank, 0.0, args.slow_factor, [])
     evals: list[dict] = []
     seen = valid = padded = 0  # samples of all ranks; this rank's valid and padded tokens

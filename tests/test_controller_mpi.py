@@ -6,13 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from dynamix_hvd.control.controller import NO_MODEL_WARNING
 from launching import launch
 
 
 @pytest.mark.parametrize("launcher, ranks", [("mpirun", 3), ("horovodrun-gloo", 2)])
 def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ranks):
-    launch(launcher, ranks, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "5",
-           "--max-batch", "40")
+    out = launch(launcher, ranks, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "5",
+                 "--max-batch", "40").stdout
+    # no model= given: rank 0 alone says the BatchNorm floor cannot apply
+    assert out.count(NO_MODEL_WARNING[:60]) == 1, out[-3000:]
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(ranks)]
     assert results[0]["backend"] == ("mpi4py" if launcher == "mpirun" else "horovod-objects")
     histories = [r["history"] for r in results]
@@ -50,8 +53,9 @@ def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, pol
     half-interval; the same steps on every rank, also when decisions change the sizes (model: rank 1
     sleeps 3x longer per sample, so the model moves samples to rank 0 whatever the machine's noise)."""
     straggler = ["--sleep-per-sample", "0.0005", "--slow-rank", "1", "--slow-factor", "3"] if policy == "model" else []
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
-           "--policy", policy, "--max-batch", "40", "--decision-budget", "0", *straggler)
+    out = launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
+                 "--policy", policy, "--max-batch", "40", "--decision-budget", "0", "--with-model", *straggler).stdout
+    assert NO_MODEL_WARNING[:60] not in out, "model= given: nothing to warn about"
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
     when = results[0]["when"]
     assert results[1]["when"] == when, when

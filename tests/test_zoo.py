@@ -17,13 +17,14 @@ from bench.zoo_report import collect, headline, paired_arms, reference_condition
 from launching import command, job_env
 
 REPO = Path(__file__).resolve().parents[1]
-# Everything calibrated or trained for the defaults: the simulator's profiles, the shipped policy and
-# its card, the proposal's and the controller's constants, the pretraining scenarios.
+# Everything calibrated or trained for the defaults: the simulator's profiles and studies, the shipped
+# policy and its card, the pretraining scenarios, and every module whose constants are the defaults
+# (the decision core, its cost model, tests and cadence, the statistics).
 CALIBRATION = [*sorted((REPO / "bench" / "lab" / "profiles").glob("*.json")),
                *sorted(p for p in (REPO / "policies").iterdir() if p.suffix in (".json", ".md", ".csv")),
-               REPO / "bench" / "lab" / "scenarios.py", REPO / "bench" / "lab" / "pretrain.py",
-               REPO / "dynamix_hvd" / "control" / "proposal.py", REPO / "dynamix_hvd" / "control" / "growth.py",
-               REPO / "dynamix_hvd" / "control" / "config.py"]
+               *sorted((REPO / "bench" / "lab").glob("*.py")),
+               *sorted((REPO / "dynamix_hvd" / "control").glob("*.py")),
+               *sorted((REPO / "dynamix_hvd" / "stats").glob("*.py"))]
 
 
 def test_zoo_spans_what_users_run_in_two_fixed_halves():

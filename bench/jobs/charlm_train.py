@@ -106,7 +106,7 @@ def main() -> None:
         loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                 # dx
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                     lr_rule=args.lr_rule, max_grad_norm=1.0)   # dx
-        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args))  # dx
+        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args), model=model)  # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     def validation_loss() -> float:

@@ -51,7 +51,7 @@ def main() -> None:
         loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)        # dx
         optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
                                                     lr_rule=args.lr_rule)          # dx
-        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args))  # dx
+        controller = None if args.no_controller else dx.DynamixController(loader, optimizer, controller_config(args), model=model)  # dx
         run = RunLog(args.out, loader, controller=controller, meta={"example": "mlp_train", **vars(args)},  # dx
                      progress=Progress(args.epochs, rank=hvd.rank(), mode=args.progress))            # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

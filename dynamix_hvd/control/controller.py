@@ -23,6 +23,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections import deque
 from typing import Any
 
@@ -52,6 +53,11 @@ def per_rank_batchnorm(model: torch.nn.Module | None) -> list[str]:
         return []
     return [name for name, m in model.named_modules()
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and type(m).__name__ != "SyncBatchNorm"]
+
+
+NO_MODEL_WARNING = ("DynamixController was given no model=, so it cannot see BatchNorm layers: with an uneven "
+                    "split a rank may normalise with the statistics of a few samples. Pass model=model (a model "
+                    "without per-rank BatchNorm changes nothing).")
 
 
 def batchnorm_floor(cfg: ControllerConfig, model: torch.nn.Module | None, sizes: Any) -> ControllerConfig:
@@ -93,6 +99,8 @@ class DynamixController:
             raise ValueError(f"control plane has {self.channel.size} ranks but the loader plans "
                              f"{loader.world_size} (batch_sizes={list(loader.batch_sizes)})")
         self.rank = self.channel.rank
+        if model is None and self.rank == 0 and self.cfg.policy != "static":
+            warnings.warn(NO_MODEL_WARNING, stacklevel=2)
         # np.median imports numpy.ma on first use: 0.2 s here, which would land in the first decision
         # (inside the first epoch, with every other rank waiting); pay it now, before training starts
         import numpy.ma  # noqa: F401

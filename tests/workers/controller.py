@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--slow-factor", type=float, default=1.0)
     ap.add_argument("--slow-from-step", type=int, default=0, help="the slow rank is slow from this step of the job on")
     ap.add_argument("--fp16", action="store_true", help="Horovod's fp16 compression of the gradients")
+    ap.add_argument("--with-model", action="store_true", help="give the controller model=")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hvd.init()
@@ -65,7 +66,7 @@ def main() -> None:
                                                          target_decisions=args.target_decisions,
                                                          **({} if args.max_interval is None else
                                                             {"max_decision_interval_s": args.max_interval})))
-    controller = dx.DynamixController(loader, opt, cfg)
+    controller = dx.DynamixController(loader, opt, cfg, model=model if args.with_model else None)
     if args.mode == "silent":
         if rank == args.silent:
             time.sleep(args.timeout + 4)  # alive but never answers
