@@ -515,7 +515,7 @@ class ModelPolicy:
         checking = self.split_check is not None and not costs.lengths_known
         fresh, self._costs_seen = costs.steps != self._costs_seen, costs.steps  # an interval was recorded
         split_failed = checking and self.split_check.observe(
-            inp.reports, ran_neutral, inp.passes * sum(inp.sizes), first_interval=self._restored,
+            inp.reports, ran_neutral, inp.ctx.global_batch, first_interval=self._restored,
             speed_changed=fresh and bool((costs.shift != 1).any()), speed_pending=fresh and costs.change_pending,
             predicted_gain=0.0 if ran_neutral else predicted_split_gain(fit, net, inp.sizes, self.neutral, inp.passes))
         # the ranks' speeds differ by more than the margin, measured: with per-step times, the lower
@@ -562,13 +562,13 @@ class ModelPolicy:
                            self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
                            split_margin=margin, force_neutral=split_failed or neutral, cap=cap)
 
-        budget = cap
+        budget_cap = cap  # recorded as the budget set it (the late rule below may lower `cap`)
         self.last = proposal(held if hold else self.cfg)
         late = not hold and self._growth_too_late(inp)
         if late:  # no growth whose check could not give its verdict before the budget ends
             cap = min(max(inp.ctx.global_batch, inp.ctx.initial_batch), cap if cap is not None else math.inf)
             self.last = proposal(self.cfg)
-        B_now = inp.passes * sum(inp.sizes)
+        B_now = inp.ctx.global_batch
         leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
         if leaving and self.cfg.search_batch and self.last.global_batch != B_now:
             self.last = proposal(held)
@@ -584,7 +584,7 @@ class ModelPolicy:
         self.decisions += 1
         info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
                 "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "growth_late": late, "budget_cap": budget, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
+                "may_grow": may_grow, "growth_late": late, "budget_cap": budget_cap, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
                 "recheck": recheck}
         if self.split_check is not None and (self.split_check.last or split_failed):
             info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
