@@ -266,6 +266,8 @@ if __name__ == '__main__':
         optimizer, model.named_parameters(), train_loader,
         compression=compression,
         backward_passes_per_step=args.batches_per_allreduce)
+    controller = dx.DynamixController(train_loader, optimizer,
+                                      dx.ControllerConfig(total_epochs=args.epochs), model=model)
 
     # Restore from a previous checkpoint, if initial_epoch is specified.
     # Horovod: restore on the first worker which will broadcast weights to other workers.
@@ -283,3 +285,4 @@ if __name__ == '__main__':
         train(epoch)
         validate(epoch)
         save_checkpoint(epoch)
+    controller.close()

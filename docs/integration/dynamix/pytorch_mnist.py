@@ -190,7 +190,7 @@ def main(args):
     optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), train_loader,
                                                 compression=compression, grad_scaler=scaler)
     controller = dx.DynamixController(train_loader, optimizer,
-                                      dx.ControllerConfig(total_epochs=args.epochs))
+                                      dx.ControllerConfig(total_epochs=args.epochs), model=model)
 
     for epoch in range(1, args.epochs + 1):
         if args.use_mixed_precision:

@@ -86,6 +86,7 @@ train_loader = dx.AdaptiveLoader(
     [args.batch_size] * hvd.size(), hvd.rank(), shuffle=False)
 optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), train_loader,
                                             compression=compression)
+controller = dx.DynamixController(train_loader, optimizer, model=model)
 
 
 def endless_batches():
@@ -145,3 +146,4 @@ img_sec_conf = 1.96 * np.std(img_secs)
 log('Img/sec per %s: %.1f +-%.1f' % (device, img_sec_mean, img_sec_conf))
 log('Total img/sec on %d %s(s): %.1f +-%.1f' %
     (hvd.size(), device, hvd.size() * img_sec_mean, hvd.size() * img_sec_conf))
+controller.close()
