@@ -358,6 +358,8 @@ CONTROL_REPORTS = Collective("dx.control.reports", DEFAULT_TIMEOUT_S, "metrics",
                              "control.controller.decide(): every rank's report to rank 0")
 CONTROL_DECISION = Collective("dx.control.decision", DEFAULT_TIMEOUT_S, "batch-size decision",
                               "control.controller.decide(): rank 0's decision to every rank")
+CONTROL_MEMORY = Collective("dx.control.memory", DEFAULT_TIMEOUT_S, "memory sharing key",
+                            "control.controller: at construction, which ranks share a memory budget")
 PREEMPTION_VOTE = Collective("dx.checkpoint.vote", DEFAULT_TIMEOUT_S, "preemption flag",
                              "resilience.checkpoint: every check_every steps, whether any rank was signalled")
 CHECKPOINT_RANK_STATE = Collective("dx.checkpoint.rank_state", DEFAULT_TIMEOUT_S, "per-rank checkpoint state",
@@ -370,7 +372,7 @@ CHECKPOINT_CHECKED = Collective("dx.checkpoint.checked", DEFAULT_TIMEOUT_S, "che
                                 "resilience.checkpoint.Checkpointer.restore(): every rank's verdict on a candidate")
 CHECKPOINT_APPLIED = Collective("dx.checkpoint.applied", DEFAULT_TIMEOUT_S, "checkpoint applied",
                                 "resilience.checkpoint.Checkpointer.restore(): every rank's outcome of applying it")
-CONTROL_COLLECTIVES: tuple[Collective, ...] = (CONTROL_REPORTS, CONTROL_DECISION, PREEMPTION_VOTE,
+CONTROL_COLLECTIVES: tuple[Collective, ...] = (CONTROL_REPORTS, CONTROL_DECISION, CONTROL_MEMORY, PREEMPTION_VOTE,
                                                CHECKPOINT_RANK_STATE, CHECKPOINT_WRITTEN, CHECKPOINT_LIST,
                                                CHECKPOINT_CHECKED, CHECKPOINT_APPLIED)
 # The rest, on `library_channel()`.

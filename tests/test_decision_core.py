@@ -57,12 +57,12 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     for layers in (3, 0):
         inputs = [sample_input(r, layers=layers) for r in range(3)]
         rows = np.stack([wire.encode_report(i) for i in inputs])
-        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 24 + 9 * 4 + 2 * layers)
+        assert rows.shape == (3, wire.report_length(4, layers)) == (3, 25 + 9 * 4 + 2 * layers)
         back = wire.decode_reports(rows)
         assert all(same(a.to_dict(), b.to_dict()) for a, b in zip(inputs, back))
         assert all(type(b.report.peak_memory_bytes) is int and type(b.steps.local_batch[0]) is int for b in back)
     assert back[1].layers is None and back[1].steps.memory_kind == "cuda"
-    with pytest.raises(ValueError, match="does not match its 59 values"):
+    with pytest.raises(ValueError, match="does not match its 60 values"):
         wire.decode_report(rows[0][:-1])
     assert same(wire.padded_losses([1.0, 2.0], 4), [1.0, 2.0, math.nan, math.nan])
     assert wire.padded_losses([1.0, 2.0, 3.0], 2) == [1.0, 2.0]

@@ -4,8 +4,8 @@ The PPO policy corrects the model-based proposal (:mod:`dynamix_hvd.control.prop
 per rank multiplies that rank's *proposed share*, and one action of the batch row multiplies the
 *proposed global batch* (:func:`compose`); the neutral action (1.0) of every row gives exactly the
 proposal. Sizes are clipped to [min_batch, max_i], where max_i is the rank's memory bound: the configured
-ceiling, lowered by what was learned from an out-of-memory error or from a fit of peak device memory
-against batch size (only on CUDA, where the allocator's peak is a per-step measurement). Sizes are
+ceiling, lowered for good by an out-of-memory error, and by a fit of peak memory against batch size
+within the rank's memory budget (:mod:`dynamix_hvd.data.memory`). Sizes are
 per micro-batch: a decision may also accumulate up to `max_passes` of them per optimizer step.
 """
 from __future__ import annotations
@@ -40,19 +40,56 @@ class ActionSpace:
         return self.multipliers.index(1.0)
 
 
+OOM_SHRINK = 0.8
+"""After an out-of-memory step at size s a rank's ceiling is int(0.8 s): a fixed factor (not a setting)
+because the failed size says only that s did not fit, not by how much."""
+
+
+def memory_limit(points: dict[int, int], floor: int, budget: int, precise: bool) -> int | None:
+    """The largest size whose predicted peak stays within `budget` bytes, from peaks measured at
+    `points` {size: peak bytes} and the memory in use before training (`floor`); None: no evidence.
+
+    Each point bounds the memory per sample from above, (peak - floor) / size, since the part of the
+    peak that does not grow with the batch (gradients, optimizer state) is counted as if it did; the
+    lowest of these extrapolates upward without under-predicting. Only a `precise` peak (the CUDA
+    allocator's, per step) is trusted for a line through the smallest and largest sizes instead: a
+    process's resident set keeps memory its allocator no longer uses, which flattens such a line."""
+    if budget <= 0 or not points:
+        return None
+    if precise and len(points) >= 2:
+        (b0, m0), (b1, m1) = min(points.items()), max(points.items())
+        slope = (m1 - m0) / (b1 - b0)
+        if slope > 0:
+            return int((budget - (m0 - slope * b0)) / slope)
+    slopes = [(m - floor) / b for b, m in points.items() if m > floor and b > 0]
+    if not slopes:
+        return None
+    return int((budget - floor) / min(slopes))
+
+
 @dataclass
 class BatchBounds:
-    """Per-rank [min_batch, max_batch[i]] with memory learning."""
+    """Per-rank [min_batch, upper(rank)]: the configured ceiling, an out-of-memory ceiling and a fit.
+
+    After an out-of-memory step at size s the rank's ceiling falls below s for the rest of the run
+    (`record_oom`); no memory fit lifts it. The fit (`record_memory`) bounds the size by the rank's
+    memory budget and may move either way as peaks at more sizes come in, always under that ceiling.
+    """
 
     world_size: int
     min_batch: int = 1
     max_batch: int = 1024
     memory_safety: float = 0.9
-    """Fraction of device memory a batch may plan to use."""
+    """Fraction of the memory budget a batch may plan to use at its peak."""
     max_passes: int = 1
     """Micro-batches a decision may accumulate into one optimizer step (gradient accumulation), so
     that the global batch can grow past what memory allows in one pass; 1: none."""
-    learned_max: list[int] = field(default_factory=list)
+    oom_limit: list[int] = field(default_factory=list)
+    """Per rank: the ceiling learned from out-of-memory steps (max_batch until one fails)."""
+    fit_limit: list[int] = field(default_factory=list)
+    """Per rank: the bound from the fit of peak memory against size (max_batch until fitted)."""
+    failed: list[int] = field(default_factory=list)
+    """Per rank: the smallest size that ran out of memory (0: none)."""
     _memory: list[dict[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,33 +98,56 @@ class BatchBounds:
         if not 0 < self.memory_safety <= 1:
             raise ValueError(f"memory_safety={self.memory_safety} must be in (0, 1]")
         validate.integer("max_passes", self.max_passes, 1)
-        if not self.learned_max:
-            self.learned_max = [self.max_batch] * self.world_size
+        self.oom_limit = self.oom_limit or [self.max_batch] * self.world_size
+        self.fit_limit = self.fit_limit or [self.max_batch] * self.world_size
+        self.failed = self.failed or [0] * self.world_size
         self._memory = [dict() for _ in range(self.world_size)]
 
+    @property
+    def learned_max(self) -> list[int]:
+        """Per rank: what memory allows (the lower of the out-of-memory ceiling and the fit)."""
+        return [min(o, f) for o, f in zip(self.oom_limit, self.fit_limit)]
+
     def upper(self, rank: int) -> int:
-        return max(self.min_batch, min(self.max_batch, self.learned_max[rank]))
+        return max(self.min_batch, min(self.max_batch, self.oom_limit[rank], self.fit_limit[rank]))
 
     def clip(self, rank: int, size: int) -> int:
         return max(self.min_batch, min(self.upper(rank), size))
 
     def record_oom(self, rank: int, failed_size: int) -> int:
-        """Remember that `failed_size` did not fit; returns the new bound (a bit below it)."""
-        self.learned_max[rank] = max(self.min_batch, min(self.learned_max[rank], int(failed_size * 0.8)))
-        return self.learned_max[rank]
+        """Remember that `failed_size` did not fit: the rank stays below it for the rest of the run.
+        Returns the rank's new upper bound."""
+        self.failed[rank] = min(self.failed[rank] or failed_size, failed_size)
+        self.oom_limit[rank] = max(self.min_batch, min(self.oom_limit[rank], int(failed_size * OOM_SHRINK)))
+        return self.upper(rank)
 
-    def record_memory(self, rank: int, size: int, peak_bytes: int, total_bytes: int) -> None:
-        """Fit peak = a + c * size from two or more sizes and bound size by the memory budget."""
-        self._memory[rank][size] = peak_bytes
-        points = sorted(self._memory[rank].items())
-        if len(points) < 2 or total_bytes <= 0:
+    def record_memory(self, rank: int, size: int, peak_bytes: int, budget_bytes: int, floor_bytes: int = 0,
+                      precise: bool = True) -> None:
+        """Add a peak measured at `size` and refit the rank's memory bound (`memory_limit`) against
+        `memory_safety` of its budget; `floor_bytes`: its memory in use before training."""
+        if size <= 0 or peak_bytes <= 0:
             return
-        (b0, m0), (b1, m1) = points[0], points[-1]
-        per_sample = (m1 - m0) / (b1 - b0)
-        if per_sample <= 0:
+        points = self._memory[rank]
+        points[size] = max(points.get(size, 0), int(peak_bytes))  # a size's worst peak
+        limit = memory_limit(points, int(floor_bytes), int(self.memory_safety * budget_bytes), precise)
+        if limit is not None:
+            self.fit_limit[rank] = max(self.min_batch, min(self.max_batch, limit))
+
+    # --- plain state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"oom_limit": list(self.oom_limit), "fit_limit": list(self.fit_limit), "failed": list(self.failed),
+                "memory": [sorted(points.items()) for points in self._memory]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output; a checkpoint that kept one bound per rank (``learned_max``)
+        restores it as the out-of-memory ceiling, which nothing lifts."""
+        if "oom_limit" not in state:
+            self.oom_limit = [int(b) for b in state["learned_max"]]
             return
-        fitted = int((self.memory_safety * total_bytes - (m0 - per_sample * b0)) / per_sample)
-        self.learned_max[rank] = max(self.min_batch, min(self.max_batch, fitted))
+        self.oom_limit = [int(b) for b in state["oom_limit"]]
+        self.fit_limit = [int(b) for b in state["fit_limit"]]
+        self.failed = [int(b) for b in state["failed"]]
+        self._memory = [{int(b): int(m) for b, m in points} for points in state["memory"]]
 
 
 def apply_actions(space: ActionSpace, bounds: BatchBounds, sizes: Sequence[int],

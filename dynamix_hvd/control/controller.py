@@ -37,10 +37,13 @@ from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
-from ..comm import CONTROL_DECISION, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world, failed_exit
+from ..comm import (CONTROL_DECISION, CONTROL_MEMORY, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world,
+                    failed_exit)
 from ..data.loader import AdaptiveLoader
+from ..data.memory import IntervalPeak, MemoryBudget, memory_budget, memory_in_use, sharing_key
 from ..data.metrics import StepRecord
 from ..data.resources import ResourceSampler
+from ..logs import get_logger
 from ..stats.noise_scale import GradientStatistics
 
 __all__ = ["POLICY_NAMES", "ControllerConfig", "DynamixController"]
@@ -104,7 +107,15 @@ class DynamixController:
         # np.median imports numpy.ma on first use: 0.2 s here, which would land in the first decision
         # (inside the first epoch, with every other rank waiting); pay it now, before training starts
         import numpy.ma  # noqa: F401
-        self.resources = ResourceSampler(device, background_period_s=self.cfg.advanced.resource_period_s)
+        # The memory this rank may plan with: ranks on one device, or in one cgroup on a host, share it.
+        keys = self.channel.allgather_object(sharing_key(device), CONTROL_MEMORY.within(self.cfg.timeout_s))
+        self.memory_budget: MemoryBudget = memory_budget(device, shared_by=keys.count(keys[self.rank]))
+        """The peak memory this rank may plan to use, and where that number comes from."""
+        get_logger(__name__).info("memory budget %s", self.memory_budget.describe())
+        self._memory_floor = memory_in_use(device)  # before training: model, data, libraries
+        self._interval_peak = None if device is not None and device.type == "cuda" else IntervalPeak()
+        self.resources = ResourceSampler(device, background_period_s=self.cfg.advanced.resource_period_s,
+                                         budget_bytes=self.memory_budget.bytes)
         self.history: list[dict[str, Any]] = []   # every decision, kept on every rank
         self.inputs: deque[list[RankInput]] = deque(maxlen=self.cfg.advanced.keep_inputs)
         """Rank 0: the decoded reports of the last `keep_inputs` decisions, as the core received them."""
@@ -279,12 +290,16 @@ class DynamixController:
         self._fresh_start = False
         mean = (lambda key: statistics.fmean(getattr(r, key) for r in timed) if timed else 0.0)  # noqa: E731
         total_time = sum(r.step_s for r in timed)
+        kind = records[-1].memory_kind if records else "rss"
+        peak = max((r.peak_memory_bytes for r in records), default=0)
+        if self._interval_peak is not None:  # CPU: the resident set's peak over this interval
+            peak, kind = self._interval_peak.take(), self._interval_peak.kind
         report = RankReport(
             rank=self.rank, local_batch=self.loader.batch_sizes[self.rank], steps=len(records),
             compute_s=mean("compute_s"), sync_wait_s=mean("sync_wait_s"), data_wait_s=mean("data_wait_s"),
             step_s=mean("step_s"),
             samples_per_s=sum(r.local_batch for r in timed) / total_time if total_time > 0 else 0.0,
-            peak_memory_bytes=max((r.peak_memory_bytes for r in records), default=0),
+            peak_memory_bytes=peak, memory_floor_bytes=self._memory_floor,
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
             # recorded losses none of which is finite: diverged (inf), which the growth check acts on
@@ -295,7 +310,7 @@ class DynamixController:
         steps = StepSeries(local_batch=[r.local_batch for r in records], local_sq=[r.local_grad_sq for r in records],
                            global_sq=[r.global_grad_sq for r in records],
                            losses=wire.padded_losses(losses, len(records)),
-                           memory_kind=records[-1].memory_kind if records else "rss",
+                           memory_kind=kind,
                            compute_s=[r.compute_s for r in records], data_wait_s=[r.data_wait_s for r in records],
                            sync_wait_s=[r.sync_wait_s for r in records],
                            micro_batches=[r.micro_batches for r in records],
@@ -309,7 +324,8 @@ class DynamixController:
         statistics, reward references)."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
                                  "steps_since": self._steps_since,
-                                 "learned_max": list(self.bounds.learned_max), "world_size": self.loader.world_size}
+                                 "learned_max": list(self.bounds.learned_max), "bounds": self.bounds.state_dict(),
+                                 "world_size": self.loader.world_size}
         if self.rank == 0:
             state["root"] = self.core.state_dict()
         return state
@@ -332,7 +348,7 @@ class DynamixController:
         if passes and passes != self.optimizer.backward_passes_per_step and not self.optimizer.accumulating:
             self.optimizer.set_backward_passes_per_step(passes)
         if state["world_size"] == self.loader.world_size:
-            self.bounds.learned_max = [int(b) for b in state["learned_max"]]
+            self.bounds.load_state_dict(state.get("bounds") or state)
         if state.get("root") is not None:
             self.core.load_state_dict(state["root"], world_size=self.loader.world_size)
             self.core.base_batch = float(self.optimizer.base_batch_size)  # the optimizer's, as configured now

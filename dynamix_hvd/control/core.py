@@ -37,9 +37,11 @@ NOISE_Z = 1.0
 WARMUP_STEPS = 2
 """A process's first steps, which pay one-off costs: left out of the cost fit and the reports' means."""
 
-MEMORY_KINDS = ("rss", "cuda")
-"""How a rank measured its peak memory: process RSS, or CUDA's allocator peak (a per-step
-measurement, so only "cuda" reports fit the memory bounds)."""
+MEMORY_KINDS = ("rss", "cuda", "host")
+"""How a report's peak memory was measured: "rss" the process's lifetime peak (no fit uses it), "cuda"
+the allocator's per-step peak, "host" the resident set's peak over the interval (`IntervalPeak`)."""
+FITTED_MEMORY_KINDS = ("cuda", "host")
+"""The kinds whose peak belongs to the interval's sizes, so that the memory bounds are fitted to them."""
 
 
 TIMED = ("compute_s", "data_wait_s", "sync_wait_s")
@@ -282,9 +284,10 @@ class DecisionCore:
         reports = [i.report for i in inputs]
         step_losses = self._record_steps(inputs)
         for i in inputs:
-            if i.steps.memory_kind == "cuda":
+            if i.steps.memory_kind in FITTED_MEMORY_KINDS:  # a peak of this interval's sizes
                 r = i.report
-                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes)
+                self.bounds.record_memory(r.rank, r.local_batch, r.peak_memory_bytes, r.mem_total_bytes,
+                                          r.memory_floor_bytes, precise=i.steps.memory_kind == "cuda")
         efficiency = float(self.stats.efficiency_at(B))
         loss = weighted_loss(reports)
         trend = loss_trend(loss, self.prev_loss)
@@ -418,7 +421,8 @@ class DecisionCore:
                 "stats": self.stats.state_dict(), "ref_goodput": self.ref_goodput, "ref_tput": self.ref_tput,
                 "prev_loss": self.prev_loss, "prev_sizes": None if self.prev_sizes is None else list(self.prev_sizes),
                 "initial_batch": self.initial_batch, "base_batch": self.base_batch, "decisions": self.decisions,
-                "learned_max": list(self.bounds.learned_max), "costs": self.costs.state_dict(),
+                "learned_max": list(self.bounds.learned_max), "bounds": self.bounds.state_dict(),
+                "costs": self.costs.state_dict(),
                 "initial_sizes": None if self.initial_sizes is None else list(self.initial_sizes),
                 "passes": [self.passes, self.prev_passes, self.initial_passes]}
 
@@ -448,7 +452,7 @@ class DecisionCore:
             self.costs.load_state_dict(costs)
         if len(state["learned_max"]) == world:
             if self.world_size == world:
-                self.bounds.learned_max = [int(b) for b in state["learned_max"]]
+                self.bounds.load_state_dict(state.get("bounds") or state)
             self.prev_sizes = None if state["prev_sizes"] is None else [int(b) for b in state["prev_sizes"]]
             initial = state.get("initial_sizes")  # absent in checkpoints from before the static reference
             self.initial_sizes = None if initial is None else [int(b) for b in initial]

@@ -35,9 +35,9 @@ class RankReport:
     data_wait_s: float      # mean data wait per step
     step_s: float           # mean wall time per step
     samples_per_s: float    # local samples / wall time over the interval
-    peak_memory_bytes: int
-    mem_used_bytes: int
-    mem_total_bytes: int
+    peak_memory_bytes: int  # peak over the interval (its kind: StepSeries.memory_kind)
+    mem_used_bytes: int     # this process's memory now (CUDA: the allocator's reserved bytes; CPU: RSS)
+    mem_total_bytes: int    # this rank's memory budget (`dynamix_hvd.data.memory.memory_budget`)
     cpu_util: float
     gpu_util: float
     net_bytes_per_s: float
@@ -48,6 +48,7 @@ class RankReport:
     max_batch: int          # this rank's current upper bound (memory)
     allreduce_bytes: int = 0        # gradient bytes one optimizer step allreduces, after compression
     latency_probe_s: float = math.nan  # a single-value allreduce after the previous decision (NaN: none yet)
+    memory_floor_bytes: int = 0     # memory in use before training (the part of a peak no batch adds)
 
     def to_dict(self) -> dict:
         return asdict(self)

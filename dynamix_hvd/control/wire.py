@@ -4,13 +4,13 @@ Pure NumPy: no MPI, no Horovod. Every value is a float64, so integers (sizes, by
 floats (NaN included) survive the round trip exactly and decisions are the same as on typed objects.
 
 One rank's report for one decision (n steps in the interval, L parameters with layer means, or L = 0
-when the optimizer had none), ``report_length(n, L) = 24 + 9 n + 2 L`` values::
+when the optimizer had none), ``report_length(n, L) = 25 + 9 n + 2 L`` values::
 
     [0]            n                       steps in the interval
     [1]            L                       parameters with layer means (0: none)
-    [2]            memory kind             index into MEMORY_KINDS (0 "rss", 1 "cuda")
-    [3 : 24]       RankReport fields       in declaration order (REPORT_FIELDS)
-    [24 : 24+n]    local_batch per step
+    [2]            memory kind             index into MEMORY_KINDS (0 "rss", 1 "cuda", 2 "host")
+    [3 : 25]       RankReport fields       in declaration order (REPORT_FIELDS)
+    [25 : 25+n]    local_batch per step
     [.. +n]        local_sq per step
     [.. +n]        global_sq per step
     [.. +n]        loss per step           NaN where the rank recorded none

@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from .memory import memory_budget, memory_in_use
+
 
 @dataclass
 class ResourceSample:
@@ -25,9 +27,9 @@ class ResourceSample:
     gpu_util: float
     """GPU busy fraction (0..1); NaN without a CUDA device or without NVML."""
     mem_used_bytes: int
-    """Device memory in use (CUDA) or resident set size of this process (CPU)."""
+    """This process's memory in use: the CUDA allocator's reserved bytes, or the resident set (CPU)."""
     mem_total_bytes: int
-    """Device memory capacity (CUDA) or the host's total memory (CPU)."""
+    """The memory budget of this rank (:func:`dynamix_hvd.data.memory.memory_budget`)."""
     net_bytes_per_s: float
     """Bytes sent + received per second on the measured interfaces."""
     tcp_retrans_per_s: float
@@ -81,8 +83,10 @@ class ResourceSampler:
     (or leaving a ``with`` block) stops the thread at once; `latest()` then samples on demand.
     """
 
-    def __init__(self, device: torch.device | None = None, background_period_s: float = 0.0) -> None:
+    def __init__(self, device: torch.device | None = None, background_period_s: float = 0.0,
+                 budget_bytes: int | None = None) -> None:
         self.device = device
+        self.budget_bytes = memory_budget(device).bytes if budget_bytes is None else int(budget_bytes)
         self._proc = psutil.Process()
         self._t = time.monotonic()
         self._cpu = self._cpu_seconds()
@@ -127,11 +131,8 @@ class ResourceSampler:
         now, cpu, net, retrans = time.monotonic(), self._cpu_seconds(), read_net_bytes(), read_tcp_retransmits()
         dt = max(now - self._t, 1e-9)
         threads = max(torch.get_num_threads(), 1)
-        if self.device is not None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-        else:
-            used, total = self._proc.memory_info().rss, psutil.virtual_memory().total
+        used = memory_in_use(self.device)
+        total = self.budget_bytes
         out = ResourceSample(cpu_util=min((cpu - self._cpu) / dt / threads, 1.0), gpu_util=_gpu_util(self.device),
                              mem_used_bytes=int(used), mem_total_bytes=int(total),
                              net_bytes_per_s=max(net - self._net, 0) / dt,

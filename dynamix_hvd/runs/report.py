@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .progress import format_sizes
+from ..data.memory import MemoryBudget
 from .diagnosis import Diagnosis, diagnose
 from .rundir import RunData, read_run
 
@@ -50,6 +51,10 @@ def header_text(run: RunData) -> str:
         + (f"   final accuracy {acc:.4f}" if isinstance(acc, (int, float)) else ""),
         f"dynamix_hvd {m.get('dynamix_hvd', '?')}, horovod {m.get('horovod', '?')}, torch {m.get('torch', '?')}",
     ]
+    budgets = m.get("memory_budgets") or []
+    if any(budgets):
+        lines.append("memory budget " + "; ".join(
+            f"rank {r}: {MemoryBudget(**b).describe()}" for r, b in enumerate(budgets) if b))
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ writes ``OUT/``:
   ``latency_s``, ``bus_bandwidth_Bps``), ... and the whole
   controller history as JSON in ``/decisions/history_json``), run metadata in the root's ``meta``
   attribute;
-* ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time);
+* ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time, each
+  rank's memory budget and where it was read);
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
   decisions as plain CSV (what `bench.lab.calibrate` reads);
 * ``tensorboard/``: TensorBoard event files, with ``RunLog(..., tensorboard=True)`` (optional; see
@@ -185,7 +186,10 @@ class RunLog:
         cols: dict[str, list[Any]] = {k: [getattr(r, k) for r, _, _ in self._steps] for k in STEP_FIELDS}
         cols["time_unix"] = [t for _, t, _ in self._steps]
         cols["loss"] = [math.nan if l is None else l for _, _, l in self._steps]
-        everything = self.gather({"steps": cols, "host": socket.gethostname()}, RUNLOG_FINISH, root_only=True)
+        budget = getattr(self.controller, "memory_budget", None)
+        everything = self.gather({"steps": cols, "host": socket.gethostname(),
+                                  "memory_budget": None if budget is None else budget.to_dict()},
+                                 RUNLOG_FINISH, root_only=True)
         if self.progress is not None:
             self.progress.close()
         if self.rank != 0:
@@ -203,6 +207,7 @@ class RunLog:
                 "world_size": self.world_size, "hosts": sorted({e["host"] for e in everything}),
                 "wall_time_s": time.time() - t0, "epochs": int(epochs.epoch.max()) + 1 if len(epochs) else 0,
                 "decisions": len(history or []), "trace_steps_dropped": self.trace_steps_dropped,
+                "memory_budgets": [e.get("memory_budget") for e in everything],
                 **_environment(), **self.meta}
         if len(epochs) and "accuracy" in epochs:
             meta["final_accuracy"] = float(epochs[epochs.epoch == epochs.epoch.max()].accuracy.mean())
