@@ -45,26 +45,36 @@ OOM_SHRINK = 0.8
 because the failed size says only that s did not fit, not by how much."""
 
 
-def memory_limit(points: dict[int, int], floor: int, budget: int, precise: bool) -> int | None:
-    """The largest size whose predicted peak stays within `budget` bytes, from peaks measured at
-    `points` {size: peak bytes} and the memory in use before training (`floor`); None: no evidence.
+HOST_MARGIN = 2.0
+"""Factor on a resident-set slope: at a size the job had not run before, the resident set has come out
+up to twice the line through the floor and a smaller size's peak (the allocator keeps what it freed
+in pieces that the larger tensors do not reuse). A fixed factor, not a setting: past a cgroup's limit
+the kernel kills the process, so the margin only has to be safe, and the fit follows the job's real
+peaks as it runs the sizes."""
 
-    Each point bounds the memory per sample from above, (peak - floor) / size, since the part of the
-    peak that does not grow with the batch (gradients, optimizer state) is counted as if it did; the
-    lowest of these extrapolates upward without under-predicting. Only a `precise` peak (the CUDA
-    allocator's, per step) is trusted for a line through the smallest and largest sizes instead: a
-    process's resident set keeps memory its allocator no longer uses, which flattens such a line."""
-    if budget <= 0 or not points:
+
+def memory_limit(points: dict[int, int], latest: int, floor: int, budget: int, precise: bool) -> int | None:
+    """The largest size whose predicted peak stays within `budget` bytes, from the peaks measured at
+    `points` {size: worst peak in bytes}, the size measured last (`latest`) and the memory in use
+    before training (`floor`); None: no evidence.
+
+    A `precise` peak (the CUDA allocator's, per step) is fitted by a line through the smallest and
+    largest sizes. A process's resident set is not precise: it keeps memory its allocator no longer
+    uses and drifts upward over a run, which flattens such a line. There the latest size's peak bounds
+    the memory per sample from above, HOST_MARGIN x (peak - floor) / size, counting what does not grow
+    with the batch (gradients, optimizer state, the drift so far) as if it did: extrapolated upward it
+    over-predicts, and it follows the drift as the run goes on."""
+    if budget <= 0 or latest not in points:
         return None
     if precise and len(points) >= 2:
         (b0, m0), (b1, m1) = min(points.items()), max(points.items())
         slope = (m1 - m0) / (b1 - b0)
         if slope > 0:
             return int((budget - (m0 - slope * b0)) / slope)
-    slopes = [(m - floor) / b for b, m in points.items() if m > floor and b > 0]
-    if not slopes:
+    per_sample = HOST_MARGIN * (points[latest] - floor) / latest
+    if per_sample <= 0:
         return None
-    return int((budget - floor) / min(slopes))
+    return int((budget - floor) / per_sample)
 
 
 @dataclass
@@ -129,7 +139,7 @@ class BatchBounds:
             return
         points = self._memory[rank]
         points[size] = max(points.get(size, 0), int(peak_bytes))  # a size's worst peak
-        limit = memory_limit(points, int(floor_bytes), int(self.memory_safety * budget_bytes), precise)
+        limit = memory_limit(points, size, int(floor_bytes), int(self.memory_safety * budget_bytes), precise)
         if limit is not None:
             self.fit_limit[rank] = max(self.min_batch, min(self.max_batch, limit))
 

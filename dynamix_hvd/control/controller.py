@@ -112,7 +112,7 @@ class DynamixController:
         self.memory_budget: MemoryBudget = memory_budget(device, shared_by=keys.count(keys[self.rank]))
         """The peak memory this rank may plan to use, and where that number comes from."""
         get_logger(__name__).info("memory budget %s", self.memory_budget.describe())
-        self._memory_floor = memory_in_use(device)  # before training: model, data, libraries
+        self.memory_floor_bytes = memory_in_use(device)  # before training: model, data, libraries
         self._interval_peak = None if device is not None and device.type == "cuda" else IntervalPeak()
         self.resources = ResourceSampler(device, background_period_s=self.cfg.advanced.resource_period_s,
                                          budget_bytes=self.memory_budget.bytes)
@@ -299,7 +299,7 @@ class DynamixController:
             compute_s=mean("compute_s"), sync_wait_s=mean("sync_wait_s"), data_wait_s=mean("data_wait_s"),
             step_s=mean("step_s"),
             samples_per_s=sum(r.local_batch for r in timed) / total_time if total_time > 0 else 0.0,
-            peak_memory_bytes=peak, memory_floor_bytes=self._memory_floor,
+            peak_memory_bytes=peak, memory_floor_bytes=self.memory_floor_bytes,
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
             # recorded losses none of which is finite: diverged (inf), which the growth check acts on

@@ -154,8 +154,8 @@ def cgroup_memory_limit(proc_cgroup: str | Path = "/proc/self/cgroup",
         if shown_root != "/" and (path == shown_root or path.startswith(shown_root.rstrip("/") + "/")):
             path = path[len(shown_root.rstrip("/")):]
         start = mount / path.lstrip("/")
-        if not start.is_dir():
-            start = mount  # the path names a cgroup this mount does not show: read what it does
+        while start != mount and mount in start.parents and not start.is_dir():
+            start = start.parent  # a cgroup this mount does not show: its nearest shown ancestor
         limit = _lowest_along(mount, start, "memory.max" if version == 2 else "memory.limit_in_bytes")
         if limit is not None:
             found.append(limit)
