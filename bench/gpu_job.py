@@ -412,6 +412,10 @@ def train_through_oom(model: nn.Module, protos: torch.Tensor, dev: torch.device,
             "ooms_after_first_ok": statuses[first_ok:].count("oom"), "ok_steps": statuses.count("ok"),
             "final_bound": controller.bounds.upper(hvd.rank()), "final_size": loader.batch_sizes[hvd.rank()],
             "sampler_total_bytes": controller.resources.latest().mem_total_bytes,  # what the memory fit divides
+            "budget": controller.memory_budget.to_dict(),
+            "first_failed": next((s["local_batch"] for s in trace if s["status"] == "oom"), 0),
+            "largest_after_oom": max((s["local_batch"] for i, s in enumerate(trace) if s["status"] == "ok"
+                                      and any(p["status"] == "oom" for p in trace[:i])), default=0),
             "skipped": dict(opt.skipped_steps)}
 
 
@@ -426,7 +430,13 @@ def summarize_oom(ranks: list[dict[str, Any]], dev: torch.device) -> dict[str, A
         "ok_steps": t["ok_steps"], "final_bound": t["final_bound"], "actual_fail": r["actual_fail"],
         "controller_sees_total_gib": t["sampler_total_bytes"] / 2**30,
         "trace": [f"{s['step']}:{s['local_batch']}:{s['status']}:{s['bound']}" for s in steps]}}
+    # the size that ran out of memory is never tried again, whatever the memory fits say later
+    out["oom_size_never_again"] = {"pass": t["largest_after_oom"] < t["first_failed"] if t["first_failed"] else None,
+                                   "first_failed": t["first_failed"], "largest_after_oom": t["largest_after_oom"]}
     if dev.type == "cuda":
+        # the budget is this process's cap (total x per-process fraction), not the device's memory
+        out["budget_is_the_process_cap"] = {"pass": abs(t["budget"]["bytes"] - r["cap_bytes"]) <= 2**20,
+                                            "budget": t["budget"], "cap_bytes": r["cap_bytes"]}
         out["memory_fit_predicts_failure"] = {
             "pass": r["fit_error"] <= 0.10, "predicted_fail": r["predicted_fail"], "actual_fail": r["actual_fail"],
             "error": r["fit_error"], "cap_gib": r["cap_bytes"] / 2**30,

@@ -102,7 +102,9 @@ def test_job_rehearsal_on_cpu_and_report(tmp_path):
     res = python(["bench/gpu_job.py", "--mode", "oom", "--steps", "6", "--width", "4", "--simulate-oom-above", "20",
                   "--json", str(tmp_path / "oom1.json")])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    oom = json.loads((tmp_path / "oom1.json").read_text())["checks"]["oom_recovery"]
+    checks = json.loads((tmp_path / "oom1.json").read_text())["checks"]
+    assert checks["oom_size_never_again"] == {"pass": True, "first_failed": 31, "largest_after_oom": 19}, checks
+    oom = checks["oom_recovery"]
     # 31 fails, redone at int(0.8 * 31) = 24, fails, redone at 19: fits from then on
     assert oom["pass"] and oom["trace"][:3] == ["0:31:oom:24", "1:24:oom:19", "2:19:ok:19"], oom
     assert oom["ooms_after_first_ok"] == 0 and oom["final_bound"] == 19
