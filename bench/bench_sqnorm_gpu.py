@@ -130,7 +130,7 @@ def kernel_variants(flat: torch.Tensor, offsets: torch.Tensor, sqnorm, configs: 
     words = flat.view(torch.int16) if lut else flat
     d_off = offsets.to(dev)
     out = torch.zeros(offsets.numel() - 1, dtype=torch.float64, device=dev)
-    arrays = [cuda.as_cuda_array(t, sync=False) for t in (words, sqnorm._table(flat.dtype, dev), d_off)]
+    arrays = [cuda.as_cuda_array(t, sync=False) for t in (words, cand.kernel_table(flat.dtype, dev), d_off)]
     d_out = cuda.as_cuda_array(out, sync=False)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     stream = cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream)
@@ -186,7 +186,7 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, sqnorm) -> List[Dict
     if sweep:
         print(f"best numba kernel {best:.2f} TB/s < goal {args.goal} TB/s: sweeping grid and block sizes")
         configs = [(b, t) for b in (2, 4, 16, 32) for t in (128, 256)] + [(8, 128)]
-        rows += measure(kernel_variants(flat, offsets, sqnorm, configs, vec=dtype in sqnorm.VEC_KINDS), "sweep")
+        rows += measure(kernel_variants(flat, offsets, sqnorm, configs, vec=dtype in cand.VEC_KINDS), "sweep")
     print(format_table({f"{r['method']} [{r['stage']}]": r for r in rows}))
     del flat, views
     torch.cuda.empty_cache()

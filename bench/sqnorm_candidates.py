@@ -17,7 +17,13 @@ import numpy as np
 import torch
 
 from dynamix_hvd.stats import sqnorm
-from dynamix_hvd.stats.sqnorm import THREADS, _UNROLL
+from dynamix_hvd.stats.sqnorm import THREADS
+
+#: Words each thread of the vector kernel reads per loop turn (its four accumulators).
+UNROLL = 4
+#: The dtypes the package's kernel reads (float32/float64 directly, float16/bfloat16 through a table).
+FLOAT_DTYPES = (torch.float32, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 #: Largest staging buffer :func:`multi_tensor_sq_norms` allocates for scattered tensors.
 MAX_STAGE_BYTES = 256 << 20
@@ -64,7 +70,7 @@ def multi_tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     out = torch.zeros(len(tensors), dtype=torch.float64, device=tensors[0].device)
     groups: Dict[Tuple[str, torch.dtype], List[int]] = {}
     for k, t in enumerate(tensors):
-        if t.dtype not in sqnorm._FLOAT_DTYPES + sqnorm._HALF_DTYPES:
+        if t.dtype not in FLOAT_DTYPES + HALF_DTYPES:
             raise ValueError(f"tensors[{k}].dtype={t.dtype} is not float32/float64/float16/bfloat16")
         groups.setdefault((str(t.device), t.dtype), []).append(k)
     for idx in groups.values():
@@ -91,6 +97,46 @@ def multi_tensor_sq_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 # ------------------------------------------------------------------- CUDA: vectorised variant
 # Each thread reads 8-byte words: float32 as complex64 pairs, bfloat16 as int64 quads converted by a
 # shift (exact, no table lookups). Segment edges that split a word are read element by element.
+def check_flat(flat: torch.Tensor) -> None:
+    """The package kernel's contract on the buffer: 1-D, contiguous, one of its four dtypes."""
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"flat must be a 1-D contiguous tensor, got {type(flat).__name__} of shape "
+                         f"{tuple(getattr(flat, 'shape', ()))}")
+    if flat.dtype not in FLOAT_DTYPES + HALF_DTYPES:
+        raise ValueError(f"flat.dtype={flat.dtype} is not float32/float64/float16/bfloat16")
+
+
+def check_offsets(offsets: torch.Tensor, numel: int) -> np.ndarray:
+    """The package kernel's contract on segment bounds: 1-D int64, from 0 to ``numel``,
+    non-decreasing; returns them as a contiguous numpy array."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int64 or offsets.dim() != 1:
+        raise ValueError(f"offsets must be a 1-D int64 tensor, got {offsets!r}")
+    off = offsets.detach().cpu().numpy()
+    if off.size == 0:
+        raise ValueError("offsets must have length n+1 >= 1, got an empty tensor")
+    if off[0] != 0 or off[-1] != numel:
+        raise ValueError(f"offsets must start at 0 and end at flat.numel()={numel}, got "
+                         f"offsets[0]={int(off[0])}, offsets[-1]={int(off[-1])}")
+    if np.any(np.diff(off) < 0):
+        bad = int(np.argmax(np.diff(off) < 0))
+        raise ValueError(f"offsets must be non-decreasing, offsets[{bad}]={int(off[bad])} > "
+                         f"offsets[{bad + 1}]={int(off[bad + 1])}")
+    return np.ascontiguousarray(off)
+
+
+def kernel_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The lookup table the package's scalar kernel takes (``launch_segment_kernel``): the float32
+    value of every 16-bit pattern of a half dtype, or a one-element placeholder for float32/64."""
+    if dtype not in HALF_DTYPES:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    if dtype == torch.bfloat16:
+        table = (bits << 16).view(np.float32).copy()
+    else:
+        table = bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    return torch.from_numpy(table).to(device)
+
+
 VEC_KINDS = {torch.float32: ("f32x2", torch.complex64, 2), torch.bfloat16: ("bf16x4", torch.int64, 4)}
 _VEC_KERNELS: Dict[str, Any] = {}
 
@@ -208,7 +254,7 @@ def launch_segment_kernel_vec(x: Any, words: Any, offsets: Any, out: Any, *, kin
     n = int(x.shape[0])
     if n == 0 or int(offsets.shape[0]) <= 1:
         return
-    quantum = threads * _UNROLL * (2 if kind == "f32x2" else 4)
+    quantum = threads * UNROLL * (2 if kind == "f32x2" else 4)
     blocks = max(1, min(blocks, -(-n // quantum)))
     chunk = -(-(-(-n // blocks)) // quantum) * quantum
     kernel = cuda_segment_kernel_vec(kind)
@@ -219,7 +265,7 @@ def launch_segment_kernel_vec(x: Any, words: Any, offsets: Any, out: Any, *, kin
 
 def vec_views(flat: torch.Tensor) -> Tuple[str, torch.Tensor, torch.Tensor]:
     """(kind, scalar view, word view) of a float32/bfloat16 CUDA or CPU buffer for the vector kernel."""
-    sqnorm._check_flat(flat)
+    check_flat(flat)
     if flat.dtype not in VEC_KINDS:
         raise ValueError(f"flat.dtype={flat.dtype}: the vector kernel reads float32 or bfloat16 only")
     kind, word_dtype, per = VEC_KINDS[flat.dtype]
@@ -238,7 +284,7 @@ class VecSegmentSqNorms:
                  threads: int = THREADS) -> None:
         from numba import cuda
 
-        off = sqnorm._check_offsets(offsets, flat.numel())
+        off = check_offsets(offsets, flat.numel())
         self.flat = flat.detach()
         self.kind, x, words = vec_views(self.flat)
         self.device = flat.device
