@@ -35,13 +35,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from launching import WORKERS, command  # noqa: E402
-from bench.chaos_system import (_TMP, _env, _in_use, _mounted, _ours, _pids, _progress, _signal,  # noqa: E402
-                                 _snapshot, _start, _stop_job)
+from bench.chaos_system import (_TMP, _env, _in_use, _mounted, _ours, _pids, _progress, _signal, _snapshot,
+                                 _start, _stop_job)
+from dynamix_hvd.tools.launchcheck import command as launch_command
+from dynamix_hvd.tools.launchcheck import local_plan
 
-WORKER = WORKERS / "chaos.py"
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "workers" / "chaos.py"  # a plain Horovod script, run, never imported
 SAMPLES = 480  # tests/workers/chaos.py
 MPI_KINDS = ("kill-9", "stop-short", "stop-long", "sigterm", "oom", "nan", "disk-full")
 ELASTIC_KINDS = ("kill-9", "stop-short")
@@ -49,6 +49,11 @@ ENDS_JOB = {"kill-9", "stop-long", "sigterm"}
 # Restarts reproduce the uninterrupted run bit for bit (tests/test_preemption_mpi.py), NaN and
 # out-of-memory steps included.
 PARAM_TOLERANCE = 0.0
+
+
+def command(launcher: str, np: int, argv: list[str]) -> list[str]:
+    """The launcher line `dynamix-hvd run` uses, on this host, oversubscribed."""
+    return launch_command(local_plan(launcher, np), argv, forward=())
 
 
 @dataclass

@@ -7,12 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
+from dynamix_hvd.tools.launchcheck import local_env
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-from launching import job_env  # noqa: E402
+
 
 def _progress(out: Path) -> tuple[tuple[int, int], float] | None:
     try:
@@ -79,7 +79,7 @@ _TMP: list[Path] = []  # the soak's own TMPDIR, which every job it starts uses
 
 
 def _env() -> dict[str, str]:
-    return dict(job_env(), TMPDIR=str(_TMP[0]))
+    return local_env(REPO, TMPDIR=str(_TMP[0]))
 
 
 def _snapshot() -> dict[str, set[str]]:

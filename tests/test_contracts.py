@@ -1,5 +1,6 @@
-"""The package's shape as checked rules: import contracts (import-linter, `.importlinter`) and
-"only optim writes p.grad" (an AST check, since it is not an import rule)."""
+"""The package's shape as checked rules: import contracts (import-linter, `.importlinter`), and two
+AST checks for rules that are not about imports: "only optim writes p.grad" and "the lab (bench)
+uses only the library's public names"."""
 from __future__ import annotations
 
 import ast
@@ -107,3 +108,142 @@ def test_only_optim_writes_grad():
             continue
         writes += grad_writes(path.read_text(), str(path.relative_to(REPO)))
     assert writes == [], "only dynamix_hvd/optim may write p.grad; found:\n" + "\n".join(writes)
+
+
+# --- the lab (bench) uses the library's public API only ----------------------------------------------
+BENCH = REPO / "bench"
+LIBRARY = "dynamix_hvd"
+
+
+def _private(name: str) -> bool:
+    """``_x`` is private; dunders such as ``__version__`` or ``__init__`` are not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def library_private_names(package: Path = PACKAGE) -> set[str]:
+    """Every underscore name the library defines: functions, classes, module and class attributes,
+    and attributes it sets on objects (``self._x = ...``)."""
+    names: set[str] = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if _private(n)}
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node
+
+
+def private_uses(source: str, library_private: set[str], filename: str = "<src>") -> list[str]:
+    """Every place in `source` that reaches an underscore name of the library: a private module or
+    name imported from dynamix_hvd; an underscore attribute of anything imported from dynamix_hvd
+    (``sqnorm._table``, ``dynamix_hvd.stats._x``); and, since objects the library returns cannot be
+    followed statically, ``obj._name`` / ``getattr(obj, "_name")`` on any object but ``self``/``cls``
+    when the library defines ``_name`` (``controller._decide``, ``opt._flat``), or on ``self`` in a
+    subclass of a library class that does not define it itself."""
+    tree = ast.parse(source, filename)
+    bound: set[str] = set()  # local names of library modules, classes and functions
+    found: list[str] = []
+
+    def hit(node: ast.AST, what: str) -> None:
+        found.append(f"{filename}:{node.lineno}: {what}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == LIBRARY:
+                    bound.add(alias.asname or parts[0])
+                    if any(_private(p) for p in parts):
+                        hit(node, f"import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == LIBRARY:
+            if any(_private(p) for p in node.module.split(".")):
+                hit(node, f"from {node.module} import ...")
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if _private(alias.name):
+                    hit(node, f"from {node.module} import {alias.name}")
+
+    library_classes: list[ast.ClassDef] = [
+        node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+        and any(isinstance(_root(base), ast.Name) and _root(base).id in bound for base in node.bases)]
+    inherited: dict[int, set[str]] = {}  # id(self-attribute node) -> the names its class defines itself
+    for cls in library_classes:
+        own = {n.name for n in ast.walk(cls) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        own |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
+        own |= {t.id for stmt in cls.body if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+                for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]) if isinstance(t, ast.Name)}
+        for n in ast.walk(cls):
+            if isinstance(n, ast.Attribute):
+                inherited[id(n)] = own
+
+    def reaches(obj: ast.AST, name: str, node: ast.AST) -> bool:
+        if not _private(name):
+            return False
+        root = _root(obj)
+        if isinstance(root, ast.Name) and root.id in bound:
+            return True
+        if isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+            return id(node) in inherited and name in library_private and name not in inherited[id(node)]
+        return name in library_private
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and reaches(node.value, node.attr, node):
+            hit(node, ast.unparse(node))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2 \
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
+                and reaches(node.args[0], node.args[1].value, node):
+            hit(node, ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    "from dynamix_hvd.stats.sqnorm import THREADS, _UNROLL",
+    "from dynamix_hvd.stats._kernels import table",
+    "import dynamix_hvd.stats._kernels as k",
+    "from dynamix_hvd.stats import sqnorm\nsqnorm._table(d, dev)",
+    "import dynamix_hvd.stats.sqnorm as s\nx = s._FLOAT_DTYPES",
+    "import dynamix_hvd\ndynamix_hvd.stats.sqnorm._table",
+    "from dynamix_hvd import DynamixController\nDynamixController._decide",
+    "ctl = make()\nctl._decide(1)",  # _decide: a library-defined private name (see the fixture set)
+    "self.job.controller._decide()",
+    "getattr(ctl, '_decide')",
+    "from dynamix_hvd import DynamixController\nclass C(DynamixController):\n    def f(self):\n        return self._decide()",
+])
+def test_the_private_name_check_sees_every_kind_of_use(source):
+    assert private_uses(source, {"_decide", "_table", "_FLOAT_DTYPES"}), source
+
+
+@pytest.mark.parametrize("source", [
+    "from dynamix_hvd.stats.sqnorm import THREADS\nimport dynamix_hvd\nv = dynamix_hvd.__version__",
+    "from bench.chaos_system import _mounted, _ours",  # the lab's own private helpers
+    "import torch\ntorch._foreach_norm(v, 2)",
+    "import sys\nsys._getframe(1)",
+    "self._decide()",  # the lab's own class
+    "class C(Thread):\n    def f(self):\n        return self._decide()",
+    "from dynamix_hvd import DynamixController\nclass C(DynamixController):\n"
+    "    def _decide(self):\n        return 1\n    def f(self):\n        return self._decide()",
+    "ctl._own_helper()",  # not a name the library defines
+])
+def test_the_private_name_check_lets_the_lab_own_names_through(source):
+    assert private_uses(source, {"_decide", "_table", "_FLOAT_DTYPES"}) == [], source
+
+
+def test_the_lab_uses_only_public_names_of_the_library():
+    library_private = library_private_names()
+    assert library_private, "the scan found no underscore name in dynamix_hvd"
+    uses = []
+    for path in sorted(BENCH.rglob("*.py")):
+        uses += private_uses(path.read_text(), library_private, str(path.relative_to(REPO)))
+    assert uses == [], ("bench/ uses the library's public API only (give the library a public name, or "
+                        "keep the helper in bench); found:\n" + "\n".join(uses))
