@@ -85,6 +85,7 @@ def test_run_writes_records_and_traces(run_dir: Path):
         assert {"sync_wait_s", "samples_per_s", "local_grad_sq", "global_grad_sq"} <= set(h5["steps"])
 
 
+@pytest.mark.mpi
 def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     proc = dx("summarize", str(run_dir))  # the console script once; then in-process
     assert proc.returncode == 0, proc.stderr
@@ -118,10 +119,41 @@ def test_summarize_and_plot(run_dir: Path, tmp_path: Path, cli_here):
     assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr
 
 
+@pytest.mark.mpi
+def test_explain_tells_each_decision_of_the_run(run_dir: Path, tmp_path: Path, cli_here):
+    history = read_run(run_dir).history
+    proc = cli_here("explain", str(run_dir), "--phases")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("phases:\n  even: ") and "judging split: " in out
+    shown = []
+    for line in out.splitlines():
+        if line.lstrip().startswith("#"):
+            first, _, last = line.split()[0].lstrip("#").partition("-#")
+            shown += range(int(first), int(last or first) + 1)
+    assert shown == [d["decision"] for d in history], out
+    # the slowed rank (1, with 48 of 64 samples) gets fewer: the split is explained where it leaves the start
+    moved = next(d for d in history if d["sizes"] != d["previous_sizes"])
+    assert moved["sizes"][1] < 48 and moved["info"]["transition"]["next"] == "judging split", moved["info"]
+    assert "[even -> judging split]" in out and "leave the job's own split" in out, out
+    assert "decisions per phase: even " in out
+    from dynamix_hvd.runs.report import shade_phases
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    assert shade_phases(ax, history, read_run(run_dir).decisions["wall_s"], 100.0) and ax.patches
+    plt.close(fig)
+    missing = cli_here("explain", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "trace.h5 not found" in missing.stderr
+
+
 def test_every_option_is_explained(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert set(sub.choices) == {"run", "check", "summarize", "plot", "report", "tensorboard"}
+    assert set(sub.choices) >= {"run", "check", "summarize", "explain", "plot", "report", "tensorboard"}
     for name, p in sub.choices.items():
         for action in p._actions:
             if action.dest != "help":

@@ -35,7 +35,7 @@ Each decision, from the cost model (:mod:`dynamix_hvd.control.costmodel`) and th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,17 +43,18 @@ import numpy as np
 from .actions import BatchBounds
 from .flipguard import FlipGuard
 from .costmodel import CostConfig, CostFit, CostModel, NetworkFit, record_reports
-from .growth import GrowthCheck
+from .growth import GrowthCheck, GrowthConfig
 from .speedgap import speed_gap
-from .splitcheck import SplitCheck
+from .splitcheck import SplitCheck, SplitConfig
 from .jointfit import fit_joint
+from .phases import Alternative, Plan, phase_of, transition
 from .policy import DecisionInput, DecisionOutput
 from .state import RankReport
 from ..stats.noise_scale import batch_at_efficiency, statistical_efficiency
 from .. import validate
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProposalConfig:
     search_batch: bool = True
     """Choose the global batch (False: keep it and only split it)."""
@@ -140,6 +141,12 @@ class ProposalConfig:
     the gain that failed, at most 25%, until the measured gap has passed `split_margin` in
     `split_intervals` x 2^failures intervals running (see :class:`SplitCheck`). Off where
     `split_margin` is 0 and with token budgets."""
+    growth: GrowthConfig = field(default_factory=GrowthConfig)
+    """The growth check's settings (`check_growth`): how long a growth settles and is judged, and how
+    far its loss may fall behind."""
+    split: SplitConfig = field(default_factory=SplitConfig)
+    """The split check's settings (`check_split`): how a split is judged, and how far a failed one
+    raises the margin."""
 
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
@@ -148,8 +155,12 @@ class ProposalConfig:
             raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
         validate.integer("ProposalConfig.hold_unidentified", self.hold_unidentified, 0)
         validate.integer("ProposalConfig.split_intervals", self.split_intervals, 1)
-        if not (self.hysteresis >= 0 and 0 <= self.dither < 0.5 and self.candidates >= 2):
-            raise ValueError(f"invalid ProposalConfig {self}: hysteresis >= 0, 0 <= dither < 0.5, candidates >= 2")
+        validate.number("ProposalConfig.hysteresis", self.hysteresis, 0)
+        validate.number("ProposalConfig.dither", self.dither, 0, below=0.5, what="a fraction in [0, 0.5)")
+        validate.integer("ProposalConfig.candidates", self.candidates, 2)
+        for name, kind in (("growth", GrowthConfig), ("split", SplitConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"ProposalConfig.{name}={getattr(self, name)!r}; it must be a {kind.__name__}")
         for name in ("confident_growth", "check_growth", "check_split", "search_batch", "joint_fit"):
             validate.boolean(f"ProposalConfig.{name}", getattr(self, name))
         if self.dither_decisions is not None:
@@ -429,6 +440,36 @@ def _dither(sizes: np.ndarray, amount: float, index: int, fixed: np.ndarray, per
     return out
 
 
+@dataclass
+class Evidence:
+    """What one interval told the default policy (see `ModelPolicy._evidence`)."""
+
+    costs: CostModel
+    fit: CostFit
+    net: NetworkFit
+    may_grow: bool
+    """The growth check has its reference and has not banned growth."""
+    ran_neutral: bool
+    """The interval ran at the job's own split."""
+    checking: bool
+    """Splits are judged (a split check, and step times that do not follow the data's lengths)."""
+    split_failed: bool
+    """The split under judgement failed its check in this interval."""
+    gap: float
+    """The measured speed gap's lower bound (the paired test's)."""
+    slowest: int
+    intervals: int
+    """Intervals running whose measured gap passed the margin, the same rank the slowest."""
+    lifted: bool
+    """The gap, measured long enough, outweighs an earlier failed split: the configured margin applies."""
+    margin: float
+    confirmed: bool
+    """The speed difference is measured to exceed the margin: the split may leave the job's own."""
+    recheck: bool
+    budget_cap: int | None = None
+    late: bool = False
+
+
 class ModelPolicy:
     """Policy "model": the proposal, applied as is, except that with ``hold_flips`` a decision that
     would return to the sizes of two decisions ago is held (:class:`FlipGuard`). Fits come from the
@@ -447,8 +488,8 @@ class ModelPolicy:
         self.last: Proposal | None = None
         self.neutral: list[float] | None = None
         """Each rank's share of the job's initial sizes: the split kept while speeds do not differ."""
-        self.check = GrowthCheck() if self.cfg.check_growth else None
-        self.split_check = SplitCheck() if self.cfg.check_split and self.cfg.split_margin > 0 else None
+        self.check = GrowthCheck(self.cfg.growth) if self.cfg.check_growth else None
+        self.split_check = SplitCheck(self.cfg.split) if self.cfg.check_split and self.cfg.split_margin > 0 else None
         self._costs_seen = -1.0  # the cost model's step count at the last decision
         self._gap_run = 0
         """Recorded neutral intervals running whose measured gap passed the margin, `_gap_slowest` the
@@ -464,6 +505,9 @@ class ModelPolicy:
         self._rechecked = False
         """The last decision asked for a recheck (never two running: a gap whose slowest rank swaps
         between intervals would otherwise recheck at every decision)."""
+        self.phase: str | None = None
+        """The phase the next interval runs in (:data:`~dynamix_hvd.control.phases.PHASES`; None before
+        the first decision)."""
 
     @property
     def split_margin(self) -> float:
@@ -494,18 +538,59 @@ class ModelPolicy:
         return DecisionOutput(sizes, {**out.info, "held": held}, passes if held else out.passes)
 
     def propose(self, inp: DecisionInput) -> DecisionOutput:
-        """This decision's proposal (what policy "ppo" refines)."""
+        """This decision's proposal (what policy "ppo" refines): the interval's verdicts move the phase
+        (:mod:`dynamix_hvd.control.phases`), the phase's function says what may change, the proposal
+        changes that, and the record says why and what else was weighed."""
         if self.neutral is None or len(self.neutral) != len(inp.sizes):
             self.neutral = [float(b) for b in inp.sizes]
+        B_now, initial = inp.ctx.global_batch, inp.ctx.initial_batch
+        measured = self.phase or phase_of(False, False, off_neutral(inp.sizes, self.neutral), B_now > initial)
+        ev = self._evidence(inp)
+        if ev is None:  # no timed step yet: keep the sizes
+            self.last, self._rechecked = None, False
+            return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)],
+                                  {"proposal": None, "phase": measured})
+        if ev.split_failed:
+            now = "even"
+            plan = Plan(hold_batch=True, back_to_even=True,
+                        why="the split's measured step was not shorter by half its predicted gain: the sizes head "
+                            "back to the job's own split (as far as the trust region allows in one decision); a "
+                            f"new split needs a predicted gain of {self.split_margin:.0%}")
+        else:
+            now = phase_of(ev.checking and self.split_check.judging, self.check is not None and self.check.judging,
+                           not ev.ran_neutral, B_now > initial)
+            plan = getattr(self, "_" + now.replace(" ", "_"))(ev, inp)
+        self.last = self._carry_out(plan, ev, inp)
+        self.decisions += 1
+        after = self._next_phase(inp)
+        self.phase = after
+        info = {**self.last.info(), "target_global_batch": self.last.global_batch, **ev.fit.summary(),
+                "net_s": ev.net.net_s, "gamma": ev.net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
+                "may_grow": ev.may_grow, "growth_late": ev.late, "budget_cap": ev.budget_cap, "gap_bound": ev.gap,
+                "gap_intervals": ev.intervals, "margin_lifted": ev.lifted, "speed_shift": ev.costs.shift.tolist(),
+                "recheck": ev.recheck, "phase": now}
+        if self.split_check is not None and (self.split_check.last or ev.split_failed):
+            info["split_check"] = {**self.split_check.last, "failed_now": ev.split_failed,
+                                   "margin": self.split_margin, "failures": self.split_check.failures}
+        if self.check is not None and self.check.last:
+            info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
+        info["transition"] = transition(measured, now, after, [self._verdict(measured, now, ev), plan.why,
+                                                              self._outcome(now, after, inp)],
+                                        self._evidence_record(ev), self._alternatives(ev, inp))
+        return DecisionOutput(self.last.sizes, info, self.last.passes)
+
+    # --- the evidence an interval brings ------------------------------------------------------------
+    def _evidence(self, inp: DecisionInput) -> Evidence | None:
+        """Advance the checks on the interval just measured and test the ranks' speeds; None before
+        any step was timed."""
         if self.check is not None:
             self.check.observe(inp.reports, inp.ctx.global_batch, inp.ctx.initial_batch, inp.step_losses,
                                inp.budget_left)
         may_grow = self.check is None or (self.check.ready and not self.check.banned)
         costs = self._costs(inp)
         fit = costs.fit()
-        if fit is None:  # no timed step yet: keep the sizes
-            self.last, self._rechecked = None, False
-            return DecisionOutput([inp.bounds.clip(r, b) for r, b in enumerate(inp.sizes)], {"proposal": None})
+        if fit is None:
+            return None
         net = costs.fit_network()
         if self.cfg.joint_fit:
             fit, net = fit_joint(costs) or (fit, net)
@@ -535,63 +620,155 @@ class ModelPolicy:
         else:  # not evidence; the latest interval's bound is still reported
             (gap, slowest), passed = speed_gap(*costs.latest_interval()), False
         self._restored = False
-        evidence = self._gap_run
+        intervals = self._gap_run
         # a gap measured in enough intervals running outweighs an earlier failed split: the configured
         # margin applies while the run lasts, and the raised one is dropped when a split is taken on it
-        lifted = self.split_check is not None and self.split_check.outweighed(evidence, self.cfg.split_intervals)
+        lifted = self.split_check is not None and self.split_check.outweighed(intervals, self.cfg.split_intervals)
         margin = self.cfg.split_margin if lifted else self.split_margin
-        confirmed = (evidence >= self.cfg.split_intervals if self._stepwise
+        confirmed = (intervals >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > margin)
         # this interval added evidence that the next must confirm: where the gap is large, decide again
         # after the fewest steps rather than a whole interval later (a rank that became slower waits one
         # interval less); a gap near the margin waits for the regular interval
         recheck = passed and gap >= self.cfg.recheck_gap and not confirmed and not self._rechecked
         self._rechecked = recheck
+        return Evidence(costs, fit, net, may_grow, ran_neutral, checking, split_failed, gap, slowest, intervals,
+                        lifted, margin, confirmed, recheck)
 
-        # one change at a time: B holds while a split is judged (its step compares with the neutral one),
-        # when a failed split is undone, in the decision that leaves the neutral split, and while a
-        # growth is judged (its loss compares with the initial batch's)
+    # --- one function per phase: what a decision made in it may change ------------------------------
+    def _even(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(False, False, "the split may leave the job's own where the ranks' speeds are measured to "
+                                  "differ; the global batch may grow where a larger one is predicted to pay")
+
+    def _split(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(False, False, "the split follows the fitted speeds (back to the job's own where it no longer "
+                                  "pays half the margin); the global batch may grow")
+
+    def _grown(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(False, False, "the grown global batch follows the predicted goodput and the budget's cap; the "
+                                  "split may leave the job's own as from even")
+
+    def _split_and_grown(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(False, False, "split and global batch both follow the fitted costs")
+
+    def _judging_split(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(True, False, "a split is being judged: the global batch holds until its verdict")
+
+    def _judging_growth(self, ev: Evidence, inp: DecisionInput) -> Plan:
+        return Plan(True, False, "a growth is being judged: the global batch holds until its verdict")
+
+    # --- carrying the plan out ----------------------------------------------------------------------
+    def _carry_out(self, plan: Plan, ev: Evidence, inp: DecisionInput) -> Proposal:
+        """The proposal within what `plan` allows: one change at a time, a budget's cap, no growth too
+        late to be judged, and the split left alone in the decision that leaves the job's own."""
         held = replace(self.cfg, search_batch=False)
-        hold = split_failed or (checking and self.split_check.judging) or (self.check is not None and self.check.judging)
         # A budget caps B where a larger batch would cost the job's end more than `budget_loss`; not
         # while a change is judged (its sizes must hold until the verdict).
-        cap = None if hold else self._budget_cap(inp)
+        cap = None if plan.hold_batch else self._budget_cap(inp)
 
         def proposal(cfg: ProposalConfig, neutral: bool = False) -> Proposal:
-            return propose(cfg, fit, net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
-                           self.decisions, inp.passes, self.neutral, may_grow, split_confirmed=confirmed,
-                           split_margin=margin, force_neutral=split_failed or neutral, cap=cap)
+            return propose(cfg, ev.fit, ev.net, inp.sizes, inp.bounds, inp.ctx.initial_batch, self.noise(inp),
+                           self.decisions, inp.passes, self.neutral, ev.may_grow, split_confirmed=ev.confirmed,
+                           split_margin=ev.margin, force_neutral=plan.back_to_even or neutral, cap=cap)
 
-        budget_cap = cap  # recorded as the budget set it (the late rule below may lower `cap`)
-        self.last = proposal(held if hold else self.cfg)
-        late = not hold and self._growth_too_late(inp)
-        if late:  # no growth whose check could not give its verdict before the budget ends
+        ev.budget_cap = cap  # recorded as the budget set it (the late rule below may lower `cap`)
+        last = self.last = proposal(held if plan.hold_batch else self.cfg)
+        ev.late = not plan.hold_batch and self._growth_too_late(inp)
+        if ev.late:  # no growth whose check could not give its verdict before the budget ends
             cap = min(max(inp.ctx.global_batch, inp.ctx.initial_batch), cap if cap is not None else math.inf)
-            self.last = proposal(self.cfg)
+            last = proposal(self.cfg)
         B_now = inp.ctx.global_batch
-        leaving = checking and ran_neutral and not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
-        if leaving and self.cfg.search_batch and self.last.global_batch != B_now:
-            self.last = proposal(held)
-            if self.last.global_batch != B_now:  # the budget's cap moves B: that change alone, the split waits
-                self.last = proposal(held, neutral=True)
-            leaving = not self.last.neutral and off_neutral(self.last.sizes, self.neutral)
+        leaving = ev.checking and ev.ran_neutral and not last.neutral and off_neutral(last.sizes, self.neutral)
+        if leaving and self.cfg.search_batch and last.global_batch != B_now:
+            last = proposal(held)
+            if last.global_batch != B_now:  # the budget's cap moves B: that change alone, the split waits
+                last = proposal(held, neutral=True)
+            leaving = not last.neutral and off_neutral(last.sizes, self.neutral)
         if leaving:
-            self.split_check.start(self.last.split_gain)
-            if lifted:
+            self.split_check.start(last.split_gain)
+            if ev.lifted:
                 self.split_check.lift()
-        if split_failed:
+        if ev.split_failed:
             self._end_gap_run()  # a later split needs fresh evidence
-        self.decisions += 1
-        info = {**self.last.info(), "target_global_batch": self.last.global_batch, **fit.summary(),
-                "net_s": net.net_s, "gamma": net.gamma, "fit": "joint" if self.cfg.joint_fit else "staged",
-                "may_grow": may_grow, "growth_late": late, "budget_cap": budget_cap, "gap_bound": gap, "gap_intervals": evidence, "margin_lifted": lifted, "speed_shift": costs.shift.tolist(),
-                "recheck": recheck}
-        if self.split_check is not None and (self.split_check.last or split_failed):
-            info["split_check"] = {**self.split_check.last, "failed_now": split_failed,
-                                   "margin": self.split_margin, "failures": self.split_check.failures}
-        if self.check is not None and self.check.last:
-            info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
-        return DecisionOutput(self.last.sizes, info, self.last.passes)
+        return last
+
+    def _next_phase(self, inp: DecisionInput) -> str:
+        """The phase the next interval runs in, with the sizes just proposed."""
+        grown = self.last.global_batch > inp.ctx.initial_batch
+        growth_judged = (self.check is not None and not (self.check.accepted or self.check.banned) and grown)
+        return phase_of(self.split_check is not None and self.split_check.judging, growth_judged,
+                        off_neutral(self.last.sizes, self.neutral), grown)
+
+    # --- the record ---------------------------------------------------------------------------------
+    def _verdict(self, measured: str, now: str, ev: Evidence) -> str:
+        """What the interval just measured decided, where it decided anything."""
+        if ev.split_failed:
+            c = self.split_check.last
+            return (f"split failed: measured step {c.get('split_step_s', math.nan):.4g} s against the even "
+                    f"split's {c.get('reference_step_s', math.nan):.4g} s")
+        if measured == "judging split" and now != "judging split":
+            c = self.split_check.last if self.split_check is not None else {}
+            return (f"split kept: measured step {c.get('split_step_s', math.nan):.4g} s against the even "
+                    f"split's {c.get('reference_step_s', math.nan):.4g} s")
+        if measured == "judging growth" and now != "judging growth" and self.check is not None:
+            c = self.check.last
+            verdict = "fell behind" if self.check.banned else "kept up"
+            return (f"growth {'banned' if self.check.banned else 'kept'}: the loss {verdict} with the initial "
+                    f"batch's line (excess {c.get('excess', math.nan):.4g}, tolerance {c.get('tolerance', math.nan):.4g})")
+        if ev.recheck:
+            return f"speed gap {ev.gap:.3f} in one interval: decide again soon to confirm it"
+        return ""
+
+    def _outcome(self, now: str, after: str, inp: DecisionInput) -> str:
+        last, B_now = self.last, inp.ctx.global_batch
+        if after == now:
+            return "" if list(last.sizes) == list(inp.sizes) and last.passes == inp.passes else "sizes follow the fit"
+        if after == "judging split":
+            return (f"leave the job's own split: the ranks' speeds were measured to differ in {self._gap_run} "
+                    f"intervals running; equalising their arrivals is predicted to shorten the step by "
+                    f"{last.split_gain:.1%}")
+        if after == "judging growth":
+            gain = last.predicted_goodput / last.goodput_now - 1 if last.goodput_now > 0 else math.nan
+            return (f"grow the global batch {B_now} -> {last.global_batch}: predicted goodput {gain:+.1%} "
+                    f"(noise scale {last.noise_scale:.4g})")
+        if after in ("even", "grown") and now in ("split", "split and grown"):
+            return "back to the job's own split: equalising no longer pays half the margin"
+        if after in ("even", "split") and now in ("grown", "split and grown", "judging growth"):
+            return f"the global batch returns to {last.global_batch}"
+        if now == "even" and after in ("split", "split and grown"):
+            return ("the trust region let the sizes move only part of the way back: the next interval runs off "
+                    "the job's own split, and the split follows the fit from there, unjudged")
+        return f"{now} -> {after}"
+
+    def _evidence_record(self, ev: Evidence) -> dict[str, Any]:
+        last = self.last
+        return {"gap_bound": ev.gap, "slowest_rank": ev.slowest, "gap_intervals": ev.intervals,
+                "split_margin": ev.margin, "split_confirmed": ev.confirmed, "predicted_split_gain": last.split_gain,
+                "noise_scale": last.noise_scale, "goodput_now": last.goodput_now,
+                "predicted_goodput": last.predicted_goodput, "may_grow": ev.may_grow, "budget_cap": ev.budget_cap,
+                "growth_too_late": ev.late, "recheck": ev.recheck}
+
+    def _alternatives(self, ev: Evidence, inp: DecisionInput) -> list[Alternative]:
+        """The sizes kept, the job's own split and the arrival-equalising split of the current micro-batch,
+        and the proposal, each with its predicted step and goodput."""
+        R, passes = len(inp.sizes), inp.passes
+        a_s, c_s = ev.fit.split_coefficients()
+        lo = np.full(R, inp.bounds.min_batch, dtype=np.int64)
+        hi = np.array([inp.bounds.upper(r) for r in range(R)], dtype=np.int64)
+        micro = int(np.clip(sum(inp.sizes), lo.sum(), hi.sum()))
+        even = neutral_sizes(micro, self.neutral, a_s, c_s, lo, hi).tolist()
+        equal = round_split(equalise(np.array([float(micro)]), a_s, c_s, lo, hi)[0], micro, a_s, c_s, lo, hi)
+        noise, initial = self.noise(inp), inp.ctx.initial_batch
+
+        def scored(name: str, sizes: Sequence[int], p: int) -> Alternative:
+            b = np.asarray(sizes, dtype=np.float64)
+            step = float(np.atleast_1d(ev.net.step_time(ev.fit.arrival(b[None, :], split=True).max(1), p))[0])
+            B = int(p * b.sum())
+            gp = B * float(statistical_efficiency(noise, B, initial, unknown="no_gain")) / step if step > 0 else math.nan
+            return Alternative(name, [int(x) for x in sizes], p, B, step, gp)
+
+        return [scored("keep", inp.sizes, passes), scored("even split", even, passes),
+                scored("equalised split", equal, passes), scored("chosen", self.last.sizes, self.last.passes)]
 
     def _budget_cap(self, inp: DecisionInput) -> int | None:
         """The largest global batch that, held to the budget's end, loses at most `budget_loss` of
@@ -677,10 +854,11 @@ class ModelPolicy:
         self._rechecked = False
         self.neutral = None
         self.last = None
+        self.phase = None
         if self.check is not None:  # a reference from another world says nothing about this one
-            self.check = GrowthCheck()
+            self.check = GrowthCheck(self.cfg.growth)
         if self.split_check is not None:
-            self.split_check = SplitCheck()
+            self.split_check = SplitCheck(self.cfg.split)
         if self.guard is not None:
             self.guard = FlipGuard()
 
@@ -690,7 +868,7 @@ class ModelPolicy:
                 "split": None if self.split_check is None else self.split_check.state_dict(),
                 "guard": None if self.guard is None else [list(h) for h in self.guard.history],
                 "gap_run": self._gap_run, "gap_slowest": self._gap_slowest, "stepwise": self._stepwise,
-                "rechecked": self._rechecked}
+                "rechecked": self._rechecked, "phase": self.phase}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "learner" in state:  # a deployed PPO policy's state: its proposal's and its guard's are this state
@@ -710,6 +888,7 @@ class ModelPolicy:
         self._unit_from = None
         self._stepwise = bool(state.get("stepwise", False))
         self._rechecked = bool(state.get("rechecked", False))
+        self.phase = state.get("phase")
         self._restored = True
 
 

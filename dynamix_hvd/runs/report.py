@@ -1,8 +1,8 @@
 """A one-page PNG report of a finished run (``dynamix-hvd plot RUN_DIR``).
 
-Header with the run's metadata, then four panels against wall time: batch size per rank, loss (and
-test accuracy), allreduce wait per rank (the straggler signal: a slow rank makes the *others* wait),
-and throughput per rank; below them the straggler diagnosis (`dynamix_hvd.runs.diagnosis`): where each
+Header with the run's metadata, then four panels against wall time: batch size per rank (shaded by
+the default policy's phase, see ``dynamix-hvd explain``), loss (and test accuracy), allreduce wait
+per rank (the straggler signal: a slow rank makes the *others* wait), and throughput per rank; below them the straggler diagnosis (`dynamix_hvd.runs.diagnosis`): where each
 rank's step time went, which rank was slow, in which phase, and what the sizes recovered against the
 equal split. Uses matplotlib's Agg backend, so no display is needed.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -19,6 +19,7 @@ import pandas as pd
 from .progress import format_sizes
 from ..data.memory import MemoryBudget
 from .diagnosis import Diagnosis, diagnose
+from .explain import phase_spans
 from .rundir import RunData, read_run
 
 
@@ -81,10 +82,13 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
         s = nominal[nominal["rank"] == r]
         ax.step(s.wall_s, s.local_batch, where="post", color=colors(r % 10), label=f"rank {r}")
     d = run.decisions
+    shaded = False
     if "wall_s" in d and len(d["wall_s"]):
         for t in d["wall_s"][np.isfinite(d["wall_s"])]:
             ax.axvline(t, color="0.8", lw=0.6, zorder=0)
-    ax.set(title="local batch size per rank (grey: decisions)", xlabel="wall time (s)", ylabel="samples per step")
+        shaded = shade_phases(ax, run.history, d["wall_s"], float(steps.wall_s.max()) if len(steps) else math.nan)
+    ax.set(title="local batch size per rank (grey: decisions" + ("; shading: phases)" if shaded else ")"),
+           xlabel="wall time (s)", ylabel="samples per step")
     ax.legend(fontsize=8, loc="best")
 
     ax = fig.add_subplot(grid[0, 1])
@@ -125,6 +129,31 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     fig.savefig(out, dpi=dpi)
     plt.close(fig)
     return out
+
+
+PHASE_COLORS = {"even": None, "judging split": "tab:orange", "split": "tab:green", "judging growth": "tab:purple",
+                "grown": "tab:blue", "split and grown": "tab:cyan"}
+"""Shading of each phase on the batch-size panel (even: none)."""
+
+
+def shade_phases(ax: Any, history: Sequence[dict[str, Any]], times: np.ndarray, end: float) -> bool:
+    """Shade the stretches of training by the default policy's phase; False where the run's policy
+    records no phases."""
+    spans = phase_spans(history, [float(t) for t in times])
+    if not spans:
+        return False
+    labelled = set()
+    for start, stop, phase in spans:
+        color = PHASE_COLORS.get(phase)
+        if color is None:
+            continue
+        stop = stop if math.isfinite(stop) else end
+        if not math.isfinite(stop) or stop <= start:
+            continue
+        ax.axvspan(start, stop, color=color, alpha=0.12, lw=0, zorder=0,
+                   label=None if phase in labelled else phase)
+        labelled.add(phase)
+    return True
 
 
 def draw_diagnosis(ax: Any, diag: Diagnosis | None) -> None:

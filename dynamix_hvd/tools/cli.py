@@ -131,6 +131,22 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from ..runs.explain import explain_lines, legend_lines
+    from ..runs.rundir import read_run
+
+    try:
+        run = read_run(args.run_dir)
+    except FileNotFoundError as exc:
+        return _fail(str(exc), 1)
+    if args.phases:
+        print("phases:")
+        print("\n".join(legend_lines()))
+        print()
+    print("\n".join(explain_lines(run.history, verbose=args.all)))
+    return 0
+
+
 def cmd_tensorboard(args: argparse.Namespace) -> int:
     from ..runs.tensorboard import write_run_tensorboard
 
@@ -175,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summarize", help="table of a finished run, one row per epoch, and its straggler diagnosis")
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")
     p.set_defaults(func=cmd_summarize)
+
+    p = sub.add_parser("explain", help="why each decision of a finished run was made, phase by phase",
+                       description="Print a run's decisions: the phase each was made in, what the interval "
+                                   "before it concluded, why the sizes changed (or not), the evidence and the "
+                                   "alternatives weighed with their predicted step times. Runs of decisions "
+                                   "that changed nothing are folded into one line (--all shows each).")
+    p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5)")
+    p.add_argument("--all", action="store_true", help="every decision, with its evidence and alternatives")
+    p.add_argument("--phases", action="store_true", help="first list the phases and what each means")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("plot", aliases=["report"], help="write the PNG report of a finished run")
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5 and epochs.csv)")

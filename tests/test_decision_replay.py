@@ -1,0 +1,62 @@
+"""The default policy replayed on stored decision logs (tests/decision_logs.py): the same decisions.
+
+Every stored decision must come out again (sizes, micro-batches per step, recheck, the AdaScale gain)
+except those named in INTENDED_CHANGES, each with why it changed. A change to the decision logic that
+moves any other decision fails here first, naming the log, the decision and both answers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from decision_logs import LIVE, LOGS, SIMULATED_MAX_DECISIONS, read, simulated_decisions
+from dynamix_hvd.control.config import ControllerConfig, make_core
+from dynamix_hvd.control.core import RankInput
+from dynamix_hvd.control.phases import PHASES
+from dynamix_hvd.control.proposal import ModelPolicy
+
+INTENDED_CHANGES: dict[tuple[str, int], str] = {}
+"""(log, decision index) -> why the decision differs from the stored one. Empty: none is meant to."""
+
+
+def differences(log: str, stored: list[dict[str, Any]], replayed: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for i, (a, b) in enumerate(zip(stored, replayed)):
+        keys = [k for k in ("sizes", "passes", "recheck", "lr_gain") if k in a and a[k] != b[k]]
+        if keys and (log, i) not in INTENDED_CHANGES:
+            out.append(f"{log} decision {i}: " + ", ".join(f"{k} {a[k]} -> {b[k]}" for k in keys))
+    if len(stored) != len(replayed):
+        out.append(f"{log}: {len(stored)} decisions stored, {len(replayed)} replayed")
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LIVE))
+def test_a_real_jobs_decisions_replay_unchanged(name: str) -> None:
+    log = read(LOGS / f"live-{name}.json.gz")
+    core = make_core(ControllerConfig(**log["config"]), 2, log["initial_batch"], log["layer_names"])
+    replayed = []
+    for inputs, stored in zip(log["inputs"], log["decisions"]):
+        d = core.decide([RankInput.from_dict(i) for i in inputs], stored["previous_sizes"], stored["epoch"],
+                        passes=stored["previous_passes"], done=stored["done"])
+        replayed.append({"sizes": d.sizes, "passes": d.passes, "recheck": d.recheck, "lr_gain": d.lr_gain,
+                         "phase": d.info.get("phase")})
+    assert not differences(f"live-{name}", log["decisions"], replayed)
+    phases = [d["phase"] for d in replayed]
+    assert set(phases) <= set(PHASES), phases
+    if name == "equal":
+        assert set(phases) == {"even"}, phases
+    else:  # the slow rank is found, its split judged and kept
+        assert {"even", "judging split", "split"} <= set(phases), phases
+
+
+def test_simulated_jobs_replay_unchanged() -> None:
+    stored = read(LOGS / "simulated.json.gz")
+    problems, seen = [], set()
+    for job in stored:
+        replayed, _ = simulated_decisions(job["seed"], ModelPolicy())
+        problems += differences(f"simulated seed {job['seed']} ({job['family']})", job["decisions"], replayed)
+        seen |= {d["phase"] for d in replayed}
+    assert not problems, "\n".join(problems)
+    assert seen <= set(PHASES) and len(seen) >= 3, seen
+    assert max(len(job["decisions"]) for job in stored) == SIMULATED_MAX_DECISIONS
