@@ -10,25 +10,66 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .. import validate
 
 UNKNOWN_LENGTH_PER_EPOCH = 4
-"""In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
+"""Default of `CadenceConfig.unknown_length_per_epoch`."""
 
 FREE_DECISIONS = 4
-"""The job's first decisions, which find the split, are not held back by the decision budget."""
+"""Default of `CadenceConfig.free_decisions`."""
+
+
+@dataclass(frozen=True)
+class CadenceConfig:
+    """When the automatic cadence (``ControllerConfig.decide_every_steps=None``) decides, and what
+    deciding may cost."""
+
+    decision_budget: float = 0.01
+    """With decide_every_steps=None: the share of training time decisions may take once the first
+    `free_decisions` (which find the split) are made. Every rank waits while rank 0 decides, so on
+    short steps a decision costs several steps: rank 0 measures each decision and the step time and
+    spaces the next at least decision time / (budget x step time) steps later, epoch ends included;
+    only a recheck (the interval after a first sign of a large speed gap) comes sooner. 0: no limit."""
+    target_decisions: int = 32
+    """With ``decide_every_steps=None``: the decisions a job of `total_epochs` epochs aims for."""
+    min_decision_steps: int = 8
+    """With ``decide_every_steps=None``: fewest steps between two decisions inside an epoch (the cost
+    fits and the noise scale need a few steps per interval), the length of the ramp's first two
+    intervals and of a recheck's (optimizer steps there)."""
+    max_decision_interval_s: float = 20.0
+    """With ``decide_every_steps=None``: the longest an interval inside an epoch may last, in seconds
+    of training at the ranks' median step time, so that a long job (32 decisions over days, or epochs
+    of many minutes) still follows a rank whose speed changes within about two intervals; the decision
+    budget's spacing and `min_decision_steps` still come first. 0: no ceiling (target_decisions alone
+    spreads them)."""
+    free_decisions: int = FREE_DECISIONS
+    """The job's first decisions, which find the split, are not held back by the decision budget."""
+    unknown_length_per_epoch: int = UNKNOWN_LENGTH_PER_EPOCH
+    """In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
+
+    def __post_init__(self) -> None:
+        validate.number("CadenceConfig.decision_budget", self.decision_budget, 0, below=1,
+                        what="a share of training time in [0, 1) (0: no limit)")
+        validate.integer("CadenceConfig.target_decisions", self.target_decisions, 1)
+        validate.integer("CadenceConfig.min_decision_steps", self.min_decision_steps, 1)
+        validate.number("CadenceConfig.max_decision_interval_s", self.max_decision_interval_s, 0,
+                        what="a finite number of seconds >= 0 (0: no ceiling)")
+        validate.integer("CadenceConfig.free_decisions", self.free_decisions, 0)
+        validate.integer("CadenceConfig.unknown_length_per_epoch", self.unknown_length_per_epoch, 1)
 
 
 class DecisionCadence:
     """``every`` None: at every epoch end and inside epochs every ceil(epoch steps / per epoch) steps,
-    per epoch = ceil(target_decisions / total_epochs) (`UNKNOWN_LENGTH_PER_EPOCH` without
+    per epoch = ceil(target_decisions / total_epochs) (`unknown_length_per_epoch` without
     total_epochs), at least `min_steps` apart and none in an epoch's last half-interval; the job's
     first intervals ramp up to that: min_steps, min_steps again, twice that, ... ``every`` k > 0:
     every k steps, and at an epoch end at least k/2 steps after the last decision; 0: at epoch ends
     only.
 
-    ``spacing`` (default cadence only, after the first `FREE_DECISIONS`): no decision, epoch ends
+    ``spacing`` (default cadence only, after the first `free_decisions`): no decision, epoch ends
     included, sooner than this many steps after the last one. The controller's rank 0 sets it from the
     decision budget (a decision's cost against the step time) and sends it with every decision, so it
     is shared like the rest (restored from the decision history with a checkpoint, and from the shared
@@ -46,15 +87,23 @@ class DecisionCadence:
     ``ceiling`` (default cadence only; 0: none): the most steps an in-epoch interval may span, so that
     a long job (few decisions spread over many epochs, or epochs of many minutes) still decides every
     so many seconds and follows a rank whose speed changes within about two intervals. Rank 0 sets it
-    from ``AdvancedConfig.max_decision_interval_s`` and the step time (`interval_ceiling`) and sends
+    from ``CadenceConfig.max_decision_interval_s`` and the step time (`interval_ceiling`) and sends
     it with every decision, like the spacing; the spacing wins where the two disagree (the decision
     budget is a bound, the ceiling a wish), and no interval is shorter than `min_steps`."""
 
-    def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None) -> None:
+    def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None, *,
+                 free_decisions: int = FREE_DECISIONS, unknown_length_per_epoch: int = UNKNOWN_LENGTH_PER_EPOCH) -> None:
         self.every, self.target, self.min_steps, self.total_epochs = every, target_decisions, min_steps, total_epochs
+        self.free_decisions, self.unknown_length_per_epoch = free_decisions, unknown_length_per_epoch
         self._key: tuple | None = None
         self._interval = 0
         self._epoch_steps = 0
+
+    @classmethod
+    def from_config(cls, every: int | None, config: CadenceConfig, total_epochs: int | None) -> "DecisionCadence":
+        """The cadence of ``decide_every_steps=every`` with the automatic cadence's `config`."""
+        return cls(every, config.target_decisions, config.min_decision_steps, total_epochs,
+                   free_decisions=config.free_decisions, unknown_length_per_epoch=config.unknown_length_per_epoch)
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
             sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
@@ -73,7 +122,7 @@ class DecisionCadence:
             if epoch_end or steps_since < recheck:
                 return epoch_end and steps_since >= recheck
             return self._plan(epoch, decisions, sizes, epoch_length, ceiling) - step >= recheck // 2
-        if decisions >= FREE_DECISIONS and steps_since < spacing:
+        if decisions >= self.free_decisions and steps_since < spacing:
             return False
         if epoch_end:
             return True
@@ -89,7 +138,7 @@ class DecisionCadence:
         if key != self._key:
             self._key = key
             self._epoch_steps = epoch_length()
-            per_epoch = -(-self.target // self.total_epochs) if self.total_epochs else UNKNOWN_LENGTH_PER_EPOCH
+            per_epoch = -(-self.target // self.total_epochs) if self.total_epochs else self.unknown_length_per_epoch
             # The first split matters most and later decisions mostly confirm it: the first intervals
             # are short and double until the spacing that spreads target_decisions over the job. The
             # first two are both min_steps: a split needs two intervals of evidence (a paired test

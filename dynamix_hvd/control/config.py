@@ -2,20 +2,25 @@
 
 :class:`ControllerConfig` holds the operational settings at top level; the research settings sit in
 typed nested configs: the chosen policy's (``policy_config``: a :class:`ProposalConfig` for "ppo" and
-"model", a rule's own config for a classic rule), the PPO learner's (``ppo``, fields over the policy
-file's), the reward's, the gradient statistics' and the :class:`AdvancedConfig` group (cadence
-tuning, the action set, sampling, debugging). Every value is checked at construction; an error names
-the field and the value.
+"model", a rule's own config for a classic rule), the PPO learner's (``ppo``: a :class:`PPOOverrides`,
+fields over the policy file's) and the :class:`AdvancedConfig` group (the cadence's tuning, the
+reward, the gradient statistics, the cost model, the PPO action set, sampling, debugging). Every
+config is frozen (change one with :func:`dataclasses.replace`) and checked at construction; an
+error names the field and the value. :meth:`ControllerConfig.to_dict` and
+:meth:`ControllerConfig.from_dict` turn a config into plain JSON values and back.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 from .actions import DEFAULT_MULTIPLIERS, ActionSpace
+from .cadence import CadenceConfig
 from .core import DecisionCore
+from .costmodel import CostConfig
 from .policy import BatchSizePolicy, StaticPolicy
 from .policy_store import DEFAULT_POLICY, load_policy
 from .proposal import ModelPolicy, ProposalConfig
@@ -39,24 +44,106 @@ defaults except gamma 0.9 (rewards are O(1) log-ratios per decision, and a short
 returns O(10) so the clipped value loss can follow them) and rollouts of 16 decisions."""
 
 
-@dataclass
-class AdvancedConfig:
-    """Settings few jobs change: the automatic cadence's tuning, the PPO action set, resource sampling
-    and what rank 0 keeps for debugging."""
+@dataclass(frozen=True)
+class PPOOverrides:
+    """The PPO settings a job sets over the policy file's (policy "ppo"): each field is
+    :class:`~dynamix_hvd.control.ppo.PPOConfig`'s field of the same name, and None (every default)
+    leaves the policy file's value (a fresh policy's: :data:`FRESH_PPO`). A field set overrides it,
+    whatever its value; a field that shapes the stored network (``hidden_sizes``) and differs from
+    it is refused by name. ``ControllerConfig(ppo={"seed": 3})`` is read as ``PPOOverrides(seed=3)``."""
 
-    target_decisions: int = 32
-    """With ``decide_every_steps=None``: the decisions a job of `total_epochs` epochs aims for."""
-    min_decision_steps: int = 8
-    """With ``decide_every_steps=None``: fewest steps between two decisions inside an epoch (the cost
-    fits and the noise scale need a few steps per interval), the length of the ramp's first two
-    intervals and of a recheck's (optimizer steps there)."""
-    max_decision_interval_s: float = 20.0
-    """With ``decide_every_steps=None``: the longest an interval inside an epoch may last, in seconds
-    of training at the ranks' median step time, so that a long job (32 decisions over days, or epochs
-    of many minutes) still follows a rank whose speed changes within about two intervals; the decision
-    budget's spacing and `min_decision_steps` still come first. 0: no ceiling (target_decisions alone
-    spreads them)."""
-    multipliers: tuple[float, ...] = DEFAULT_MULTIPLIERS
+    learning_rate: Optional[float] = None
+    """PPOConfig.learning_rate: Adam's step size."""
+    adam_eps: Optional[float] = None
+    """PPOConfig.adam_eps: Adam's epsilon."""
+    gamma: Optional[float] = None
+    """PPOConfig.gamma: the discount of per-decision rewards."""
+    gae_lambda: Optional[float] = None
+    """PPOConfig.gae_lambda: GAE's lambda."""
+    rollout_length: Optional[int] = None
+    """PPOConfig.rollout_length: decisions per PPO update."""
+    update_epochs: Optional[int] = None
+    """PPOConfig.update_epochs: passes over the rollout per update."""
+    num_minibatches: Optional[int] = None
+    """PPOConfig.num_minibatches: minibatches per pass."""
+    clip_coef: Optional[float] = None
+    """PPOConfig.clip_coef: the surrogate objective's ratio clip."""
+    clip_vloss: Optional[bool] = None
+    """PPOConfig.clip_vloss: clip the value update around the old values."""
+    norm_adv: Optional[bool] = None
+    """PPOConfig.norm_adv: normalise advantages within each minibatch."""
+    ent_coef: Optional[float] = None
+    """PPOConfig.ent_coef: the entropy bonus's weight."""
+    vf_coef: Optional[float] = None
+    """PPOConfig.vf_coef: the value loss's weight."""
+    max_grad_norm: Optional[float] = None
+    """PPOConfig.max_grad_norm: the gradients' global norm clip."""
+    target_kl: Optional[float] = None
+    """PPOConfig.target_kl: stop an update's epochs once approx_kl exceeds it; 0 sets PPOConfig's None
+    (never stop early)."""
+    hidden_sizes: Optional[Tuple[int, ...]] = None
+    """PPOConfig.hidden_sizes: the hidden layers' widths (must match a policy file's)."""
+    seed: Optional[int] = None
+    """PPOConfig.seed: the learner's random seed."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hidden_sizes, list):
+            object.__setattr__(self, "hidden_sizes", tuple(self.hidden_sizes))
+        try:
+            full = dataclasses.replace(FRESH_PPO, **self.named())  # checks every value set
+        except ValueError as exc:
+            raise ValueError(f"ControllerConfig.ppo: {exc}") from None
+        if self.hidden_sizes is not None:
+            object.__setattr__(self, "hidden_sizes", full.hidden_sizes)
+
+    def named(self) -> dict[str, Any]:
+        """The PPOConfig fields set here, {field: PPOConfig's value} (target_kl 0: None)."""
+        named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        if named.get("target_kl") == 0:
+            named["target_kl"] = None
+        return named
+
+    @classmethod
+    def of(cls, ppo: Any) -> "PPOOverrides":
+        """`ppo` as PPOOverrides: itself, or a mapping of PPOConfig fields (checked by name)."""
+        if isinstance(ppo, cls):
+            return ppo
+        if not isinstance(ppo, Mapping):
+            raise ValueError(f"ControllerConfig.ppo={ppo!r}; give a PPOOverrides or a dict of PPOConfig fields, "
+                             "e.g. PPOOverrides(learning_rate=1e-4)")
+        unknown = [k for k in ppo if k not in PPO_FIELDS]
+        if unknown:
+            raise ValueError(f"ControllerConfig.ppo has unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"PPOConfig's fields are {', '.join(PPO_FIELDS)}")
+        named = dict(ppo)
+        if "target_kl" in named and named["target_kl"] is None:
+            named["target_kl"] = 0  # PPOConfig's None (never), set on purpose
+        return cls(**named)
+
+
+PPO_FIELDS = tuple(f.name for f in dataclasses.fields(PPOConfig))
+
+
+@dataclass(frozen=True)
+class AdvancedConfig:
+    """Settings few jobs change: the automatic cadence's tuning, the reward, the gradient statistics,
+    the cost model, the BatchNorm floor, the PPO action set, resource sampling and what rank 0 keeps
+    for debugging."""
+
+    batchnorm_min_batch: int = 16
+    """Smallest local batch a rank may get when the model handed to the controller (``model=``) has
+    BatchNorm layers that normalise with each rank's own batch (SyncBatchNorm excepted): a small rank
+    would normalise with the statistics of a few samples. Never above the smallest initial size."""
+    cadence: CadenceConfig = field(default_factory=CadenceConfig)
+    """The automatic cadence's tuning and the decision budget (``decide_every_steps=None``)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward's weights (policy "ppo"; see `dynamix_hvd.control.reward`)."""
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    """The gradient statistics' smoothing and windows (every policy)."""
+    costs: CostConfig = field(default_factory=CostConfig)
+    """The per-rank cost lines' and the network fit's settings (every policy; the model-based ones
+    decide with them)."""
+    multipliers: Tuple[float, ...] = DEFAULT_MULTIPLIERS
     """The discrete PPO actions: corrections of a rank's proposed share and of the proposed global
     batch (must include 1.0; a policy file is refused unless it was trained with the same set)."""
     resource_period_s: float = 1.0
@@ -67,34 +154,35 @@ class AdvancedConfig:
     `DynamixController.inputs`, e.g. to replay them through a fresh `DecisionCore`; 0 keeps none."""
 
     def __post_init__(self) -> None:
-        validate.integer("AdvancedConfig.target_decisions", self.target_decisions, 1)
-        validate.integer("AdvancedConfig.min_decision_steps", self.min_decision_steps, 1)
+        validate.integer("AdvancedConfig.batchnorm_min_batch", self.batchnorm_min_batch, 1)
         validate.integer("AdvancedConfig.keep_inputs", self.keep_inputs, 0)
         validate.number("AdvancedConfig.resource_period_s", self.resource_period_s, 0,
                         what="a finite number of seconds >= 0")
-        validate.number("AdvancedConfig.max_decision_interval_s", self.max_decision_interval_s, 0,
-                        what="a finite number of seconds >= 0 (0: no ceiling)")
+        for name, kind in (("cadence", CadenceConfig), ("reward", RewardConfig), ("stats", StatsConfig),
+                           ("costs", CostConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"AdvancedConfig.{name}={getattr(self, name)!r}; it must be a {kind.__name__}")
         if isinstance(self.multipliers, (str, bytes)) or not isinstance(self.multipliers, (tuple, list)) \
                 or not all(validate.is_number(m) for m in self.multipliers):
             raise ValueError(f"AdvancedConfig.multipliers={self.multipliers!r}; give a tuple of finite numbers, "
                              "e.g. (0.5, 1.0, 2.0)")
-        self.multipliers = tuple(self.multipliers)
+        object.__setattr__(self, "multipliers", tuple(self.multipliers))
         try:
             ActionSpace(self.multipliers)  # validates the action set
         except ValueError as exc:
             raise ValueError(f"AdvancedConfig.multipliers={self.multipliers!r}: {exc}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControllerConfig:
     """What the controller does. The operational settings are at top level; research settings are in
-    the typed nested configs (``policy_config``, ``ppo``, ``reward``, ``stats``, ``advanced``).
+    the typed nested configs (``policy_config``, ``ppo``, ``advanced``).
 
-    PPO settings (policy "ppo"), highest first: the fields named in ``ppo`` > the policy file's stored
+    PPO settings (policy "ppo"), highest first: the fields set in ``ppo`` > the policy file's stored
     settings (``policy_file``; for a fresh policy, ``policy_file=None``: :data:`FRESH_PPO`) >
-    :class:`~dynamix_hvd.control.ppo.PPOConfig`'s defaults. A field not named in ``ppo`` is never overridden,
-    whatever its value; a named field that shapes the stored network (``hidden_sizes``) and differs
-    from it is refused by name."""
+    :class:`~dynamix_hvd.control.ppo.PPOConfig`'s defaults. A field not set in ``ppo`` is never
+    overridden; a set field that shapes the stored network (``hidden_sizes``) and differs from it is
+    refused by name."""
 
     policy: str = "model"
     """Decision maker: "model" (the default: the cost-model proposal of `dynamix_hvd.control.proposal`,
@@ -103,12 +191,12 @@ class ControllerConfig:
     simulated clusters of tests/test_refine.py; policies/default.md compares them), "static", or a
     classic rule of `dynamix_hvd.control.rules` (linear-ramp, adabatch, increase-batch, noise-scale,
     goodput, speed-split)."""
-    policy_config: PolicySettings | None = None
+    policy_config: Optional[PolicySettings] = None
     """The chosen policy's settings, typed per policy (:data:`POLICY_CONFIGS`): a ProposalConfig for
     "ppo" and "model", LinearRampConfig for "linear-ramp", AdaBatchConfig, IncreaseBatchConfig,
     NoiseScaleConfig, GoodputConfig, SpeedSplitConfig; "static" takes none. None: the policy's
     defaults. A config of another policy's type is an error."""
-    policy_file: str | None = DEFAULT_POLICY
+    policy_file: Optional[str] = DEFAULT_POLICY
     """Policy "ppo": the weights to start from, a name in policies/ or a path; None starts from a fresh
     policy. The shipped policy (pretrained in the simulator, see policies/default.md) is used unless told
     otherwise. Other policies ignore it."""
@@ -117,7 +205,7 @@ class ControllerConfig:
     actions, PPO updates).
     False deploys the loaded policy's mode (the proposal where the actor is neutral; see
     policies/default.md for how it compares in the simulator); a fresh policy should learn (True)."""
-    total_epochs: int | None = None
+    total_epochs: Optional[int] = None
     """Training budget in epochs, counted from the loader's epoch 0 (``set_epoch``): spreads the
     automatic cadence's decisions over the job, feeds the progress feature, lets a batch growth
     start only where its check can end before the budget does, and bounds how far B grows (the
@@ -131,44 +219,33 @@ class ControllerConfig:
     """Largest local batch any rank may get (lowered per rank by what memory allows). With a loader that
     plans by token budgets it counts tokens, and left at this default it becomes 1024 x the mean
     sample length."""
-    batchnorm_min_batch: int = 16
-    """Smallest local batch a rank may get when the model handed to the controller (``model=``) has
-    BatchNorm layers that normalise with each rank's own batch (SyncBatchNorm excepted): a small rank
-    would normalise with the statistics of a few samples. Never above the smallest initial size."""
     max_passes: int = 1
     """Micro-batches the controller may accumulate into one optimizer step, so that the global batch
     grows past what memory allows in one pass (the model-based policies use it when the predicted
     goodput says so; the schedules when their target exceeds the memory bounds). Needs a training
     loop that steps only when ``optimizer.should_step()``. 1: the controller never accumulates (a
     ``backward_passes_per_step`` given to the optimizer is then kept as it is)."""
-    decide_every_steps: int | None = None
+    decide_every_steps: Optional[int] = None
     """When to decide besides every epoch end. None (default): also inside epochs every
     ceil(steps per epoch / ceil(target_decisions / total_epochs)) steps (4 per epoch when total_epochs
     is not given), at least `min_decision_steps` apart and not in an epoch's last half-interval, so
     that a short job still gets dozens of decisions; the job's first intervals ramp up to that
-    (min_decision_steps twice, then twice that, ...), so the first split comes after a few steps (both in
-    ``advanced``); a decision whose interval showed a first sign of a large speed gap asks for the next one
-    min_decision_steps later (a recheck, ahead of the decision budget's spacing). k > 0: every k steps inside epochs (an epoch end under k/2 steps after the last
-    decision waits, so no decision rests on one or two noisy steps). 0: at epoch ends only."""
-    decision_budget: float = 0.01
-    """With decide_every_steps=None: the share of training time decisions may take once the first few
-    (which find the split) are made. Every rank waits while rank 0 decides, so on short steps a
-    decision costs several steps: rank 0 measures each decision and the step time and spaces the next
-    at least decision time / (budget x step time) steps later, epoch ends included; only a recheck
-    (the interval after a first sign of a large speed gap) comes sooner. 0: no limit."""
+    (min_decision_steps twice, then twice that, ...), so the first split comes after a few steps (all
+    in ``advanced.cadence``, with the decision budget that spaces later decisions); a decision whose
+    interval showed a first sign of a large speed gap asks for the next one min_decision_steps later
+    (a recheck, ahead of the decision budget's spacing). k > 0: every k steps inside epochs (an epoch
+    end under k/2 steps after the last decision waits, so no decision rests on one or two noisy
+    steps). 0: at epoch ends only."""
     timeout_s: float = 120.0
     """Deadline of every control-plane collective; under MPI also how long a rank may wait in the
     gradient allreduce, or go without finishing a step, before it probes the others for a stopped one."""
-    ppo: dict[str, Any] = field(default_factory=dict)
-    """PPO settings to override, {PPOConfig field: value}, e.g. {"learning_rate": 1e-4, "seed": 3}; only
-    the fields named here override the policy file's (see the class docstring for the precedence).
-    Checked at construction: an unknown field or a bad value is an error naming it."""
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    """The reward's weights (policy "ppo"; see `dynamix_hvd.control.reward`)."""
-    stats: StatsConfig = field(default_factory=StatsConfig)
-    """The gradient statistics' smoothing and windows (every policy)."""
+    ppo: PPOOverrides = field(default_factory=PPOOverrides)
+    """Policy "ppo": the PPO settings set over the policy file's (see the class docstring for the
+    precedence); a dict of PPOConfig fields is read as a PPOOverrides. Checked at construction: an
+    unknown field or a bad value is an error naming it."""
     advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
-    """Cadence tuning, the PPO action set, resource sampling, kept inputs."""
+    """The cadence's tuning and decision budget, the reward, the gradient statistics, the cost model,
+    the BatchNorm floor, the PPO action set, resource sampling, kept inputs."""
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int) -> int:
@@ -188,44 +265,90 @@ class ControllerConfig:
             integer("total_epochs", 1)
         if integer("min_batch", 1) > integer("max_batch", 1):
             raise ValueError(f"impossible batch bounds: min_batch={self.min_batch} > max_batch={self.max_batch}")
-        integer("batchnorm_min_batch", 1)
         integer("max_passes", 1)
         if self.decide_every_steps is not None:
             integer("decide_every_steps", 0)
-        validate.number("ControllerConfig.decision_budget", self.decision_budget, 0, below=1,
-                        what="a share of training time in [0, 1) (0: no limit)")
         validate.number("ControllerConfig.timeout_s", self.timeout_s, above=0, what="a positive number of seconds")
-        self.ppo = checked_ppo(self.ppo)
-        if self.policy != "ppo" and (self.learn or self.ppo):
-            given = "learn=True" if self.learn else f"ppo={self.ppo!r}"
+        object.__setattr__(self, "ppo", PPOOverrides.of(self.ppo))
+        if self.policy != "ppo" and (self.learn or self.ppo.named()):
+            given = "learn=True" if self.learn else f"ppo={self.ppo.named()!r}"
             raise ValueError(f"ControllerConfig.{given} applies to policy 'ppo' only, and policy={self.policy!r}; "
                              "set policy='ppo' to use the learned policy")
-        for name, kind in (("reward", RewardConfig), ("stats", StatsConfig), ("advanced", AdvancedConfig)):
-            if not isinstance(getattr(self, name), kind):
-                raise ValueError(f"ControllerConfig.{name}={getattr(self, name)!r}; it must be a {kind.__name__}")
-        for name, value in vars(self.reward).items():  # RewardConfig takes bools as 0/1: not here
-            if isinstance(value, bool):
-                raise ValueError(f"ControllerConfig.reward.{name}={value!r}; a reward weight is a number, not a bool")
+        if not isinstance(self.advanced, AdvancedConfig):
+            raise ValueError(f"ControllerConfig.advanced={self.advanced!r}; it must be an AdvancedConfig")
+
+    def resolved(self) -> "ControllerConfig":
+        """This config as it runs: ``policy_config`` None (the policy's defaults) replaced by the
+        policy's default config, so that every setting is spelled out."""
+        kind = POLICY_CONFIGS[self.policy]
+        if self.policy_config is not None or kind is None:
+            return self
+        return dataclasses.replace(self, policy_config=kind())
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, nested configs included, as plain JSON values (tuples as lists, a path as a
+        string); :meth:`from_dict` gives back an equal config."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ControllerConfig":
+        """The config of :meth:`to_dict`'s plain values; a key left out takes its default, an unknown
+        key (at any depth) is an error naming it."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"ControllerConfig.from_dict({data!r}); give a dict of ControllerConfig fields")
+        policy = data.get("policy", cls.policy)
+        kind = POLICY_CONFIGS.get(policy) if isinstance(policy, str) else None
+        return _typed(cls, data, "ControllerConfig", {"policy_config": kind})
 
 
-PPO_FIELDS = tuple(f.name for f in dataclasses.fields(PPOConfig))
+def _plain(value: Any) -> Any:
+    """A config's value as plain JSON values (dataclasses as dicts, tuples as lists)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
 
 
-def checked_ppo(ppo: Any) -> dict[str, Any]:
-    """``ControllerConfig.ppo`` checked against PPOConfig's fields and values, as a new dict with the
-    values PPOConfig normalises (a list of hidden sizes becomes a tuple)."""
-    if not isinstance(ppo, Mapping):
-        raise ValueError(f"ControllerConfig.ppo={ppo!r}; give a dict of PPOConfig fields, e.g. "
-                         "{'learning_rate': 1e-4}")
-    unknown = [k for k in ppo if k not in PPO_FIELDS]
+def _typed(cls: type, data: Mapping[str, Any], where: str, kinds: Mapping[str, type | None] | None = None) -> Any:
+    """`cls` from the plain values of :func:`_plain` (`kinds`: the config type of a field whose type
+    depends on another field); `where` names it in errors."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}={data!r}; give a dict of {cls.__name__} fields")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ValueError(f"ControllerConfig.ppo has unknown field(s) {', '.join(map(repr, unknown))}; "
-                         f"PPOConfig's fields are {', '.join(PPO_FIELDS)}")
-    try:
-        full = dataclasses.replace(FRESH_PPO, **ppo)
-    except ValueError as exc:
-        raise ValueError(f"ControllerConfig.ppo: {exc}") from None
-    return {k: getattr(full, k) for k in ppo}
+        raise ValueError(f"{where} has unknown field(s) {', '.join(map(repr, unknown))}; "
+                         f"{cls.__name__}'s fields are {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if kinds is not None and name in kinds:
+            kind = kinds[name]
+            if value is not None and kind is not None:
+                value = _typed(kind, value, f"{where}.{name}")
+        else:
+            nested = _config_type(hint)
+            if nested is not None and value is not None:
+                value = _typed(nested, value, f"{where}.{name}")
+            elif isinstance(value, list) and _is_tuple(hint):
+                value = tuple(value)
+        values[name] = value
+    return cls(**values)
+
+
+def _config_type(hint: Any) -> type | None:
+    """The config dataclass a field's type names (alone or with None), else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+def _is_tuple(hint: Any) -> bool:
+    args = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    return any(a is tuple or typing.get_origin(a) is tuple for a in args)
 
 
 def policy_config_from(policy: str, fields: Mapping[str, Any]) -> PolicySettings | None:
@@ -240,12 +363,7 @@ def policy_config_from(policy: str, fields: Mapping[str, Any]) -> PolicySettings
         return None
     if kind is None:
         raise ValueError(f"policy {policy!r} takes no settings (got {dict(fields)!r})")
-    names = [f.name for f in dataclasses.fields(kind)]
-    unknown = [k for k in fields if k not in names]
-    if unknown:
-        raise ValueError(f"{kind.__name__} (policy {policy!r}) has no field(s) {', '.join(map(repr, unknown))}; "
-                         f"its fields are {', '.join(names)}")
-    return kind(**fields)
+    return _typed(kind, fields, f"{kind.__name__} (policy {policy!r})")
 
 
 def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
@@ -254,16 +372,16 @@ def make_policy(cfg: ControllerConfig) -> BatchSizePolicy:
     if cfg.policy == "static":
         return StaticPolicy()
     if cfg.policy == "model":
-        return ModelPolicy(cfg.policy_config, hold_flips=True)
+        return ModelPolicy(cfg.policy_config, cfg.advanced.costs, hold_flips=True)
     if cfg.policy in BASELINES:
         return make_baseline(cfg.policy, cfg.policy_config)
     actions = ActionSpace(cfg.advanced.multipliers)
     if cfg.policy_file:
         # A missing or unreadable policy (the default included) is an error saying how to fix it.
-        learner = load_policy(cfg.policy_file, actions, ppo=cfg.ppo)[0]
+        learner = load_policy(cfg.policy_file, actions, ppo=cfg.ppo.named())[0]
     else:
-        learner = make_learner(actions, dataclasses.replace(FRESH_PPO, **cfg.ppo))
-    return PPOPolicy(learner, actions, learn=cfg.learn, proposal=cfg.policy_config)
+        learner = make_learner(actions, dataclasses.replace(FRESH_PPO, **cfg.ppo.named()))
+    return PPOPolicy(learner, actions, learn=cfg.learn, proposal=cfg.policy_config, costs=cfg.advanced.costs)
 
 
 def make_core(cfg: ControllerConfig, world_size: int, initial_batch: int,
@@ -271,6 +389,8 @@ def make_core(cfg: ControllerConfig, world_size: int, initial_batch: int,
     """The decision core of a job configured by `cfg` (what the live controller builds on every rank);
     `initial_batch`: the job's initial batch; `base_batch`: the optimizer's ``base_batch_size``
     (default `initial_batch`)."""
-    return DecisionCore(world_size, initial_batch, make_policy(cfg), reward=cfg.reward, stats=cfg.stats,
+    advanced = cfg.advanced
+    return DecisionCore(world_size, initial_batch, make_policy(cfg), reward=advanced.reward, stats=advanced.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        layer_names=layer_names, base_batch=base_batch, max_passes=cfg.max_passes)
+                        layer_names=layer_names, base_batch=base_batch, max_passes=cfg.max_passes,
+                        costs=advanced.costs)

@@ -64,11 +64,11 @@ NO_MODEL_WARNING = ("DynamixController was given no model=, so it cannot see Bat
 
 
 def batchnorm_floor(cfg: ControllerConfig, model: torch.nn.Module | None, sizes: Any) -> ControllerConfig:
-    """`cfg` with min_batch raised to `cfg.batchnorm_min_batch` (at most the smallest initial size)
+    """`cfg` with min_batch raised to `cfg.advanced.batchnorm_min_batch` (at most the smallest initial size)
     when `model` has per-rank batch-statistics layers."""
     if not per_rank_batchnorm(model):
         return cfg
-    floor = min(cfg.batchnorm_min_batch, min(sizes))
+    floor = min(cfg.advanced.batchnorm_min_batch, min(sizes))
     return cfg if floor <= cfg.min_batch else dataclasses.replace(cfg, min_batch=floor)
 
 
@@ -79,8 +79,11 @@ def token_bounds(cfg: ControllerConfig, loader: AdaptiveLoader) -> ControllerCon
         return cfg
     defaults = ControllerConfig()
     per_sample = math.ceil(loader.epoch_size / loader.num_samples)
-    changes = {name: getattr(defaults, name) * per_sample for name in ("max_batch", "batchnorm_min_batch")
+    changes = {name: getattr(defaults, name) * per_sample for name in ("max_batch",)
                if getattr(cfg, name) == getattr(defaults, name)}
+    floor = defaults.advanced.batchnorm_min_batch
+    if cfg.advanced.batchnorm_min_batch == floor:
+        changes["advanced"] = dataclasses.replace(cfg.advanced, batchnorm_min_batch=floor * per_sample)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
@@ -90,7 +93,7 @@ class DynamixController:
     The optimizer must provide :class:`~dynamix_hvd.control.seams.ControlledOptimizer` (wrap it with
     ``dynamix_hvd.WeightedDistributedOptimizer``); anything else is refused with a TypeError. Give
     `model` so that BatchNorm layers, which normalise with each rank's own batch, keep every rank at
-    `ControllerConfig.batchnorm_min_batch` samples or more."""
+    `AdvancedConfig.batchnorm_min_batch` samples or more."""
 
     def __init__(self, loader: AdaptiveLoader, optimizer: Any, config: ControllerConfig | None = None,
                  device: torch.device | None = None, model: torch.nn.Module | None = None) -> None:
@@ -123,8 +126,8 @@ class DynamixController:
         self._fresh_start = True  # the next report is this process's first and holds its first steps
         self._total_steps = 0
         self._steps_since = 0  # loader steps (micro-batches) since the last decision (identical on every rank)
-        self.cadence = DecisionCadence(self.cfg.decide_every_steps, self.cfg.advanced.target_decisions,
-                                       self.cfg.advanced.min_decision_steps, self.cfg.total_epochs)
+        self.cadence = DecisionCadence.from_config(self.cfg.decide_every_steps, self.cfg.advanced.cadence,
+                                                   self.cfg.total_epochs)
         for r, b in enumerate(loader.batch_sizes):
             if not self.cfg.min_batch <= b <= self.cfg.max_batch:
                 raise ValueError(f"initial batch size {b} of rank {r} outside [{self.cfg.min_batch}, "
@@ -235,7 +238,7 @@ class DynamixController:
             passes = self.optimizer.backward_passes_per_step
             step_s = [i.report.step_s / passes for i in inputs]
             spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
-            ceiling = interval_ceiling(self.cfg.advanced.max_decision_interval_s, step_s)
+            ceiling = interval_ceiling(self.cfg.advanced.cadence.max_decision_interval_s, step_s)
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes, decision.passes, spacing, decision.recheck,
                                         ceiling)
@@ -267,16 +270,17 @@ class DynamixController:
         optimizer steps, enough for the paired test, also when each accumulates micro-batches."""
         if not self._recheck:
             return 0
-        return self.cfg.advanced.min_decision_steps * self.optimizer.backward_passes_per_step
+        return self.cfg.advanced.cadence.min_decision_steps * self.optimizer.backward_passes_per_step
 
     def _budget_spacing(self, decide_s: float, step_s: list[float]) -> int:
         """Rank 0: fewest loader steps (of `step_s` seconds, per rank) before the next decision so that
         deciding (rank 0's share, which every rank waits for) stays within `decision_budget` of the
         training time (0: no limit)."""
         step = statistics.median(step_s) if step_s else 0.0
-        if not self.cfg.decision_budget or not step > 0 or not math.isfinite(decide_s):
+        budget = self.cfg.advanced.cadence.decision_budget
+        if not budget or not step > 0 or not math.isfinite(decide_s):
             return 0
-        return min(1 << 20, math.ceil(decide_s / (self.cfg.decision_budget * step)))
+        return min(1 << 20, math.ceil(decide_s / (budget * step)))
 
     def _report(self, records: list[StepRecord]) -> RankInput:
         res = self.resources.latest()
@@ -318,14 +322,22 @@ class DynamixController:
         layers = self.optimizer.pop_layer_means()
         return RankInput(report, steps, None if layers is None else LayerMeans(*layers))
 
+    def config_dict(self) -> dict[str, Any]:
+        """Every setting this controller runs with, as plain JSON values (`ControllerConfig.to_dict`):
+        the config it was given with the batch bounds it derived (a BatchNorm model's floor, token
+        budgets' bounds) applied and the policy's default settings spelled out
+        (`ControllerConfig.resolved`); ``ControllerConfig.from_dict`` rebuilds it."""
+        return self.cfg.resolved().to_dict()
+
     # --- checkpointing -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue, as plain values: on rank 0 also the decision core (policy,
-        statistics, reward references)."""
+        statistics, reward references). ``config`` records the settings the run had
+        (:meth:`config_dict`); a restored job runs with the config it is given."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
                                  "steps_since": self._steps_since,
                                  "learned_max": list(self.bounds.learned_max), "bounds": self.bounds.state_dict(),
-                                 "world_size": self.loader.world_size}
+                                 "world_size": self.loader.world_size, "config": self.config_dict()}
         if self.rank == 0:
             state["root"] = self.core.state_dict()
         return state

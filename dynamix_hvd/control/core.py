@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .actions import BatchBounds
-from .costmodel import CostModel, record_reports
+from .costmodel import CostConfig, CostModel, record_reports
 from .policy import BatchSizePolicy, DecisionInput
 from .costmodel import CostFit, NetworkFit
 from .reward import RewardConfig, compute_reward, global_throughput, predicted_goodput
@@ -31,11 +31,11 @@ from .state import GlobalContext, RankReport, build_observation
 from ..stats.noise_scale import GradientStatistics, StatsConfig, pooled_estimate, statistical_efficiency
 from .. import validate
 
-NOISE_Z = 1.0
-"""Width, in standard errors, of the lower confidence bound on the noise scale handed to policies."""
-
 WARMUP_STEPS = 2
-"""A process's first steps, which pay one-off costs: left out of the cost fit and the reports' means."""
+"""A process's first steps, which pay one-off costs: left out of the cost fit and the reports' means.
+Not a setting: every rank and the live controller must drop the same steps (the controller's report
+means and the core's fit agree on them), and one-off costs (lazy initialisation, cold caches, the
+first allreduce's set-up) end within two steps on every backend."""
 
 MEMORY_KINDS = ("rss", "cuda", "host")
 """How a report's peak memory was measured: "rss" the process's lifetime peak (no fit uses it), "cuda"
@@ -237,7 +237,7 @@ class DecisionCore:
                  reward: RewardConfig | None = None, stats: StatsConfig | None = None, min_batch: int = 1,
                  max_batch: int = 1024, total_epochs: int | None = None,
                  layer_names: Sequence[str] | None = None, base_batch: int | None = None,
-                 max_passes: int = 1, fit_warmup: bool = False) -> None:
+                 max_passes: int = 1, fit_warmup: bool = False, costs: CostConfig | None = None) -> None:
         validate.integer("DecisionCore world_size", world_size, 1)
         validate.integer("DecisionCore initial_batch", initial_batch, 1)
         self.policy = policy
@@ -248,7 +248,7 @@ class DecisionCore:
         self.layer_names = None if layer_names is None else list(layer_names)
         self.bounds = BatchBounds(world_size, min_batch, max_batch, max_passes=max_passes)
         self.stats = GradientStatistics(self.stats_cfg)
-        self.costs = CostModel(world_size)
+        self.costs = CostModel(world_size, costs)
         if base_batch is not None:
             validate.number("DecisionCore base_batch", base_batch, 1, what="a finite number >= 1 or None")
         self.initial_batch = initial_batch
@@ -291,7 +291,7 @@ class DecisionCore:
         efficiency = float(self.stats.efficiency_at(B))
         loss = weighted_loss(reports)
         trend = loss_trend(loss, self.prev_loss)
-        lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
+        lower, point, _ = self.stats.noise_scale_interval(self.stats_cfg.noise_z)
         cost, net = self.costs.fit(), self.costs.fit_network()
         fit = fit_record(cost, net)
         ctx, obs = observe_reports(reports, sizes, self.initial_batch, self.stats.noise_scale, efficiency, trend,
@@ -317,7 +317,7 @@ class DecisionCore:
                            budget_left(float(epoch if done is None else done), self.total_epochs))
 
     def policy_input(self, seen: Observation) -> DecisionInput:
-        lower, point, _ = self.stats.noise_scale_interval(NOISE_Z)
+        lower, point, _ = self.stats.noise_scale_interval(self.stats_cfg.noise_z)
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
                              costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes,
                              step_losses=seen.step_losses, budget_left=seen.budget_left)

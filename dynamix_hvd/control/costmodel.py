@@ -26,7 +26,7 @@ not fill takes as long as for k_i samples. The fit:
   only restarts it, so this test keeps the plain bound's sensitivity) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
   is a blip, common on shared hosts). Intervals at sizes the line has not seen (at most 2x from one
-  it has, `MAX_EXTRAPOLATION`) count only where their steps are off the line by more than the
+  it has, `max_extrapolation`) count only where their steps are off the line by more than the
   threshold beyond what the line can be off there without a change (a step's time between two
   sizes grows by a factor between 1 and their ratio): there they confirm a pending verdict the same
   way, and start one where the time went against the size, slower at a smaller size or faster at a
@@ -88,21 +88,23 @@ import numpy as np
 from .. import validate
 from .speedgap import MIN_STEPS, shrunk_mean
 
-MAX_EXTRAPOLATION = math.log(2.0)
-"""Steps at a size where a rank's line can be off by more than this log ratio without any change of
-speed (`CostModel._extrapolation_allowance`: the size's distance from the nearest one the line has
-seen plus the line's error there) are not compared with it."""
-SEEN_SHARE, SEEN_WITHIN = 0.05, 0.10
-"""A line has seen a size where `SEEN_SHARE` of its rank's weight lies within `SEEN_WITHIN` of it (a
-proportional line through one size is then off there by at most its fixed share of the time x 10%,
-within the 10% a change of speed must exceed beyond the steps' scatter)."""
-LATENCY_PROBES = 8
-"""Latency probes kept (one per decision; their median is the latency)."""
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
+"""The overlap exponents the network fit tries (not a setting: the grid spans the model's domain, from
+1, compute and allreduce adding up, to 10, close to full overlap, and the fit's choice among them is
+what the cost model's tests pin down)."""
+GAMMA_VARIED = 1.2
+"""Gamma is fitted (not 1) only where the weighted points' arrival times vary by more than this
+factor (not a setting: with arrivals this close, every gamma fits the synchronised times alike)."""
+GAMMA_BETTER = 0.98
+"""A gamma above 1 is kept only where its error is below this fraction of the best so far (not a
+setting: the tie-break towards no overlap, the pessimistic model, among fits of equal error)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostConfig:
+    """Settings of the per-rank cost lines and the network fit (:class:`CostModel`), shared by the
+    decision core's cost model and a policy's own."""
+
     half_life_steps: float = 200.0
     """Steps after which a point counts half in the per-rank lines (forgetting)."""
     net_half_life_steps: float = 24.0
@@ -146,14 +148,34 @@ class CostConfig:
     convex cost (t = b ** 1.3) moved from 16 to 11 about -0.4 (moved up, it runs slower than the
     line predicted and is not tested). 0: never."""
 
+    max_extrapolation: float = math.log(2.0)
+    """Steps at a size where a rank's line can be off by more than this log ratio without any change of
+    speed (the size's distance from the nearest one the line has seen plus the line's error there)
+    are not compared with it (log 2: at most 2x from a seen size)."""
+    seen_share: float = 0.05
+    """A line has seen a size where at least this share of its rank's weight lies within
+    `seen_within` of it; steps at sizes it has seen are tested against it as they come."""
+    seen_within: float = 0.10
+    """Relative distance from a size within which a line's points count as seeing it (a proportional
+    line through one size is then off there by at most its fixed share of the time x 10%, within the
+    10% a change of speed must exceed beyond the steps' scatter)."""
+    latency_probes: int = 8
+    """Latency probes kept (one per decision; their median is the collective's latency)."""
+
     def __post_init__(self) -> None:
-        if not (self.half_life_steps > 0 and self.net_half_life_steps > 0 and self.capacity >= 2 and self.points_per_interval >= 1
-                and self.huber_k > 0 and self.iterations >= 1 and self.min_spread >= 0
-                and 0 <= self.pinned_fixed_share < 1 and self.max_rel_se > 0 and 0 <= self.knee_residual < 1
-                and self.attention_t >= 0 and self.shift_threshold >= 0 and self.impossible_fixed >= 0):
-            raise ValueError(f"invalid CostConfig {self}: half_life_steps, net_half_life_steps, huber_k > 0; capacity >= 2; "
-                             f"points_per_interval, iterations >= 1; min_spread >= 0; 0 <= pinned_fixed_share < 1; "
-                             f"0 <= knee_residual < 1; attention_t, shift_threshold, impossible_fixed >= 0")
+        def number(name: str, **bounds: Any) -> None:
+            validate.number(f"CostConfig.{name}", getattr(self, name), **bounds)
+
+        for name in ("half_life_steps", "net_half_life_steps", "huber_k", "max_rel_se", "seen_within"):
+            number(name, above=0)
+        validate.integer("CostConfig.capacity", self.capacity, 2)
+        for name in ("points_per_interval", "iterations", "latency_probes"):
+            validate.integer(f"CostConfig.{name}", getattr(self, name), 1)
+        for name in ("min_spread", "attention_t", "shift_threshold", "impossible_fixed", "max_extrapolation"):
+            number(name, minimum=0)
+        for name in ("pinned_fixed_share", "knee_residual"):
+            number(name, minimum=0, below=1)
+        number("seen_share", above=0, maximum=1)
 
 
 @dataclass
@@ -380,7 +402,7 @@ class CostModel:
         before it stop counting for its line (module docstring; the change fell somewhere in it, so
         it may hold both speeds). Sets `shift`: the new steps' factor over the line, which the earlier
         interval's steps already pulled towards them (so it understates the change). Verdicts come
-        from steps at sizes the line has seen (`SEEN_SHARE`, `SEEN_WITHIN`); at sizes it has not seen,
+        from steps at sizes the line has seen (`CostConfig.seen_share`, `seen_within`); at sizes it has not seen,
         the line's own error there, not the steps' scatter, would decide, so only a deviation beyond
         the most that error can be starts or confirms one (module docstring). Intervals known only by
         their means (fewer than `MIN_STEPS` steps) are not tested."""
@@ -392,9 +414,9 @@ class CostModel:
         predicted = fit.arrival(b, split=True, borrowed=False)  # an unidentified line: proportional, at the size it saw
         for r in range(self.world_size):
             sizes, which = np.unique(b[:, r], return_inverse=True)
-            seen_size = _seen(sizes, self._b[:, r], w[:, r])
+            seen_size = _seen(sizes, self._b[:, r], w[:, r], self.cfg.seen_share, self.cfg.seen_within)
             if not fit.identified[r]:  # proportional through its mean size: near that size only
-                seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= SEEN_WITHIN
+                seen_size &= np.abs(sizes / fit.mean_batch[r] - 1.0) <= self.cfg.seen_within
             seen = seen_size[which]
             if seen.sum() < MIN_STEPS:
                 # At sizes the line has not seen, only steps off the line beyond what its error there
@@ -407,7 +429,7 @@ class CostModel:
                 # half-lives.
                 allowance, smaller = self._extrapolation_allowance(r, sizes, w[:, r], fit)
                 allowance, smaller = allowance[which], smaller[which]
-                testable = allowance <= MAX_EXTRAPOLATION
+                testable = allowance <= self.cfg.max_extrapolation
                 if testable.sum() < MIN_STEPS:
                     continue
                 d = np.log(t[testable, r] / predicted[testable, r])
@@ -441,7 +463,7 @@ class CostModel:
         """Per size in `sizes`: how far off (log ratio) rank `r`'s line can be there without any change
         of speed, least over the sizes the line has seen (an unidentified line: its mean size) of
         |log(size / seen size)| plus the line's own error near the seen size (the weighted mean log
-        residual of its points within `SEEN_WITHIN` of it, plus their weighted mean |log| distance
+        residual of its points within `CostConfig.seen_within` of it, plus their weighted mean |log| distance
         from it; inf where it has none); and whether the size is below the seen size that
         gives that least. Every line the fit gives (a, c >= 0, a knee max(b, k) included) and every
         step time t(b) = a + c b grows between two sizes by a factor between 1 and their ratio, so a
@@ -451,12 +473,12 @@ class CostModel:
         residual = np.log(self._t[live, r] / fit.arrival(self._b[live], split=True, borrowed=False)[:, r])
         if fit.identified[r]:
             held = np.unique(b)
-            anchors = held[_seen(held, b, weights[live])]
+            anchors = held[_seen(held, b, weights[live], self.cfg.seen_share, self.cfg.seen_within)]
         else:
             anchors = np.array([fit.mean_batch[r]])
         allowance, smaller = np.full(len(sizes), np.inf), np.zeros(len(sizes), dtype=bool)
         for anchor in anchors:
-            near = np.abs(b / anchor - 1.0) <= SEEN_WITHIN
+            near = np.abs(b / anchor - 1.0) <= self.cfg.seen_within
             if not weights[live][near].sum() > 0:
                 continue
             spread = np.abs(np.log(b[near] / anchor))  # the points' own distance from the anchor
@@ -490,7 +512,7 @@ class CostModel:
             if not old.any():
                 continue
             new = np.unique(b[latest])  # sizes the line had seen are the shift test's (a blip is not a change)
-            if _seen(new, b[old], wr[old]).any():
+            if _seen(new, b[old], wr[old], self.cfg.seen_share, self.cfg.seen_within).any():
                 continue
             line = _least_squares(b, t, wr, self.cfg.min_spread)
             if line is None:
@@ -538,7 +560,7 @@ class CostModel:
         if math.isfinite(payload_bytes) and payload_bytes > 0:
             self.payload_bytes = float(payload_bytes)
         if math.isfinite(latency_s) and latency_s > 0:
-            self._latency = np.append(self._latency, latency_s)[-LATENCY_PROBES:]
+            self._latency = np.append(self._latency, latency_s)[-self.cfg.latency_probes:]
         self._net = None
 
     def _weights(self, half_life: float | None = None) -> np.ndarray:
@@ -675,10 +697,10 @@ class CostModel:
         A, S, w = self._arrival[ok], np.maximum(self._sync[ok], self._arrival[ok]), w[ok]
         best: tuple[float, float, float] | None = None
         varied = A[w > 1e-3 * w.max()]
-        for g in GAMMAS if varied.max() > 1.2 * varied.min() else GAMMAS[:1]:
+        for g in GAMMAS if varied.max() > GAMMA_VARIED * varied.min() else GAMMAS[:1]:
             net = weighted_median((S ** g - A ** g) ** (1.0 / g), w)
             err = float(np.sum(w * np.abs(np.log((A ** g + net ** g) ** (1.0 / g) / S))) / w.sum())
-            if best is None or err < 0.98 * best[0] - 1e-4:  # prefer no overlap unless clearly better
+            if best is None or err < GAMMA_BETTER * best[0] - 1e-4:  # prefer no overlap unless clearly better
                 best = (err, net, g)
         assert best is not None
         return self._with_link(NetworkFit(best[1], best[2], overhead))
@@ -714,11 +736,11 @@ class CostModel:
 _ARRAYS = ("b", "s", "t", "live", "sync", "arrival", "overhead", "at", "mult", "latency")
 
 
-def _seen(sizes: np.ndarray, points: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def _seen(sizes: np.ndarray, points: np.ndarray, weights: np.ndarray, share: float, within: float) -> np.ndarray:
     """Per size in `sizes`: whether a line through `points` (one rank's sizes) with `weights` has
-    seen it (`SEEN_SHARE` of the weight within `SEEN_WITHIN` of it)."""
-    near = np.abs(points[None, :] / sizes[:, None] - 1.0) <= SEEN_WITHIN  # [sizes, points]
-    return (near * weights).sum(1) >= SEEN_SHARE * weights.sum()
+    seen it (`share` of the weight within `within` of it: `CostConfig.seen_share`, `seen_within`)."""
+    near = np.abs(points[None, :] / sizes[:, None] - 1.0) <= within  # [sizes, points]
+    return (near * weights).sum(1) >= share * weights.sum()
 
 
 def _least_squares(x: np.ndarray, y: np.ndarray, w: np.ndarray, min_spread: float) -> tuple[float, float, float] | None:

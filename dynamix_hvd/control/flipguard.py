@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from typing import Sequence
 
+NEAR = 0.02
+"""Relative tolerance within which two decisions' sizes count as the same. Not a setting: it only has
+to cover what rounding a split to whole samples moves between two decisions on the same fits, and a
+wider one would hold real corrections of a split as flips."""
 
-def near(a: Sequence[int], b: Sequence[int], rel: float = 0.02) -> bool:
+
+def near(a: Sequence[int], b: Sequence[int], rel: float = NEAR) -> bool:
     """Every rank's sizes within max(1 sample, `rel` of the larger) of each other (symmetric)."""
     return len(a) == len(b) and all(abs(x - y) <= max(1.0, rel * max(x, y)) for x, y in zip(a, b))
 
 
 class FlipGuard:
     """Holds the sizes when a new decision would return to the sizes of two decisions ago, or near
-    them (within a sample or 2%) when those were not themselves near the current ones."""
+    them (within a sample or `NEAR` of the larger) when those were not themselves near the current
+    ones."""
 
     def __init__(self) -> None:
         self.history: list[list[int]] = []

@@ -46,10 +46,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from .state import RankReport
+from .. import validate
 
 
-@dataclass
-class GrowthCheck:
+@dataclass(frozen=True)
+class GrowthConfig:
+    """Settings of the growth check (:class:`GrowthCheck`)."""
+
     window: int = 4
     """Fewest intervals at the initial batch the reference line is fitted on (the most recent)."""
     span: float = 0.5
@@ -72,6 +75,29 @@ class GrowthCheck:
     a few dozen steps, is less right than that)."""
     min_rel: float = 0.005
     """Floor of that deviation, as a fraction of the loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("window", "max_reference"):
+            validate.integer(f"GrowthConfig.{name}", getattr(self, name), 1)
+        for name in ("settle", "judged"):
+            validate.integer(f"GrowthConfig.{name}", getattr(self, name), 0)
+        validate.number("GrowthConfig.span", self.span, 0, maximum=1, what="a fraction in [0, 1]")
+        validate.number("GrowthConfig.settle_frac", self.settle_frac, 0)
+        validate.number("GrowthConfig.judge_frac", self.judge_frac, 0)
+        validate.number("GrowthConfig.z", self.z, above=0)
+        validate.number("GrowthConfig.min_rel", self.min_rel, 0)
+
+
+def _setting(name: str) -> property:
+    return property(lambda self: getattr(self.config, name), doc=f"`GrowthConfig.{name}` of this check.")
+
+
+@dataclass
+class GrowthCheck:
+    """The check's state; its settings are `config` (read through the same names: ``check.z``)."""
+
+    config: GrowthConfig = field(default_factory=GrowthConfig)
+    """The check's settings."""
     elapsed_s: float = 0.0
     reference: list[tuple[float, float, float, float]] = field(default_factory=list)
     """(mid-interval seconds, mean loss, variance of that mean (NaN: unknown), interval seconds) at
@@ -93,6 +119,16 @@ class GrowthCheck:
     """(training seconds, budget share done) at the first interval that came with a training budget:
     the origin of the rate at which the budget is spent (a check started late, after an elastic
     reset or mid-job, counts from there)."""
+
+    window = _setting("window")
+    span = _setting("span")
+    max_reference = _setting("max_reference")
+    settle = _setting("settle")
+    settle_frac = _setting("settle_frac")
+    judged = _setting("judged")
+    judge_frac = _setting("judge_frac")
+    z = _setting("z")
+    min_rel = _setting("min_rel")
 
     @property
     def ready(self) -> bool:
@@ -262,20 +298,19 @@ class GrowthCheck:
         return excess, tolerance, float(coef[0] + coef[1] * ts[-1])
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: ([list(p) for p in v] if k in ("reference", "trial") else v) for k, v in asdict(self).items()}
+        """The check's state (not its settings: a restored job uses the settings it is given)."""
+        return {k: ([list(p) for p in v] if k in ("reference", "trial") else v) for k, v in asdict(self).items()
+                if k != "config"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
-            if k in self.__dataclass_fields__ and k not in _SETTINGS:  # settings are the code's, not state
+            if k in self.__dataclass_fields__ and k != "config":  # settings are the job's, not state
                 if k in ("reference", "trial"):  # an older checkpoint's (seconds, loss): noise and length unknown
                     v = [(float(p[0]), float(p[1]), float(p[2]) if len(p) > 2 else math.nan,
                           float(p[3]) if len(p) > 3 else 0.0) for p in v]
                 setattr(self, k, v)
         if self.grown_for > 0 and not math.isfinite(self.grown_at_s):  # an older checkpoint, mid-growth
             self.grown_at_s = self.elapsed_s
-
-
-_SETTINGS = ("window", "span", "max_reference", "settle", "settle_frac", "judged", "judge_frac", "z", "min_rel")
 
 
 def _merged(points: list[tuple[float, float, float, float]], limit: int) -> list[tuple[float, float, float, float]]:

@@ -23,6 +23,9 @@ import torch
 from .costmodel import CostFit, CostModel, NetworkFit
 
 GAMMA_MAX = 10.0
+"""Largest overlap exponent the joint fit may reach. Not a setting: the staged fit's grid
+(:data:`~dynamix_hvd.control.costmodel.GAMMAS`) ends there too, and at 10 compute and allreduce
+already overlap almost fully."""
 
 
 def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tuple[CostFit, NetworkFit] | None:

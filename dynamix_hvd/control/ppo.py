@@ -34,12 +34,12 @@ ArrayLike = Union[Tensor, np.ndarray, Sequence[float], float]
 BUFFER_KEYS = ("obs", "actions", "logprobs", "rewards", "values", "dones")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPOConfig:
     """Hyper-parameters; defaults are CleanRL's PPO (``ppo.py``, ``ppo_continuous_action.py``) except where noted.
 
-    In the controller the settings come, highest first, from the fields named in
-    ``ControllerConfig.ppo``, the policy file's stored config (a fresh policy: ``FRESH_PPO`` of
+    In the controller the settings come, highest first, from the fields set in
+    ``ControllerConfig.ppo`` (a :class:`~dynamix_hvd.control.config.PPOOverrides`), the policy file's stored config (a fresh policy: ``FRESH_PPO`` of
     :mod:`dynamix_hvd.control.config`), then these defaults."""
 
     learning_rate: float = 3e-4
@@ -80,7 +80,7 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.hidden_sizes, list):
-            self.hidden_sizes = tuple(self.hidden_sizes)
+            object.__setattr__(self, "hidden_sizes", tuple(self.hidden_sizes))
         positive, unit, nonneg = "a finite number > 0", "a number in [0, 1]", "a finite number >= 0"
         rules = [
             ("learning_rate", _num(self.learning_rate) and self.learning_rate > 0, positive),
@@ -131,7 +131,9 @@ def mlp(sizes: Sequence[int], out_gain: float, generator: torch.Generator) -> nn
 
 
 NEUTRAL_LOGIT = 3.0
-"""Initial actor bias of the neutral action (5 actions: it starts with 83% of the probability)."""
+"""Initial actor bias of the neutral action (5 actions: it starts with 83% of the probability). Not a
+setting: it only shapes a fresh network's start, so that a fresh policy begins at the proposal; a
+policy file stores its trained weights."""
 
 
 class ActorCritic(nn.Module):

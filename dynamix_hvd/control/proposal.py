@@ -56,6 +56,9 @@ from .. import validate
 
 @dataclass(frozen=True)
 class ProposalConfig:
+    """Settings of the cost-model proposal: how the split and the global batch follow the fitted costs
+    and the noise scale, and the checks that undo a split or a growth that did not pay."""
+
     search_batch: bool = True
     """Choose the global batch (False: keep it and only split it)."""
     hysteresis: float = 0.05

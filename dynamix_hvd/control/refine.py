@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from .actions import ActionSpace, compose
+from .costmodel import CostConfig
 from .flipguard import FlipGuard
 from .policy import DecisionInput, DecisionOutput
 from .proposal import ModelPolicy, ProposalConfig
@@ -64,10 +65,10 @@ class PPOPolicy:
 
     def __init__(self, learner: PPOLearner | None = None, actions: ActionSpace | None = None,
                  learn: bool = True, config: PPOConfig | None = None,
-                 proposal: ProposalConfig | None = None) -> None:
+                 proposal: ProposalConfig | None = None, costs: CostConfig | None = None) -> None:
         self.actions = actions or ActionSpace()
         self.learner = learner or make_learner(self.actions, config)
-        self.model = ModelPolicy(proposal)
+        self.model = ModelPolicy(proposal, costs)
         self.learn = learn
         self.guard = FlipGuard()
         self.last_update: dict[str, float] = {}

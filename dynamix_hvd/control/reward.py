@@ -40,10 +40,13 @@ import torch
 
 from .costmodel import CostFit, NetworkFit
 from .state import RankReport
+from .. import validate
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardConfig:
+    """The reward's weights (policy "ppo"; see `dynamix_hvd.control.reward`)."""
+
     progress_weight: float = 1.0
     """Weight of log2(measured goodput / the cost model's goodput of the static sizes)."""
     stability_weight: float = 1.0
@@ -59,8 +62,7 @@ class RewardConfig:
         for name, value in vars(self).items():
             if name == "noise":
                 continue
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"reward weight {name}={value!r} must be a finite number >= 0")
+            validate.number(f"RewardConfig.{name}", value, 0, what="a finite number >= 0 (a reward weight)")
 
 
 def global_throughput(reports: Sequence[RankReport], passes: int = 1) -> float:

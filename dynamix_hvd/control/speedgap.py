@@ -27,15 +27,19 @@ from statistics import NormalDist
 import numpy as np
 
 CONFIDENCE = 0.99
-"""One-sided confidence of the bound on each rank's speed."""
+"""One-sided confidence of the bound on each rank's speed. Not a setting: how readily a gap splits is
+set by ``ProposalConfig.split_margin`` and ``split_intervals``, which the bound is compared with; the
+confidence only keeps one interval's noise from passing them."""
 
 MIN_STEPS = 5
-"""Fewest timed steps the test needs (fewer: no bound, NaN)."""
+"""Fewest timed steps the test needs (fewer: no bound, NaN). Not a setting: a Student-t bound on
+fewer steps is too wide to pass any useful margin."""
 
 SERIAL_STEPS = 12
 """Fewest steps from which their autocorrelation is estimated (three lags); fewer are taken as
 independent draws: two lags of a handful of steps estimate it too noisily to be worth the power lost,
-and the proposal asks for two intervals running anyway."""
+and the proposal asks for two intervals running anyway. Not a setting: a property of the estimator,
+not of the job."""
 
 
 def t_quantile(p: float, df: float) -> float:

@@ -42,10 +42,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from .state import RankReport
+from .. import validate
 
 
-@dataclass
-class SplitCheck:
+@dataclass(frozen=True)
+class SplitConfig:
+    """Settings of the split check (:class:`SplitCheck`)."""
+
     window: int = 2
     """Intervals at the neutral split the reference step time is the mean of."""
     judged: int = 2
@@ -56,6 +59,25 @@ class SplitCheck:
     """After a failed split, the margin becomes this multiple of the predicted gain that failed."""
     max_margin: float = 0.25
     """Upper end of that margin (a 2x straggler predicts ~33%, a 3x one ~50%: both are still split)."""
+
+    def __post_init__(self) -> None:
+        for name in ("window", "judged"):
+            validate.integer(f"SplitConfig.{name}", getattr(self, name), 1)
+        validate.number("SplitConfig.keep", self.keep, 0, maximum=1, what="a fraction in [0, 1]")
+        validate.number("SplitConfig.raise_by", self.raise_by, 1)
+        validate.number("SplitConfig.max_margin", self.max_margin, 0, below=1, what="a fraction in [0, 1)")
+
+
+def _setting(name: str) -> property:
+    return property(lambda self: getattr(self.config, name), doc=f"`SplitConfig.{name}` of this check.")
+
+
+@dataclass
+class SplitCheck:
+    """The check's state; its settings are `config` (read through the same names: ``check.keep``)."""
+
+    config: SplitConfig = field(default_factory=SplitConfig)
+    """The check's settings."""
     reference: list[float] = field(default_factory=list)
     """Mean step seconds of the recent neutral intervals at `reference_batch`."""
     reference_batch: int = 0
@@ -69,6 +91,12 @@ class SplitCheck:
     """Predicted gain a split must exceed from now on (0: the proposal's own margin)."""
     failures: int = 0
     last: dict[str, float] = field(default_factory=dict)
+
+    window = _setting("window")
+    judged = _setting("judged")
+    keep = _setting("keep")
+    raise_by = _setting("raise_by")
+    max_margin = _setting("max_margin")
 
     def observe(self, reports: Sequence[RankReport], neutral_ran: bool, global_batch: int,
                 predicted_gain: float = 0.0, first_interval: bool = False, speed_changed: bool = False,

@@ -12,7 +12,8 @@ writes ``OUT/``:
   controller history as JSON in ``/decisions/history_json``), run metadata in the root's ``meta``
   attribute;
 * ``meta.json``: run metadata (hosts, world size, launcher, versions, arguments, wall time, each
-  rank's memory budget and where it was read);
+  rank's memory budget and where it was read, and with a controller every setting it ran with,
+  ``controller_config``: `DynamixController.config_dict`, which ``ControllerConfig.from_dict`` reads);
 * ``steps_rank{r}.csv`` and ``decisions.csv``: the per-rank step records and the controller's
   decisions as plain CSV (what `bench.lab.calibrate` reads);
 * ``tensorboard/``: TensorBoard event files, with ``RunLog(..., tensorboard=True)`` (optional; see
@@ -208,7 +209,7 @@ class RunLog:
                 "wall_time_s": time.time() - t0, "epochs": int(epochs.epoch.max()) + 1 if len(epochs) else 0,
                 "decisions": len(history or []), "trace_steps_dropped": self.trace_steps_dropped,
                 "memory_budgets": [e.get("memory_budget") for e in everything],
-                **_environment(), **self.meta}
+                **_controller_config(self.controller), **_environment(), **self.meta}
         if len(epochs) and "accuracy" in epochs:
             meta["final_accuracy"] = float(epochs[epochs.epoch == epochs.epoch.max()].accuracy.mean())
         write_run(self.out, meta, steps, epochs, decisions, history or [])
@@ -261,6 +262,12 @@ def decision_arrays(history: Sequence[dict[str, Any]], world_size: int,
             if d.get(k) is not None:
                 out[k][i, :] = np.asarray(d[k], dtype=float).reshape(-1)[:world_size]
     return out
+
+
+def _controller_config(controller: Any) -> dict[str, Any]:
+    """``{"controller_config": every setting}`` of `controller` (none without one)."""
+    config_dict = getattr(controller, "config_dict", None)
+    return {} if config_dict is None else {"controller_config": config_dict()}
 
 
 def write_run(out: Path, meta: dict[str, Any], steps: pd.DataFrame, epochs: pd.DataFrame,

@@ -265,7 +265,7 @@ class LossStatistics:
                     loss_rel_change=rel, loss_ema=float(self.ema.value))
 
 
-@dataclass
+@dataclass(frozen=True)
 class StatsConfig:
     """Settings of :class:`GradientStatistics`."""
 
@@ -285,6 +285,9 @@ class StatsConfig:
     """Smoothing of the whole-run loss EMA."""
     per_layer: bool = True
     """Keep per-layer (per-segment) EMAs when local_sq has a layer axis."""
+    noise_z: float = 1.0
+    """Width, in standard errors, of the lower confidence bound on the noise scale that the decision
+    core hands to policies and the reward (``noise="lower"``)."""
 
     def __post_init__(self) -> None:
         for name in ("ema_beta", "loss_ema_beta"):
@@ -294,6 +297,7 @@ class StatsConfig:
         validate.number("StatsConfig.max_noise_scale", self.max_noise_scale, above=0)
         validate.integer("StatsConfig.loss_window", self.loss_window, 2)
         validate.boolean("StatsConfig.per_layer", self.per_layer)
+        validate.number("StatsConfig.noise_z", self.noise_z, 0)
 
 
 #: Keys of :meth:`GradientStatistics.snapshot`, all floats; NaN until the quantity is known.

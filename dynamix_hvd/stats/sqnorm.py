@@ -29,11 +29,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# The kernels' constants are not controller settings: they change how fast a squared norm is
+# computed, never its value or a decision.
 #: Threads per block; also the static shared-memory size of the CUDA kernel (power of two).
 THREADS = 256
 _UNROLL = 4
-#: Buffers at least this long use the parallel CPU kernel. On the 2-core test VM one core already
-#: streams ~40 GB/s and prange gained nothing (workqueue) or stalled ~24 ms per call (omp layer next
+#: Buffers at least this long use the parallel CPU kernel. One core already streams tens of GB/s,
+#: and the parallel kernel gained nothing (workqueue layer) or stalled ~24 ms per call (omp layer next
 #: to torch's OpenMP), so the default keeps model-sized buffers serial. Env: DYNAMIX_SQNORM_PARALLEL_MIN.
 PARALLEL_MIN_ELEMS = int(os.environ.get("DYNAMIX_SQNORM_PARALLEL_MIN", 1 << 26))
 _FLOAT_DTYPES = (torch.float32, torch.float64)

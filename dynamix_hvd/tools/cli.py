@@ -6,6 +6,7 @@
     dynamix-hvd summarize runs/mlp
     dynamix-hvd plot runs/mlp [-o report.png]              # also: dynamix-hvd report
     dynamix-hvd tensorboard runs/mlp
+    dynamix-hvd settings                                   # regenerate docs/settings.md's reference
 
 Also ``python -m dynamix_hvd``. Every subcommand has ``--help``. Policy tools, the simulator and the
 benchmarks belong to the source tree's lab (``python -m bench.lab.policy_tools``, ``python -m bench.suite``).
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import launchcheck
+from . import launchcheck, settings_doc
 from ..comm import set_horovod_stall_defaults
 from ..control.controller import POLICY_NAMES
 from ..logs import configure_logging
@@ -214,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's OUT directory (holds trace.h5)")
     p.add_argument("--logdir", default=None, help="where to write (default RUN_DIR/tensorboard)")
     p.set_defaults(func=cmd_tensorboard)
+
+    p = sub.add_parser("settings", help="regenerate docs/settings.md's reference from the config dataclasses",
+                       description=settings_doc.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    settings_doc.add_arguments(p)
+    p.set_defaults(func=settings_doc.run)
 
     return ap
 
