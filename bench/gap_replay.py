@@ -1,6 +1,6 @@
 """Replay the speed-gap test on plain Horovod's recorded steps: how often it finds a gap in noise.
 
-    python -m bench.gap_replay runs/suite/zoo-straggler-tuning runs/suite/zoo-headline
+    python -m bench.gap_replay runs/suite/zoo-vgg-tuning runs/suite/zoo-headline
 
 Reads every plain Horovod run under the given suite run folders (``*/CONDITION/plain-horovod_s*/
 suite_steps.csv``: each rank's forward+backward seconds per step at equal sizes, no controller

@@ -1,11 +1,12 @@
-"""The benchmark suite: plain Horovod vs static sizes, classic rules and PPO, on real multi-rank jobs.
+"""The benchmark suite: plain Horovod against dynamix_hvd on real multi-rank jobs.
 
-    python -m bench.suite --quick            # CI: the harness end to end (1 workload, 1 condition, 1 seed)
-    python -m bench.suite --config headline  # one configuration of the full matrix (--list shows them all)
+    python -m bench.suite --quick                # CI: the harness end to end (1 workload, 1 condition, 1 seed)
+    python -m bench.suite --config zoo-headline  # one configuration (--list shows them all)
 
-Every arm trains the same model with the same optimizer, LR rule and data order (see
-`bench.jobs.common`); only the batch-size policy differs. The reference arm is the
-script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
+Every configuration answers one question BENCHMARKS.md asks, and each of its tables gives the
+command that produced it (`CONFIGS`). Every arm trains the same model with the same optimizer, LR
+rule and data order (see `bench.jobs.common`); only the batch-size policy differs. The reference arm
+is the script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
 ``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms run interleaved: for seed s the arm
 order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine); within
 a seed a workload's conditions run side by side, so runs read against each other are minutes apart.
@@ -15,7 +16,10 @@ and after, date, versions, git commit, the exact command), ``runs.csv`` (one row
 ``evals.csv`` (every evaluation of every job: the raw records), ``sizes.csv`` (each rank's batch size
 whenever it changed), ``summary.md``/``summary.csv`` and ``plots/``. The jobs' own directories
 (traces, per-step records, stdout) stay under ``--runs-dir`` (default ``runs/suite/NAME``).
-Definitions are in `bench.suite_report`.
+``--summarize-only --out DIR`` writes the summary of any results folder again, also one whose
+configuration, workloads, conditions or arms are no longer defined here: a row that cannot be
+measured again (its job directory is gone, or its workload is unknown) keeps the numbers it was
+recorded with. Definitions are in `bench.suite_report`.
 """
 from __future__ import annotations
 
@@ -29,20 +33,17 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from bench.conditions import (Condition, NetworkNamespaces, RateSchedule, cleanup_stale, physical_limit,
-                              plain_mpirun, slow_args)
+from bench.conditions import Condition, NetworkNamespaces, RateSchedule, cleanup_stale, physical_limit, plain_mpirun, slow_args
 from bench.suite_report import measure, plot_cells, summarize, summary_markdown
-from bench.lab.scenarios import MISSPECIFIED
 from dynamix_hvd.tools.launchcheck import local_env
 
 REPO = Path(__file__).resolve().parents[1]
-RULES = ("linear-ramp", "adabatch", "increase-batch", "noise-scale", "goodput", "speed-split")
 STARTUP_S = 8.0  # starting Python, torch, Horovod and MPI on 2 ranks, per job (idle machine)
 
 
@@ -62,44 +63,21 @@ class Workload:
     wall_budget_s: float             # the fixed wall-time budget: final metric at this training time
     plain_s: float
     args: tuple[str, ...] = ()
-    default_batch: int = 32          # per rank: plain Horovod, the data-plane rows, the adaptive arms' start
-    static_batches: tuple[int, ...] = (16, 32, 64)
-    rule_kwargs: dict[str, dict] = field(default_factory=dict)
-
-
-def rule_kwargs(base: int, steps_per_epoch: int, epochs: int) -> dict[str, dict]:
-    """Classic rules' parameters scaled to the workload (global base batch, its schedule length)."""
-    return {"linear-ramp": {"end": 4 * base, "ramp": epochs // 2},
-            "adabatch": {"every": max(1, epochs // 4), "end": 8 * base},
-            "increase-batch": {"milestones": [0.5, 0.75], "factor": 2.0}}
+    default_batch: int = 32          # per rank: plain Horovod and the adaptive arms' start
 
 
 WORKLOADS = {
-    # 4,000 train / 1,000 test digits; width 64: 1.12 ms CPU per sample -> ~2.4 s per epoch per rank
+    # the demo's CNN (`bench.demo`): 4,000 train / 1,000 test digits; width 64: 1.12 ms CPU per sample
+    # -> ~2.4 s per epoch per rank
     "cnn": Workload("cnn", "bench.jobs.cnn_train", "accuracy", 0.968, 24, 2000, 40.0, 60.0,
                     args=("--width", "64", "--train-samples", "4000", "--eval-every", "1000000000",
-                          "--no-report", "--progress", "off"),
-                    rule_kwargs=rule_kwargs(64, 63, 24)),
-    # 400k characters of stdlib source, 5,940 sequences of 64; 0.92 ms per sequence
-    "charlm": Workload("charlm", "bench.jobs.charlm_train", "loss", 1.5, 25, 2000, 50.0, 75.0,
-                       args=("--chars", "400000", "--eval-every", "0", "--decide-every", "-1"),
-                       default_batch=16, static_batches=(8, 16, 32), rule_kwargs=rule_kwargs(32, 186, 25)),
-    # 16,384 generated samples, 2 x 1024 hidden units: 0.15 ms per sample + a 4 MB allreduce per step
-    # its test accuracy peaks at ~0.77 after ~2 epochs (label noise) and then slowly falls back
-    "mlp": Workload("mlp", "bench.jobs.mlp_train", "accuracy", 0.765, 20, 4096, 30.0, 45.0,
-                    args=("--samples", "16384", "--hidden", "1024", "--depth", "2", "--no-report",
-                          "--progress", "off"),
-                    rule_kwargs=rule_kwargs(64, 256, 20)),
-    # functional runs at 8-16 ranks on 2 cores: a narrow CNN, 8 samples per rank (35 steps an epoch at 16 ranks), a decision
-    # every 4 steps (what it checks is that decisions reach every rank, not the time)
-    "cnn-scale": Workload("cnn-scale", "bench.jobs.cnn_train", "accuracy", 0.5, 4, 500, 60.0, 90.0,
-                          args=("--width", "16", "--train-samples", "4500", "--eval-every", "1000000000",
-                                "--no-report", "--progress", "off", "--decide-every", "4"), default_batch=8),
+                          "--no-report", "--progress", "off")),
     # --quick: the CNN cut to seconds (checks the harness, not the numbers)
     "cnn-quick": Workload("cnn-quick", "bench.jobs.cnn_train", "accuracy", 0.5, 2, 500, 5.0, 15.0,
                           args=("--train-samples", "1000", "--eval-every", "1000000000", "--no-report",
                                 "--progress", "off", "--decide-every", "4")),
 }
+
 
 def zoo_workloads() -> dict[str, Workload]:
     """Every job of the workload zoo (`bench.zoo`) as a suite workload, named ``zoo:JOB``: its own
@@ -109,7 +87,7 @@ def zoo_workloads() -> dict[str, Workload]:
 
     return {f"zoo:{n}": Workload(f"zoo:{n}", "bench.zoo_train", "accuracy" if j.higher_is_better else "loss",
                                  j.target, j.epochs, j.eval_every, 600.0, 30.0, args=("--job", n),
-                                 default_batch=j.batch, static_batches=(j.batch,))
+                                 default_batch=j.batch)
             for n, j in JOBS.items()}
 
 
@@ -134,62 +112,25 @@ HEADLINE_ZOO = {"lstm-rows": (3, 0.94)}
 short (``zoo:JOB:xK``). At 8 epochs lstm-rows trains about 5 s; at 24 about 12 s, with 96
 evaluations, so its budget time (the whole run) is a longer measurement. Its accuracy flattens
 early: plain Horovod's median of three evaluations passes the target 0.94 (the job's own is 0.935)
-after 5.5-7 epochs and ends at 0.959-0.963 (three seeds, bench/results/zoo-headline-2026-12-05-0034), so no target
-is both late and reached by every seed."""
+after 5.5-7 epochs and ends at 0.959-0.963 (three seeds; ``zoo-headline-2026-12-05-0034/`` in
+bench/results/archive.tar.xz), so no target is both late and reached by every seed."""
 WORKLOADS.update({f"zoo:{n}:x{k}": longer(n, k, f"zoo:{n}:x{k}", target=target,
                                             plain_s=WORKLOADS[f"zoo:{n}"].plain_s * k)
                   for n, (k, target) in HEADLINE_ZOO.items()})
-
-def periodic_schedule(every: float, length: float, during: float, after: float, until: float = 300.0) -> str:
-    """"SECONDS:VALUE,..." that is `during` for `length` seconds every `every` seconds (from `every` on)
-    and `after` in between, up to `until` seconds."""
-    points, t = [], every
-    while t < until:
-        points += [f"{t:g}:{during:g}", f"{t + length:g}:{after:g}"]
-        t += every
-    return ",".join(points)
-
-
-def _interference() -> dict[str, float]:
-    c = MISSPECIFIED["interference"]
-    return dict(every=c["interfere_every"], length=c["interfere_for"], during=c["interfere_factor"], after=1.0)
-
-
-def _bursts() -> dict[str, float]:
-    c = MISSPECIFIED["bursts"]
-    return dict(every=c["burst_every"], length=c["burst_for"], during=1000.0 / c["burst_factor"], after=1000.0)
-
 
 CONDITIONS = {
     "none": Condition("none", 2),
     "slow2x": Condition("slow2x", 2, slow_rank=1, slow_factor=2.0),
     "slow3x": Condition("slow3x", 2, slow_rank=1, slow_factor=3.0),
-    "slow-varying": Condition("slow-varying", 2, slow_rank=1, slow_factor=1.0, slow_schedule="20:3,60:1.5"),
-    # the zoo's changing straggler: jobs of ~15-60 s, so the phases come sooner
-    "slow-changing": Condition("slow-changing", 2, slow_rank=1, slow_factor=1.0, slow_schedule="5:3,20:1.5"),
-    # the same phases at the same points of every arm's training: 3x from 10% of the epoch budget's
-    # samples, 1.5x from 35% (a seconds schedule gives the faster arm fewer slow seconds)
+    # a changing slowdown at the same points of every arm's training: 3x from 10% of the epoch
+    # budget's samples, 1.5x from 35% (a seconds schedule would give the faster arm fewer slow seconds)
     "slow-phases": Condition("slow-phases", 2, slow_rank=1, slow_factor=1.0, slow_schedule="0.1:3,0.35:1.5",
                              slow_clock="budget"),
-    "stalls": Condition("stalls", 2, slow_rank=1, stall_rate=0.5, stall_ms=200.0),
+    # slow links: every rank in its own network namespace, tbf-shaped
     "net10": Condition("net10", 2, rate_mbit=10.0),
     "net100": Condition("net100", 2, rate_mbit=100.0),
-    "net1g": Condition("net1g", 2, rate_mbit=1000.0),
-    # the zoo's changing network: jobs of ~15-60 s, so the phases come a few decisions apart
+    # a link that changes during jobs of ~15-60 s, so the phases come a few decisions apart
     "net-changing": Condition("net-changing", 2, rate_mbit=100.0, rate_schedule="10:10,25:50"),
-    "net10-slow3x": Condition("net10-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=10.0),
-    "net100-slow3x": Condition("net100-slow3x", 2, slow_rank=1, slow_factor=3.0, rate_mbit=100.0),
-    "net1g-1ms": Condition("net1g-1ms", 2, rate_mbit=1000.0, delay_ms=1.0),
-    # where a fitted model is misspecified (bench.lab.scenarios.MISSPECIFIED, in seconds for jobs that
-    # decide about once a second): a co-located job on rank 1 (training seconds), another job's traffic
-    # on the link (seconds from the job's launch, as every rate schedule)
-    "interference": Condition("interference", 2, slow_rank=1, slow_factor=1.0,
-                              slow_schedule=periodic_schedule(**_interference())),
-    "bursts": Condition("bursts", 2, rate_mbit=1000.0, rate_schedule=periodic_schedule(**_bursts())),
-    # scaling rows: more ranks than cores, so the slowed rank sleeps (the output says so)
-    "scale4-slow3x": Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep"),
-    "scale8-slow3x": Condition("scale8-slow3x", 8, slow_rank=7, slow_factor=3.0, slow_mode="sleep"),
-    "scale16-slow3x": Condition("scale16-slow3x", 16, slow_rank=15, slow_factor=3.0, slow_mode="sleep"),
 }
 
 
@@ -203,212 +144,79 @@ class Arm:
     batch: int | None = None
 
 
+ARMS = ("plain", "split", "model", "ppo-progress", "speed-split", "static-N")
+"""The arm names `arms` knows (static-N: any N)."""
+
+
 def arms(w: Workload, names: list[str]) -> list[Arm]:
-    """Arms by name: "plain" (plain Horovod), "static" (every static size), "static-N",
-    "dataplane" (loader + weighted optimizer, no controller, default size), "rules" (every classic
-    rule), a rule name, "model" (the cost-model proposal alone), "model-explore" (the proposal letting B
-    grow before the cost lines are identified, as AdaptDL), "model-nobudget" (the proposal without the
-    training budget's cap on B), "ppo" (shipped policy, greedy),
-    "ppo-online" (it keeps learning), "ppo-progress" (the shipped policy, ending on training progress)."""
+    """Arms by name: "plain" (plain Horovod), "split" (a fixed split in proportion to the ranks'
+    speeds, through the loader and the weighted optimizer alone, no controller), "model" (the default
+    controller), "static-N" (the controller deciding "static" at N samples per rank, so the LR rule
+    and the gradient statistics run), "speed-split" (the controller's speed-proportional rule) and
+    "ppo-progress" (the shipped PPO policy, ending on training progress)."""
     out: list[Arm] = []
     for name in names:
         if name == "plain":
             out.append(Arm("plain-horovod", ("--plain-horovod",)))
-        elif name == "static":
-            out += [Arm(f"static-{b}", ("--policy", "static"), b) for b in w.static_batches]
-        elif name.startswith("static-"):
-            out.append(Arm(name, ("--policy", "static"), int(name.split("-")[1])))
-        elif name == "split":  # a fixed speed-proportional split through the data plane alone, no controller
+        elif name.startswith("static-") and name.split("-", 1)[1].isdigit():
+            out.append(Arm(name, ("--policy", "static"), int(name.split("-", 1)[1])))
+        elif name == "split":
             out.append(Arm("split-speed", ("--policy", "static", "--no-controller")))
-        elif name == "dataplane":
-            out.append(Arm(f"dataplane-{w.default_batch}", ("--policy", "static", "--no-controller")))
-        elif name == "rules":
-            out += arms(w, list(RULES))
-        elif name in RULES:
-            kw = ("--policy-config", json.dumps(w.rule_kwargs[name])) if name in w.rule_kwargs else ()
-            out.append(Arm(name, ("--policy", name, *kw)))
-        elif name == "ppo-bn1":  # the shipped policy without the BatchNorm floor: ranks may go down to one sample
-            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
-                                  "--batchnorm-floor", "1")))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
-        elif name == "model-nobudget":  # the default without the budget's cap on B (goodput alone decides)
-            out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"budget_loss": 1.0}))))
-        elif name == "model-explore":  # AdaptDL's exploration: B may grow on the pinned fixed-cost guess
-            out.append(Arm(name, ("--policy", "model", "--policy-config", json.dumps({"hold_unidentified": 0}))))
-        elif name == "ppo-progress":  # the shipped policy ending on training progress (zoo jobs: --budget progress)
+        elif name == "speed-split":
+            out.append(Arm(name, ("--policy", "speed-split")))
+        elif name == "ppo-progress":  # zoo jobs: --budget progress
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
                                   "--budget", "progress")))
-        elif name in ("ppo-progress-fullgain", "ppo-progress-sqrtgain"):  # the LR rule on Adam-type optimizers
-            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
-                                  "--budget", "progress", "--adaptive", "0" if name.endswith("fullgain") else "1")))
-        elif name in ("ppo", "ppo-online"):
-            out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn",
-                                  "1" if name == "ppo-online" else "0")))
         else:
-            raise ValueError(f"unknown arm {name!r}")
+            raise ValueError(f"unknown arm {name!r} (known: {', '.join(ARMS)})")
     return out
 
 
-ALL_ARMS = ["plain", "static", "rules", "model", "ppo", "ppo-online"]
-TIMING = ["none", "slow2x", "slow3x", "slow-varying", "stalls", "net10", "net1g-1ms"]
-# A group: workloads x conditions x arms, `seeds` seeds (headline rows: 5); with `first_seed` k the seeds
-# k .. seeds - 1 only (to add seeds to an earlier run of seeds 0 .. k - 1).
-CONFIGS: dict[str, list[dict[str, Any]]] = {
-    "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
-               "seeds": 1}],
-    "headline": [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5}],
-    # the headline's 3x row cut to what fits in about an hour: the references and the adaptive defaults
-    "headline-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"],
-                       "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
-    # the CNN's other rows (2x, no straggler), same arms and cut as headline-lite
-    # (~107 min: run it in parts with --budget-min and --resume)
-    "goals-lite": [{"workloads": ["cnn"], "conditions": ["slow2x", "none"],
-                    "arms": ["plain", "static-32", "static-64", "model", "ppo"], "seeds": 5}],
-    # the proposal's early phase: B held until the cost lines are identified (model) against AdaptDL's
-    # exploration (model-explore), with plain Horovod as the reference (~35 min)
-    "early-lite": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "model-explore"],
-                    "seeds": 5}],
-    # a live check of a newly trained shipped policy on the 3x row, beside the proposal alone (~28 min)
-    "policy-check": [{"workloads": ["cnn"], "conditions": ["slow3x"], "arms": ["plain", "model", "ppo"],
-                      "seeds": 3}],
-    # the three goal rows with the shipped policy (ppo, greedy) against both
-    # references, 5 seeds each, in one run (~110 min)
-    "headline-final": [{"workloads": ["cnn"], "conditions": ["slow3x", "slow2x", "none"],
-                        "arms": ["plain", "static-32", "ppo"], "seeds": 5}],
-    # per-step logs of the other two workloads for the simulator's calibrated profiles
-    # (bench/lab/profiles/), with plain Horovod beside them (~20 min)
-    "calibration-logs": [{"workloads": ["charlm", "mlp"], "conditions": ["slow3x", "none"],
-                          "arms": ["plain", "model"], "seeds": 1}],
-    "cnn": [{"workloads": ["cnn"], "conditions": ["slow2x", "slow-varying", "stalls", "net10", "net1g-1ms"],
-             "arms": ALL_ARMS, "seeds": 3}],
-    "charlm": [{"workloads": ["charlm"], "conditions": ["none", "slow3x"], "arms": ALL_ARMS, "seeds": 5},
-               {"workloads": ["charlm"], "conditions": ["slow2x", "slow-varying", "stalls", "net10"],
-                "arms": ["plain", "static", "speed-split", "goodput", "ppo", "ppo-online"], "seeds": 3}],
-    "mlp": [{"workloads": ["mlp"], "conditions": ["none", "slow3x", "net10"],
-             "arms": ["plain", "static", "speed-split", "goodput", "ppo", "ppo-online"], "seeds": 3}],
-    "overhead": [{"workloads": ["cnn", "charlm", "mlp"], "conditions": ["none"],
-                  "arms": ["plain", "dataplane", "static-32", "static-16"], "seeds": 5}],
-    "scaling": [{"workloads": ["cnn"], "conditions": ["scale4-slow3x"],
-                 "arms": ["plain", "static", "speed-split", "ppo"], "seeds": 3}],
-}
 ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
 ZOO_HEADLINE = [f"{w}:x{HEADLINE_ZOO[n][0]}" if (n := w.removeprefix("zoo:")) in HEADLINE_ZOO else w for w in ZOO_EVAL]
 ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:vgg-digits", "zoo:charlm-transformer",
               "zoo:bag-code"]
-# the workload zoo's headline: its evaluation half, with and without stragglers, the default (the
-# proposal, policy "model") against plain Horovod and the fixed speed-proportional split
-# (3 seeds; `bench.zoo_report` reads it)
-CONFIGS.update({
-    "zoo-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["slow3x"], "arms": ["plain", "split", "ppo"],
-                   "seeds": 1}],
+# A group: workloads x conditions x arms, `seeds` seeds (with `first_seed` k: seeds k .. seeds - 1
+# only, to add seeds to an earlier run of seeds 0 .. k - 1). Each configuration answers one question of
+# BENCHMARKS.md, whose table gives its command; tests/test_bench_suite.py checks that every one is
+# cited there and that every one cited exists.
+CONFIGS: dict[str, list[dict[str, Any]]] = {
+    # CI: does the harness run end to end? (not a measurement)
+    "quick": [{"workloads": ["cnn-quick"], "conditions": ["slow2x"], "arms": ["plain", "static-32", "speed-split"],
+               "seeds": 1}],
+    # Does it help with a slow rank (3x, changing), and does it cost time without one? The zoo's
+    # evaluation half: the default against plain Horovod and the fixed speed-proportional split
+    # (`bench.zoo_report`, `bench.reachable_limit`; ~50 min)
     "zoo-headline": [{"workloads": ZOO_HEADLINE, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3},
                      {"workloads": ZOO_HEADLINE, "conditions": ["slow3x", "slow-phases"],
                       "arms": ["plain", "split", "model"], "seeds": 3}],
-    "zoo-headline-lite": [{"workloads": ZOO_EVAL, "conditions": ["none", "slow3x"],
-                           "arms": ["plain", "split", "ppo"], "seeds": 1}],
-    # with a straggler, the default (the proposal) beside plain Horovod and the best fixed split on the
-    # evaluation half; each row's limit comes from its own plain run (`bench.zoo_report`)
-    "zoo-straggler": [{"workloads": ZOO_EVAL, "conditions": ["slow3x", "slow2x", "slow-changing"],
-                       "arms": ["plain", "split", "model"], "seeds": 3}],
-    # the changing slowdown alone (rank 1: 1x, 3x from 5 s, 1.5x from 20 s), as in zoo-straggler (~17 min)
-    "zoo-straggler-changing": [{"workloads": ZOO_EVAL, "conditions": ["slow-changing"],
-                                "arms": ["plain", "split", "model"], "seeds": 3}],
-    # rank 1 2x slower alone, the default beside plain Horovod and the best fixed split, on the
-    # headline's jobs (lstm-rows at its 24 epochs), the headline's missing column (~25 min)
+    # Does it help with a rank 2x slower? The headline's jobs (~25 min)
     "zoo-straggler-2x": [{"workloads": ZOO_HEADLINE, "conditions": ["slow2x"], "arms": ["plain", "split", "model"],
                           "seeds": 3}],
-    # no harm: the default (the proposal) against plain Horovod on equal-speed ranks (3 seeds, ~12 min)
-    "zoo-noharm": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3}],
-    # the two shortest-step evaluation jobs trained about a minute each, where whole jobs of 13-37 s
-    # were too noisy and too short for the first decisions: no harm on equal ranks, and rank 1 3x
-    # slower beside the best fixed split (~45 min)
-    "zoo-long": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
-                  "arms": ["plain", "model"], "seeds": 3},
-                 {"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["slow3x"],
-                  "arms": ["plain", "split", "model"], "seeds": 3}],
-    # no harm on jobs of about a minute: zoo-long's equal-rank half alone (~20 min)
-    "zoo-long-noharm": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
-                         "arms": ["plain", "model"], "seeds": 3}],
-    # no harm, per epoch: the data plane alone and the controller deciding static, at equal sizes
-    "zoo-overhead": [{"workloads": ZOO_EVAL, "conditions": ["none"], "arms": ["plain", "dataplane", "static"],
-                      "seeds": 1}],
-    # what the BatchNorm floor costs or saves: the ResNet with a straggler, the shipped policy with and without it
-    "zoo-batchnorm": [{"workloads": ["zoo:resnet-bn"], "conditions": ["slow3x"], "arms": ["plain", "ppo", "ppo-bn1"],
-                       "seeds": 2}],
-    # measured critical batch against the noise-scale estimate: static sizes (the controller deciding
-    # "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times the batch,
-    # 3 seeds (~15 min)
-    "zoo-critical": [{"workloads": [w], "conditions": ["none"],
-                      "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 3}
-                     for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
-    # slow and changing links (every rank in its own network namespace, tbf-shaped): where a larger
-    # batch pays for the allreduce, and where it must not be grown
-    # (the adaptive arm ends on training progress, so its final metric is at equal progress; ~45 min)
-    "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm"],
-                     "conditions": ["net10", "net100", "net-changing"],
-                     "arms": ["plain", "ppo-progress"], "seeds": 3}],
-    # the same links with rank 1 3x slower; the plain runs without the straggler give each row's limit
-    # (~25 min)
-    "zoo-network-slow": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10-slow3x", "net100-slow3x"],
-                          "arms": ["plain", "ppo-progress"], "seeds": 3},
-                         {"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100"], "arms": ["plain"],
-                          "seeds": 3}],
-    # where a fitted model is misspecified, live: the shipped PPO against the proposal alone (~10 min;
-    # the simulator's side: python -m bench.lab.misspecified)
-    "zoo-misspecified": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["interference", "bursts"],
-                          "arms": ["plain", "model", "ppo"], "seeds": 3}],
-    # the same on an evaluation job (~8 min): interference, and a slow rank that goes 1x, 3x (from 20 s),
-    # 1.5x (from 60 s), which in these ~10 s-to-target jobs mostly comes after the target
-    "zoo-misspecified-gru": [{"workloads": ["zoo:gru-charlm"], "conditions": ["slow-varying", "interference"],
-                              "arms": ["plain", "model", "ppo"], "seeds": 3}],
-    # functional runs at 8 and 16 ranks on this machine's cores (the slow rank sleeps): decisions reach
-    # every rank, nobody starves; decision latency per world size (python -m bench.scale_report)
-    "scale-functional": [{"workloads": ["cnn-scale"], "conditions": ["scale8-slow3x", "scale16-slow3x"],
-                          "arms": ["plain", "model"], "seeds": 1}],
-    # where the no-straggler cost sits: the data plane alone (equal sizes, no controller) and the shipped policy,
-    # each as its own mpirun job beside plain Horovod (~6 min)
-    "zoo-dataplane-cnn": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["none"], "arms": ["plain", "dataplane", "ppo"],
-                           "seeds": 3}],
-    # the LR coupling on Adam-type optimizers where B grows: AdaScale's gain or its square root
-    "zoo-adaptive-lr": [{"workloads": ["zoo:mf-ratings"], "conditions": ["none"],
-                         "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 3},
-                        {"workloads": ["zoo:gru-charlm"], "conditions": ["net10"],
-                         "arms": ["plain", "ppo-progress-fullgain", "ppo-progress-sqrtgain"], "seeds": 2}],
-    # the changing slowdown on the two jobs whose cadence intervals are longest in steps, the default
-    # beside plain Horovod (~3 min): how soon it follows a change (each run's decisions.csv)
-    "zoo-changing-probe": [{"workloads": ["zoo:mnist-cnn", "zoo:lstm-rows:x3"], "conditions": ["slow-phases"],
-                            "arms": ["plain", "model"], "seeds": 1}],
-    # the tuning half under the changing slowdown beside plain Horovod (~7 min): how closely the
-    # default's splits follow each change (`bench.zoo_report --balance`: a run's steps' time at the
-    # balanced split over theirs)
-    "zoo-changing-tuning": [{"workloads": ZOO_TUNING, "conditions": ["slow-phases"], "arms": ["plain", "model"],
-                             "seeds": 2}],
-    "zoo-network-quick": [{"workloads": ["zoo:mnist-cnn"], "conditions": ["net10", "net100", "net1g"],
-                           "arms": ["plain", "ppo"], "seeds": 1}],
-    "zoo-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow3x"], "arms": ["plain", "split", "ppo"],
-                    "seeds": 1}],
-    # the budget's cap on growth against the same proposal without it, beside plain Horovod: decided on
-    # the tuning half (seed 0, then seeds 1-2: ~18 and ~23 min), reported on the evaluation half (~23 min)
-    "zoo-budget-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x", "slow-phases"],
-                           "arms": ["plain", "model", "model-nobudget"], "seeds": 1}],
-    "zoo-budget-tuning-more": [{"workloads": ZOO_TUNING, "conditions": ["none", "slow2x"],
-                                "arms": ["plain", "model", "model-nobudget"], "seeds": 3, "first_seed": 1}],
-    "zoo-budget-eval": [{"workloads": ZOO_HEADLINE, "conditions": ["slow3x"],
-                         "arms": ["plain", "model", "model-nobudget"], "seeds": 3}],
-    # the tuning half's compute-dominated job (a few percent of a step fixed, where a split should come
-    # close to the limit), added after the defaults were set: the headline's matrix on it (~28 min)
+    # Does it help on a job added after the defaults were set? vgg-digits, a compute-dominated job
+    # (a few percent of a step fixed), under the headline's matrix (~28 min)
     "zoo-vgg-tuning": [{"workloads": ["zoo:vgg-digits"], "conditions": ["none"], "arms": ["plain", "model"],
                         "seeds": 3},
                        {"workloads": ["zoo:vgg-digits"], "conditions": ["slow3x", "slow-phases"],
                         "arms": ["plain", "split", "model"], "seeds": 3}],
-    # the controller's gate on the tuning half before the evaluation half is run: equal ranks, a 2x
-    # straggler and a changing one, the default beside plain Horovod and the fixed split (~21 min)
-    "zoo-straggler-tuning": [{"workloads": ZOO_TUNING, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1},
-                             {"workloads": ZOO_TUNING, "conditions": ["slow2x", "slow-phases"],
-                              "arms": ["plain", "split", "model"], "seeds": 1}],
-})
-CONFIGS["full"] = [g for name in ("headline", "cnn", "charlm", "mlp", "overhead", "scaling") for g in CONFIGS[name]]
+    # Does it cost time without a slow rank on about a minute of training? The two shortest-step
+    # evaluation jobs trained 40-55 s (~20 min)
+    "zoo-long-noharm": [{"workloads": ["zoo:gru-charlm:long", "zoo:lstm-rows:long"], "conditions": ["none"],
+                         "arms": ["plain", "model"], "seeds": 3}],
+    # Is the noise-scale estimate right? The measured critical batch: static sizes (the controller
+    # deciding "static", so the AdaScale LR and the gradient statistics run) at 1/2, 1, 2 and 4 times
+    # the batch, 3 seeds (`bench.zoo_report --critical`; ~15 min)
+    "zoo-critical": [{"workloads": [w], "conditions": ["none"],
+                      "arms": ["plain", *(f"static-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 3}
+                     for w, b in (("zoo:mnist-cnn", 64), ("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
+    # Does it help on a slow or changing link? Every rank in its own network namespace; the adaptive
+    # arm ends on training progress, so its final metric is at equal progress (~45 min)
+    "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm"],
+                     "conditions": ["net10", "net100", "net-changing"],
+                     "arms": ["plain", "ppo-progress"], "seeds": 3}],
+}
 
 
 @dataclass(frozen=True)
@@ -420,8 +228,6 @@ class Job:
 
     @property
     def batch(self) -> int:
-        if self.arm.label.startswith("dataplane-"):
-            return int(self.arm.label.split("-")[1])
         return self.arm.batch or self.workload.default_batch
 
     @property
@@ -630,7 +436,9 @@ def listing(name: str, jobs: list[Job]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="", choices=sorted(CONFIGS), help="configuration to run")
+    ap.add_argument("--config", default="", metavar="NAME",
+                    help=f"configuration to run: {', '.join(CONFIGS)} (with --summarize-only: any name, "
+                         "the results folder bench/results/NAME)")
     ap.add_argument("--quick", action="store_true", help="same as --config quick (CI)")
     ap.add_argument("--list", action="store_true", help="print the configuration's jobs (every one without --config)")
     ap.add_argument("--out", default="", help="results directory (default bench/results/NAME)")
@@ -638,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-factor", type=float, default=4.0,
                     help="a job is killed after this many times its expected time, at least 120 s (it then fails)")
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--summarize-only", action="store_true", help="run nothing: re-measure OUT/runs.csv's jobs")
+    ap.add_argument("--summarize-only", action="store_true",
+                    help="run nothing: re-measure OUT/runs.csv's jobs and write the summary again (a row whose "
+                         "job directory is gone or whose workload is no longer defined keeps its recorded numbers)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the jobs OUT/runs.csv already has with a result (their job directories must "
                          "still exist) and run only the others: a configuration longer than one sitting "
@@ -648,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
                          "summary then lists the jobs not run yet (continue with --resume). 0: no limit")
     args = ap.parse_args(argv)
     name = "quick" if args.quick else args.config
+    if name and name not in CONFIGS and not args.summarize_only:
+        ap.error(f"--config {name!r}: no such configuration (choose from {', '.join(CONFIGS)}); "
+                 "--summarize-only reads the results folder of any name")
     if args.list:
         for n in ([name] if name else list(CONFIGS)):
             print(listing(n, expand(CONFIGS[n])))
@@ -658,13 +471,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--resume runs the jobs still missing; --summarize-only runs none: give one of them")
     if not (math.isfinite(args.budget_min) and args.budget_min >= 0):
         ap.error(f"--budget-min={args.budget_min}: give minutes >= 0 (0: no limit)")
-    jobs = expand(CONFIGS[name])
+    jobs = expand(CONFIGS[name]) if name in CONFIGS else []
     out = Path(args.out or REPO / "bench" / "results" / name)
     runs_dir = Path(args.runs_dir or REPO / "runs" / "suite" / name)
     out.mkdir(parents=True, exist_ok=True)
     info = machine()
     info["command"] = " ".join(["python", "-m", "bench.suite", *(sys.argv[1:] if argv is None else argv)])
-    info["config"] = {"name": name, "groups": CONFIGS[name], "expected_s": sum(j.expected_s() for j in jobs),
+    info["config"] = {"name": name, "groups": CONFIGS.get(name, []), "expected_s": sum(j.expected_s() for j in jobs),
                       "conditions": {c.name: c.describe() for c in {j.condition.name: j.condition for j in jobs}.values()}}
     if any(j.condition.networked for j in jobs) and (stale := cleanup_stale()):
         print(f"removed namespaces/links left by a killed benchmark: {', '.join(stale)}", flush=True)
@@ -673,18 +486,29 @@ def main(argv: list[str] | None = None) -> int:
     before = earlier_record(out / "machine.json") if args.summarize_only or args.resume else {}
     # rows written before runs.csv had a commit column ran at the commit their record names
     commit = str(before.get("git_commit", ""))[:12] or "unknown"
+    as_recorded: list[str] = []  # --summarize-only: rows that keep the numbers runs.csv holds
     if args.summarize_only:
         for row in read_runs(out / "runs.csv", commit):
             if row["status"] == "ok":
-                try:
-                    row.update(measure(Path(row["run_dir"]), WORKLOADS[row["workload"]].wall_budget_s))
-                except (OSError, KeyError, ValueError, IndexError) as exc:
-                    row["status"] = f"unreadable: {exc!r}"
+                workload = WORKLOADS.get(str(row["workload"]))
+                if workload is None or not Path(str(row["run_dir"])).is_dir():
+                    as_recorded.append(f"{row['workload']}/{row['condition']}/{row['arm']}_s{row['seed']}")
+                else:
+                    try:
+                        row.update(measure(Path(row["run_dir"]), workload.wall_budget_s))
+                    except (OSError, KeyError, ValueError, IndexError) as exc:
+                        row["status"] = f"unreadable: {exc!r}"
             rows.append(row)
         jobs = []
-        # the record of the run being re-measured stays (when there is one); this pass is noted beside it
-        info = {**(before or {**info, "original_record": "missing"}), "config": info["config"],
-                "resummarized": {k: info[k] for k in ("date", "command", "git_commit", "git_dirty")}}
+        # the record of the run being re-measured stays (when there is one); this pass is noted beside
+        # it. A configuration no longer defined keeps its recorded one; a defined one adds the
+        # descriptions of the conditions it no longer has.
+        config = before.get("config") or info["config"]
+        if name in CONFIGS:
+            config = {**info["config"], "conditions": {**config.get("conditions", {}), **info["config"]["conditions"]}}
+        info = {**(before or {**info, "original_record": "missing"}), "config": {**config, "name": name},
+                "resummarized": {**{k: info[k] for k in ("date", "command", "git_commit", "git_dirty")},
+                                 "as_recorded": as_recorded}}
     if args.resume:
         if before:  # earlier parts' machines, dates and commits stay on record
             info["earlier_parts"] = before.pop("earlier_parts", []) + [before]
@@ -720,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.md").write_text(summary_markdown(table, runs, info))
     from bench.suite_report import write_raw
 
-    write_raw(runs, out)
+    if not as_recorded:  # evals.csv and sizes.csv stay as they are where some job directories are gone
+        write_raw(runs, out)
     if not args.no_plots:
         plot_cells(runs, out / "plots")
     print((out / "summary.md").read_text())

@@ -134,11 +134,20 @@ def best_static(cell: pd.DataFrame, metric: str) -> str | None:
     return str(med.sort_values(["t", "f"]).index[0])
 
 
+RECORDED = ("time_to_target_s", "missed", "final", "final_at_budget", "idle_mean", "throughput", "optimizer_steps",
+            "eval_total_s", "physical_limit")
+"""The measures of runs.csv that `summarize` reads."""
+
+
 def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
-    """Per (workload, condition, arm): medians and IQRs over seeds, paired ratios, misses, noise flag."""
+    """Per (workload, condition, arm): medians and IQRs over seeds, paired ratios, misses, noise flag.
+    A workload that `metrics` does not name (one no longer defined) is read as an accuracy."""
     if runs.empty or "status" not in runs:
         return pd.DataFrame()
     ok = runs[runs.status == "ok"].copy()
+    for column in RECORDED:  # a row recorded before a measure existed: that measure is unknown
+        if column not in ok:
+            ok[column] = False if column == "missed" else math.nan
     rows = []
     for (w, c), cell in ok.groupby(["workload", "condition"], sort=False):
         best = best_static(cell, metrics.get(w, "accuracy"))
@@ -191,6 +200,18 @@ def cell_table(cell: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _resummarized(record: Mapping[str, Any] | None) -> str:
+    """The sentence on a `--summarize-only` pass ("" for a run's own summary)."""
+    if not record:
+        return ""
+    text = (f" Re-measured from the job directories by `{record['command']}` on {record['date']} "
+            f"(commit {record['git_commit'][:12]})")
+    if record.get("as_recorded"):
+        text += (f"; {len(record['as_recorded'])} jobs keep the numbers runs.csv recorded (their job directories "
+                 "are gone or their workload is no longer defined)")
+    return text + "."
+
+
 def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str, Any]) -> str:
     """summary.md: the machine, then per workload x condition the table and its two figures."""
     out = [f"# Benchmark suite: {info['config']['name']}\n",
@@ -199,9 +220,7 @@ def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str,
            f"after {info.get('load_after', [math.nan])[0]:.2f}. Python {info['python']}, torch {info['torch']}, "
            f"Horovod {info['horovod']}, dynamix_hvd {info['dynamix_hvd']}, commit {info['git_commit'][:12]}"
            f"{' (uncommitted changes)' if info.get('git_dirty') else ''}."
-           + (f" Re-measured from the job directories by `{info['resummarized']['command']}` on "
-              f"{info['resummarized']['date']} (commit {info['resummarized']['git_commit'][:12]})."
-              if info.get("resummarized") else "") + "\n",
+           + _resummarized(info.get("resummarized")) + "\n",
            "Times are training seconds (evaluation excluded, its total is the 'eval s' column). Ratios are "
            "paired by seed (median [IQR]); **k/n missed**: k runs never reached the target and count with "
            "their full time. sustained: time to the first evaluation past the target whose next two are "
@@ -213,7 +232,7 @@ def summary_markdown(table: pd.DataFrame, runs: pd.DataFrame, info: Mapping[str,
     if table.empty:
         out.append("No job finished.\n")
     for (w, c), cell in (table.groupby(["workload", "condition"], sort=False) if not table.empty else ()):
-        describe = info["config"]["conditions"].get(c, c)
+        describe = info["config"].get("conditions", {}).get(c, c)
         out.append(f"## {w} / {c}\n\n{describe}. Physical limit (best split / equal split): "
                    f"**{cell.physical_limit.iloc[0]}**x"
                    + (". The slowed rank SLEEPS instead of spinning (more ranks than cores)."
@@ -260,11 +279,14 @@ def plot_cells(runs: pd.DataFrame, out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(8, 4.5))
         for i, arm in enumerate(arms):
             for j, (_, r) in enumerate(cell[cell.arm == arm].iterrows()):
+                if not (Path(r.run_dir) / "suite_evals.csv").exists():  # its job directory is gone
+                    continue
                 e = pd.read_csv(Path(r.run_dir) / "suite_evals.csv")
                 ax.plot(e.train_s, e.value, color=f"C{i % 10}", lw=2 if arm == PLAIN else 1,
                         ls="--" if arm == PLAIN else "-", alpha=0.8, label=arm if j == 0 else None)
         ax.set(xlabel="training time (s, evaluation excluded)", ylabel="test metric", title=f"{w} / {c}")
-        ax.legend(fontsize=7, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         written.append(out / f"metric_{w}_{c}.png")
         fig.savefig(written[-1], dpi=90)
@@ -275,6 +297,9 @@ def plot_cells(runs: pd.DataFrame, out: Path) -> list[Path]:
         fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False, sharey=True)
         for ax, arm in zip(axes.flat, arms):
             r = cell[cell.arm == arm].sort_values("seed").iloc[0]
+            if not (Path(r.run_dir) / "suite_steps.csv").exists():
+                ax.set_title(f"{arm}: no records", fontsize=8)
+                continue
             steps = pd.read_csv(Path(r.run_dir) / "suite_steps.csv")
             for rank, s in steps.groupby("rank"):
                 ax.step(s.t_s, s.local_batch, where="post", label=f"rank {rank}", lw=1)
@@ -282,7 +307,8 @@ def plot_cells(runs: pd.DataFrame, out: Path) -> list[Path]:
             ax.set_yscale("log", base=2)
         for ax in axes.flat[len(arms):]:
             ax.axis("off")
-        axes.flat[0].legend(fontsize=7)
+        if axes.flat[0].get_legend_handles_labels()[0]:
+            axes.flat[0].legend(fontsize=7)
         fig.supxlabel("training time (s)")
         fig.supylabel("local batch size")
         fig.suptitle(f"{w} / {c}: batch size per rank")

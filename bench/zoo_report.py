@@ -165,12 +165,18 @@ def _limit_from_none(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
 
 
 def reference_condition(name: str) -> str:
-    """The condition with the same links and no straggler (whose plain run gives the limit)."""
+    """The condition with the same links and no straggler (whose plain run gives the limit). A
+    condition `bench.suite` no longer defines (an older results folder) is read by its name: a
+    straggler on links is named LINKS-slow... (``net10-slow3x``: ``net10``); any other name that
+    names a slowdown, stalls or interference has equal links to "none"; the rest are their own
+    reference (no straggler)."""
     from bench.suite import CONDITIONS
 
     c = CONDITIONS.get(name)
     if c is None:
-        return "none"
+        if "-slow" in name:
+            return name.split("-slow")[0]
+        return "none" if name.startswith(("slow", "stalls", "interference")) else name
     for other in CONDITIONS.values():
         if (other.slow_rank < 0 and other.ranks == c.ranks and other.rate_mbit == c.rate_mbit
                 and other.rate_schedule == c.rate_schedule and other.delay_ms == c.delay_ms):

@@ -27,6 +27,7 @@ from bench.jobs.common import Slowdown
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.system
 def test_quick_suite_end_to_end(tmp_path, job_env):
     out, runs_dir = tmp_path / "results", tmp_path / "runs"
     t0 = time.perf_counter()
@@ -221,8 +222,9 @@ def test_loss_metric_prefers_the_lower_final_on_ties(tmp_path):
 def test_arms_are_interleaved_across_seeds():
     assert suite.rotate(list("abcd"), 0) == list("abcd") and suite.rotate(list("abcd"), 1) == list("bcda")
     assert suite.rotate(list("abcd"), 5) == list("bcda")
-    groups = [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ["plain", "static", "ppo"], "seeds": 3},
-              {"workloads": ["mlp"], "conditions": ["none"], "arms": ["plain", "ppo"], "seeds": 1}]
+    groups = [{"workloads": ["cnn"], "conditions": ["none", "slow3x"], "arms": ["plain", "static-16", "static-32", "model"],
+               "seeds": 3},
+              {"workloads": ["cnn-quick"], "conditions": ["none"], "arms": ["plain", "model"], "seeds": 1}]
     jobs = suite.expand(groups)
     assert [j.seed for j in jobs] == sorted(j.seed for j in jobs)  # seed by seed
     first = {}
@@ -231,23 +233,25 @@ def test_arms_are_interleaved_across_seeds():
     assert [first[(s, "cnn", "none")] for s in range(3)] == [PLAIN, "static-16", "static-32"]
     labels = {s: [j.arm.label for j in jobs if j.seed == s and j.workload.name == "cnn" and j.condition.name == "none"]
               for s in range(3)}
-    assert all(sorted(v) == sorted(labels[0]) for v in labels.values()) and len(labels[0]) == 5
-    assert sum(j.workload.name == "mlp" for j in jobs) == 2  # its group has one seed
+    assert all(sorted(v) == sorted(labels[0]) for v in labels.values()) and len(labels[0]) == 4
+    assert sum(j.workload.name == "cnn-quick" for j in jobs) == 2  # its group has one seed
     # within a seed, a workload's conditions run side by side (even across groups), in group order
-    two = suite.expand([{"workloads": ["cnn", "mlp"], "conditions": ["none"], "arms": ["plain"], "seeds": 1},
-                        {"workloads": ["cnn", "mlp"], "conditions": ["slow3x"], "arms": ["plain"], "seeds": 1}])
+    two = suite.expand([{"workloads": ["cnn", "cnn-quick"], "conditions": ["none"], "arms": ["plain"], "seeds": 1},
+                        {"workloads": ["cnn", "cnn-quick"], "conditions": ["slow3x"], "arms": ["plain"], "seeds": 1}])
     assert [(j.workload.name, j.condition.name) for j in two] == [("cnn", "none"), ("cnn", "slow3x"),
-                                                                  ("mlp", "none"), ("mlp", "slow3x")]
+                                                                  ("cnn-quick", "none"), ("cnn-quick", "slow3x")]
     # first_seed adds seeds to an earlier run: seeds 1 and 2 only, the arms rotated as in a full run
-    more = suite.expand([{"workloads": ["cnn"], "conditions": ["none"], "arms": ["plain", "static", "ppo"],
+    more = suite.expand([{"workloads": ["cnn"], "conditions": ["none"], "arms": ["plain", "static-16", "static-32", "model"],
                           "seeds": 3, "first_seed": 1}])
     assert sorted({j.seed for j in more}) == [1, 2]
     assert [j.arm.label for j in more] == [j.arm.label for j in jobs if j.seed > 0 and j.workload.name == "cnn"
                                            and j.condition.name == "none"]
-    nobudget = suite.arms(suite.WORKLOADS["cnn"], ["model-nobudget"])[0]
-    assert nobudget.flags[-1] == '{"budget_loss": 1.0}'
-    with pytest.raises(ValueError, match="unknown arm 'nope'"):
-        suite.arms(suite.WORKLOADS["cnn"], ["nope"])
+    w = suite.WORKLOADS["cnn"]
+    assert suite.arms(w, ["static-48"])[0] == suite.Arm("static-48", ("--policy", "static"), 48)
+    assert suite.arms(w, ["ppo-progress"])[0].flags[-2:] == ("--budget", "progress")
+    for unknown in ("nope", "static", "static-x", "ppo-online"):
+        with pytest.raises(ValueError, match=f"unknown arm '{unknown}'"):
+            suite.arms(w, [unknown])
 
 
 def test_every_configuration_expands_and_plain_horovod_is_in_every_cell():
@@ -257,10 +261,16 @@ def test_every_configuration_expands_and_plain_horovod_is_in_every_cell():
         cells = {(j.workload.name, j.condition.name) for j in jobs}
         assert all(any(j.arm.label == PLAIN and (j.workload.name, j.condition.name) == c for j in jobs) for c in cells)
         assert all(j.condition.ranks <= 2 or j.condition.slow_mode == "sleep" for j in jobs), name
-    argv = suite.job_argv(suite.Job(suite.WORKLOADS["cnn"], suite.CONDITIONS["scale4-slow3x"],
+    argv = suite.job_argv(suite.Job(suite.WORKLOADS["cnn"], SCALE4,
                                     suite.arms(suite.WORKLOADS["cnn"], ["plain"])[0], 2), Path("/x"))
     assert "--plain-horovod" in argv and argv[argv.index("--batch-sizes") + 1] == "32,32,32,32"
     assert argv[argv.index("--slow-mode") + 1] == "sleep" and argv[argv.index("--seed") + 1] == "2"
+
+
+# conditions the harness supports beyond the configurations' own: more ranks than cores (the slowed
+# rank sleeps) and heavy-tailed stalls
+SCALE4 = Condition("scale4-slow3x", 4, slow_rank=3, slow_factor=3.0, slow_mode="sleep")
+STALLS = Condition("stalls", 2, slow_rank=1, stall_rate=0.5, stall_ms=200.0)
 
 
 def test_physical_limit():
@@ -272,20 +282,20 @@ def test_physical_limit():
         split_limit([1.0, 0.0])
     assert physical_limit(suite.CONDITIONS["slow3x"]) == "2.00"
     assert physical_limit(suite.CONDITIONS["none"]) == "1.00"
-    assert physical_limit(suite.CONDITIONS["slow-varying"]) == "1.00 then 2.00 then 1.25"
-    assert physical_limit(suite.CONDITIONS["stalls"]).startswith("n/a")
-    assert physical_limit(suite.CONDITIONS["scale4-slow3x"]) == "2.50"
+    varying = Condition("slow-varying", 2, slow_rank=1, slow_factor=1.0, slow_schedule="20:3,60:1.5")
+    assert physical_limit(varying) == "1.00 then 2.00 then 1.25"
+    assert physical_limit(STALLS).startswith("n/a")
+    assert physical_limit(SCALE4) == "2.50"
 
 
 def test_condition_flags():
     assert parse_pairs("15:1, 0:2") == [(0.0, 2.0), (15.0, 1.0)]
     c = Condition("x", 2, slow_rank=1, slow_factor=2.0, slow_schedule="5:3")
     assert slow_args(c) == ["--slow-rank", "1", "--slow-factor", "2.0", "--slow-mode", "spin", "--slow-schedule", "5:3"]
-    stalls = suite.CONDITIONS["stalls"]
-    assert slow_args(stalls)[-4:] == ["--stall-rate", "0.5", "--stall-ms", "200.0"]
+    assert slow_args(STALLS)[-4:] == ["--stall-rate", "0.5", "--stall-ms", "200.0"]
     assert slow_args(Condition("n", 2)) == []
-    assert "SLEEPS" in suite.CONDITIONS["scale4-slow3x"].describe()
-    assert "stalls" in stalls.describe()
+    assert "SLEEPS" in SCALE4.describe()
+    assert "stalls" in STALLS.describe()
 
 
 def test_slowdown_spins_or_sleeps_and_stalls_are_heavy_tailed():
@@ -375,6 +385,7 @@ open(f"{sys.argv[1]}/rank{c.rank}.txt", "w").write(f"{float(b[0])} {(time.perf_c
 """
 
 
+@pytest.mark.system
 @NEEDS_NETNS
 def test_ranks_in_namespaces_over_a_shaped_link(tmp_path, job_env):
     script = tmp_path / "allreduce.py"
@@ -405,6 +416,7 @@ def test_netem_probe_reports_a_reason():
     assert isinstance(ok, bool) and why
 
 
+@pytest.mark.system
 def test_namespaces_of_a_killed_benchmark_are_removed():
     _require_netns()
     code = ("import time; from bench.conditions import NetworkNamespaces; "
@@ -440,3 +452,109 @@ def test_suite_balance_reads_job_directories(tmp_path, capsys):
     assert line[7] == "12.50"
     assert suite_balance.main(["cfg", "--runs", str(tmp_path), "--samples", "10000000"]) == 0
     assert capsys.readouterr().out.split()[-1] == "-", "never reached: no time"
+
+
+# --- the configurations the documentation cites, and the results of removed ones -------------------
+def cited_configurations() -> dict[str, list[str]]:
+    """Every `python -m bench.suite --config NAME` in BENCHMARKS.md, README.md and docs/*.md: NAME ->
+    the files citing it."""
+    import re
+
+    cited: dict[str, list[str]] = {}
+    for path in [REPO / "BENCHMARKS.md", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for name in re.findall(r"--config\s+`?([A-Za-z0-9][\w.-]*)", path.read_text()):
+            cited.setdefault(name, []).append(path.name)
+    return cited
+
+
+def test_the_configurations_are_those_the_documentation_cites():
+    """Each configuration answers a question BENCHMARKS.md (or docs/) asks with its command; "quick"
+    is the harness check the end-to-end test runs."""
+    cited = cited_configurations()
+    assert {"zoo-headline", "zoo-critical"} <= set(cited), "the reading of the documentation found nothing"
+    missing = {name: files for name, files in cited.items() if name not in suite.CONFIGS}
+    assert not missing, f"the documentation cites configurations bench/suite.py does not define: {missing}"
+    uncited = set(suite.CONFIGS) - set(cited) - {"quick"}
+    assert not uncited, f"configurations no document cites (cite them with their results, or remove them): {uncited}"
+
+
+def test_the_check_of_citations_reads_a_command_split_over_two_lines(tmp_path, monkeypatch):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (tmp_path / "BENCHMARKS.md").write_text("```\npython -m bench.suite --config zoo-a --no-plots\n```\n")
+    (tmp_path / "README.md").write_text("with `python -m bench.suite --config\nzoo-b` (and `--config zoo-c`)\n")
+    (docs / "x.md").write_text("nothing here\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    assert cited_configurations() == {"zoo-a": ["BENCHMARKS.md"], "zoo-b": ["README.md"], "zoo-c": ["README.md"]}
+
+
+def _old_results(folder: Path) -> None:
+    """A results folder of a configuration bench/suite.py no longer has ("charlm"): workloads,
+    conditions and arms it no longer defines, job directories gone, one row unmeasured (failed)."""
+    folder.mkdir(parents=True)
+    rows = []
+    for seed, (plain, online) in enumerate([(100.0, 60.0), (120.0, 90.0), (110.0, 66.0)]):
+        for arm, t in ((PLAIN, plain), ("ppo-online", online)):
+            rows.append({"workload": "charlm", "condition": "stalls", "arm": arm, "seed": seed,
+                         "run_dir": str(folder / "gone" / f"{arm}_s{seed}"), "physical_limit": "n/a (stalls)",
+                         "slow_mode": "spin", "status": "ok", "reached": True, "missed": False,
+                         "time_to_target_s": t, "train_s": t + 10, "eval_total_s": 1.0, "final": 1.5,
+                         "final_at_budget": 1.6, "throughput": 100.0, "optimizer_steps": 40, "samples": 4000,
+                         "idle_mean": 0.2, "idle_per_rank": "0.1/0.3", "stalls": 3, "git_commit": "abc"})
+    rows.append({**rows[0], "workload": "zoo:mnist-cnn", "condition": "interference", "arm": "ppo", "seed": 0,
+                 "status": "failed (exit 1)", "time_to_target_s": float("nan")})
+    pd.DataFrame(rows).to_csv(folder / "runs.csv", index=False)
+    (folder / "machine.json").write_text(json.dumps({
+        "command": "python -m bench.suite --config charlm", "date": "then", "cpu": "cpu", "cores": 2,
+        "memory_mib": 1, "load_before": [0.1], "load_after": [0.2], "python": "3", "torch": "t", "horovod": "h",
+        "dynamix_hvd": "x", "git_commit": "abc", "wall_s": 500,
+        "config": {"name": "charlm", "groups": [], "conditions": {"stalls": "2 ranks, rank 1 stalls now and then"}}}))
+
+
+def test_summarize_only_reads_the_results_of_a_removed_configuration(tmp_path):
+    out = tmp_path / "charlm"
+    _old_results(out)
+    assert "charlm" not in suite.CONFIGS and "charlm" not in suite.WORKLOADS and "stalls" not in suite.CONDITIONS
+    assert suite.main(["--config", "charlm", "--summarize-only", "--out", str(out)]) == 0
+    runs = pd.read_csv(out / "runs.csv")
+    assert list(runs.status) == ["ok"] * 6 + ["failed (exit 1)"]  # kept as recorded, not "unreadable"
+    table = pd.read_csv(out / "summary.csv").set_index("arm")
+    assert table.loc["ppo-online", "vs_plain"] == pytest.approx(0.6)  # per seed 0.6, 0.75, 0.6
+    assert table.loc[PLAIN, "ttt_median"] == 110.0
+    text = (out / "summary.md").read_text()
+    assert "# Benchmark suite: charlm" in text and "## charlm / stalls" in text
+    assert "2 ranks, rank 1 stalls now and then" in text  # the recorded description of a removed condition
+    assert "6 jobs keep the numbers runs.csv recorded" in text and "zoo:mnist-cnn/interference/ppo seed 0" in text
+    record = json.loads((out / "machine.json").read_text())
+    assert record["date"] == "then" and record["config"]["name"] == "charlm"
+    assert not (out / "evals.csv").exists(), "no job directory: the raw records are not rewritten"
+    assert (out / "plots" / "metric_charlm_stalls.png").is_file()  # a figure without the gone records
+    # running it is refused: the configuration is not defined
+    with pytest.raises(SystemExit):
+        suite.main(["--config", "charlm", "--out", str(tmp_path / "new")])
+
+
+def test_summarize_only_reads_an_archived_results_folder(tmp_path):
+    """A results folder in bench/results/archive.tar.xz, written by a configuration this suite no
+    longer has (its workloads charlm and mlp neither): summarized again from runs.csv alone, it gives
+    the table it gave when it ran."""
+    import tarfile
+
+    name = "calibration-logs"
+    with tarfile.open(REPO / "bench" / "results" / "archive.tar.xz") as archive:
+        members = [m for m in archive.getmembers() if m.name in {f"{name}/{f}" for f in
+                                                                  ("runs.csv", "machine.json", "summary.csv")}]
+        assert len(members) == 3, [m.name for m in members]
+        archive.extractall(tmp_path, members=members, filter="data")
+    out = tmp_path / name
+    recorded = pd.read_csv(out / "summary.csv")
+    (out / "summary.csv").unlink()
+    assert name not in suite.CONFIGS and not {"charlm", "mlp"} & set(suite.WORKLOADS)
+    assert suite.main(["--config", name, "--summarize-only", "--out", str(out), "--no-plots"]) == 0
+    again = pd.read_csv(out / "summary.csv")
+    key = ["workload", "condition", "arm"]
+    merged = recorded.merge(again, on=key, suffixes=("_then", "_now"))
+    assert len(merged) == len(recorded) > 0 and {"charlm", "mlp"} <= set(merged.workload)
+    for column in ("ttt_median", "vs_plain", "final"):
+        assert merged[f"{column}_now"].to_numpy() == pytest.approx(merged[f"{column}_then"].to_numpy()), column
+    assert "## charlm / slow3x" in (out / "summary.md").read_text()

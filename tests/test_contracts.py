@@ -35,6 +35,19 @@ def test_import_contracts_hold():
     assert "0 broken" in proc.stdout, proc.stdout[-3000:]
 
 
+def test_the_lab_contract_forbids_every_helper_of_the_tests():
+    """tests/ is on sys.path (setup.cfg), so its helper modules and packages import by their own
+    names: the contract that keeps bench from importing the tests must name each one, or this fails."""
+    cfg = configparser.ConfigParser()
+    cfg.read(CONFIG)
+    forbidden = set(cfg["importlinter:contract:lab-never-imports-the-tests"]["forbidden_modules"].split())
+    tests = REPO / "tests"
+    helpers = {p.stem for p in tests.glob("*.py") if not p.stem.startswith("test_")}
+    helpers |= {p.parent.name for p in tests.glob("*/__init__.py")}
+    assert {"launching", "workers"} <= helpers, helpers
+    assert helpers | {"tests"} <= forbidden, f"add to lab-never-imports-the-tests in {CONFIG.name}: {helpers - forbidden}"
+
+
 def test_decision_core_contract_names_every_pure_control_module():
     """The contract lists control's modules one by one (the controller is excluded); a new module
     must be added there, or this fails."""

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from bench import suite
+from bench.conditions import Condition
 from bench.zoo import EVALUATION, JOBS, TUNING, halves
 from bench.zoo_report import collect, headline, paired_arms, reference_condition, smoothed_time
 from launching import command, job_env
@@ -77,9 +78,28 @@ def test_time_to_target_needs_the_median_of_three_evaluations():
 
 def test_a_straggler_row_is_read_against_the_plain_run_on_the_same_links():
     assert reference_condition("slow3x") == "none"
+    assert reference_condition("net10") == "net10"
+    assert reference_condition("net-changing") == "net-changing"
+    # conditions of older results folders that the suite no longer defines, read by their names
+    assert "net10-slow3x" not in suite.CONDITIONS and "interference" not in suite.CONDITIONS
     assert reference_condition("net10-slow3x") == "net10"
     assert reference_condition("net100-slow3x") == "net100"
-    assert reference_condition("net10") == "net10"
+    assert reference_condition("slow-changing") == "none" and reference_condition("interference") == "none"
+    assert reference_condition("net1g-1ms") == "net1g-1ms"  # links alone: its own reference
+
+
+def test_the_report_reads_rows_the_suite_no_longer_defines(tmp_path):
+    """An older results folder: a condition and an arm the suite no longer has, beside a workload that
+    is not a zoo job (skipped, not a crash)."""
+    write_results_folder(tmp_path, "zoo:mnist-cnn", "interference", {"plain-horovod": 10.0, "ppo": 7.0},
+                         [0.5, 0.6, 0.95, 0.96], eval_s=0.5, balanced_fraction=0.5)
+    runs, evals = pd.read_csv(tmp_path / "runs.csv"), pd.read_csv(tmp_path / "evals.csv")
+    pd.concat([runs, runs.assign(workload="charlm")]).to_csv(tmp_path / "runs.csv", index=False)
+    pd.concat([evals, evals.assign(workload="charlm")]).to_csv(tmp_path / "evals.csv", index=False)
+    jobs = collect(tmp_path)
+    assert set(jobs.workload) == {"zoo:mnist-cnn"} and sorted(jobs.arm) == ["plain-horovod", "ppo"]
+    row = next(line for line in headline(jobs).splitlines() if "| ppo |" in line)
+    assert "| mnist-cnn | interference | 0.50 (nan) | ppo | 0.70 [0.00] | 1.40 |" in row, row
 
 
 def steps_of(per_rank: dict[int, tuple[int, float]], step_s: float, epochs: int = 2, n: int = 5) -> pd.DataFrame:
@@ -395,10 +415,12 @@ def test_speed_split_arm_gives_each_rank_work_by_its_speed():
     arm = suite.arms(w, ["split"])[0]
     assert suite.Job(w, suite.CONDITIONS["slow3x"], arm, 0).sizes() == [96, 32]
     assert suite.Job(w, suite.CONDITIONS["none"], arm, 0).sizes() == [64, 64]
-    assert suite.Job(w, suite.CONDITIONS["slow-changing"], arm, 0).sizes() == [89, 39]  # mean of 3 and 1.5
+    changing = Condition("changing", 2, slow_rank=1, slow_factor=1.0, slow_schedule="5:3,20:1.5")
+    assert suite.Job(w, changing, arm, 0).sizes() == [89, 39]  # mean of 3 and 1.5
     assert suite.Job(w, suite.CONDITIONS["slow-phases"], arm, 0).sizes() == [89, 39]  # the same phases
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("arm", [["--plain-horovod"], []])
 def test_a_zoo_job_trains_under_mpirun_every_sample_once(tmp_path, arm):
     """lstm-rows for one epoch on 2 ranks: plain Horovod and the default controller both finish, see

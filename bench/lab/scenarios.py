@@ -247,8 +247,7 @@ def perturb_spec(spec: ClusterSpec, rng: np.random.Generator, scale: float = 0.3
 
 #: Conditions where a model fitted on the recent past is misspecified, as overrides of a drawn job.
 #: Times are in decision intervals of the job (``steps_per_decision`` steps at its initial sizes), so
-#: one definition fits jobs of any step time; the live suite's conditions of the same names use the
-#: same numbers in seconds for jobs that decide about once a second (``bench/suite.py``, CONDITIONS).
+#: one definition fits jobs of any step time.
 MISSPECIFIED: dict[str, dict[str, float]] = {
     "none": {},
     # heavy-tailed transient stalls: 1% of rank-steps pause 2x the slowest rank's compute or more (Pareto 1.2)
