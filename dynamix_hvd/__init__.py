@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .control.config import AdvancedConfig
+from .control.cadence import CadenceConfig
+from .control.config import AdvancedConfig, PPOOverrides
+from .control.costmodel import CostConfig
+from .control.growth import GrowthConfig
+from .control.splitcheck import SplitConfig
 from .control.controller import ControllerConfig, DynamixController
 from .control.proposal import ProposalConfig
 from .control.reward import RewardConfig
@@ -41,9 +45,10 @@ from .stats.noise_scale import StatsConfig
 
 __version__ = "0.2.0"
 
-__all__ = ["AdaBatchConfig", "AdaptiveLoader", "AdvancedConfig", "Checkpointer", "checkpoint", "ControllerConfig",
-           "DynamixController", "GoodputConfig", "IncreaseBatchConfig", "LinearRampConfig", "NoiseScaleConfig",
-           "PPOConfig", "ProposalConfig", "RewardConfig", "SpeedSplitConfig", "StatsConfig",
+__all__ = ["AdaBatchConfig", "AdaptiveLoader", "AdvancedConfig", "CadenceConfig", "Checkpointer", "checkpoint",
+           "ControllerConfig", "CostConfig", "DynamixController", "GoodputConfig", "GrowthConfig", "IncreaseBatchConfig",
+           "LinearRampConfig", "NoiseScaleConfig", "PPOConfig", "PPOOverrides", "ProposalConfig", "RewardConfig",
+           "SpeedSplitConfig", "SplitConfig", "StatsConfig",
            "PlannedStep", "ProgressScheduler", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
            "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
 

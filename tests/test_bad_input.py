@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dynamix_hvd import AdvancedConfig, ControllerConfig, PPOConfig
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.cadence import CadenceConfig
 from dynamix_hvd.control.config import POLICY_CONFIGS
 from dynamix_hvd.control.controller import POLICY_NAMES
 from dynamix_hvd.control.policy_store import PolicyError, load_policy
@@ -25,6 +26,7 @@ from dynamix_hvd.data.loader import AdaptiveLoader
 from dynamix_hvd.dba.selection import DBAConfig
 from dynamix_hvd.optim.lr_scaling import LRCoupling
 from dynamix_hvd.stats.noise_scale import StatsConfig
+from dynamix_hvd.tools.settings_doc import configs
 from launching import launch
 
 FUZZ_EXAMPLES = 400
@@ -60,7 +62,7 @@ def test_reward_config_fuzz(field, value):
 @given(kwargs=st.fixed_dictionaries({}, optional={"policy": values, "decide_every_steps": values,
                                                   "min_batch": values, "max_batch": values,
                                                   "timeout_s": values, "total_epochs": values,
-                                                  "learn": values, "decision_budget": values,
+                                                  "learn": values,
                                                   "ppo": st.one_of(values, st.dictionaries(
                                                       st.sampled_from(["gamma", "seed", "hidden_sizes", "lr"]), values,
                                                       max_size=2)),
@@ -77,8 +79,8 @@ def test_controller_config_fuzz(kwargs):
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
 @given(kwargs=st.fixed_dictionaries({}, optional={
-    "target_decisions": values, "min_decision_steps": values, "keep_inputs": values, "resource_period_s": values,
-    "max_decision_interval_s": values,
+    "batchnorm_min_batch": values, "keep_inputs": values, "resource_period_s": values, "cadence": values,
+    "reward": values, "stats": values, "costs": values,
     "multipliers": st.one_of(values, st.lists(values, max_size=3))}))
 def test_advanced_config_fuzz(kwargs):
     TRIED["configs"] += 1
@@ -86,6 +88,39 @@ def test_advanced_config_fuzz(kwargs):
         AdvancedConfig(**kwargs)
     except ValueError as exc:
         assert any(k in str(exc) for k in kwargs)
+
+
+NESTED = [cls for cls, _ in configs() if cls is not ControllerConfig]
+"""Every config reachable from ControllerConfig (policy configs, PPO overrides, advanced and below)."""
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), kind=st.sampled_from(NESTED))
+def test_every_nested_config_fuzz(data, kind):
+    """Any value of any field of any config reachable from ControllerConfig either builds it or is
+    refused, with a ValueError naming the field."""
+    name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(kind)]))
+    value = data.draw(values, label=name)
+    TRIED["configs"] += 1
+    try:
+        kind(**{name: value})
+    except ValueError as exc:
+        assert name in str(exc), f"{kind.__name__}({name}={value!r}): {exc}"
+
+
+JUNK = (None, True, -1, 0, 1.5, math.nan, math.inf, "ab", [1, 2], [], {}, (1.0,), 10**9)
+
+
+@pytest.mark.parametrize("kind", NESTED, ids=lambda kind: kind.__name__)
+def test_every_nested_field_refuses_junk_by_name(kind):
+    """Each field of each nested config, given each of a fixed set of wrong-typed or out-of-range
+    values, builds or raises a ValueError naming the field (never a TypeError from inside a check)."""
+    for f in dataclasses.fields(kind):
+        for value in JUNK:
+            try:
+                kind(**{f.name: value})
+            except ValueError as exc:
+                assert f.name in str(exc), f"{kind.__name__}({f.name}={value!r}): {exc}"
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
@@ -143,8 +178,8 @@ BAD_PPO = {
                               st.lists(not_an_int(1), min_size=1, max_size=3).map(tuple)),
     "seed": st.one_of(not_an_int(0), st.integers(min_value=2**63, max_value=2**70)),
 }
-# RewardConfig accepts True/False as 1/0 (bool is an int), so booleans are not generated for it.
-BAD_WEIGHT = st.one_of(NOT_A_NUMBER, NONFINITE, st.floats(max_value=-1e-9, allow_nan=False), st.integers(max_value=-1))
+BAD_WEIGHT = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(max_value=-1e-9, allow_nan=False),
+                       st.integers(max_value=-1))
 BAD_CONTROLLER = {
     "policy": st.one_of(st.text(max_size=8).filter(lambda t: t not in POLICY_NAMES), st.none(), st.integers()),
     # a config of another policy's type (policies "model" and "ppo" take a ProposalConfig), or not a config at all
@@ -155,26 +190,22 @@ BAD_CONTROLLER = {
     "learn": NOT_A_BOOL,
     "decide_every_steps": not_an_int(0).filter(lambda v: v is not None),  # None: the automatic cadence
     "min_batch": not_an_int(1), "max_batch": not_an_int(1),
-    "max_passes": not_an_int(1), "batchnorm_min_batch": not_an_int(1),
+    "max_passes": not_an_int(1),
     "total_epochs": not_an_int(1).filter(lambda v: v is not None),
     "timeout_s": NOT_POSITIVE,
-    "decision_budget": st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
-                                 st.floats(max_value=-1e-9, allow_infinity=False)),
-    # nested configs: anything but the right type, or the right type holding a bad value
-    "reward": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.booleans(), st.builds(PPOConfig),
-                        st.sampled_from([f.name for f in dataclasses.fields(RewardConfig) if f.name != "noise"]).flatmap(
-                            lambda name: st.booleans().map(lambda b: RewardConfig(**{name: b})))),
-    # not a dict, an unknown field, or a known field with a bad value
+    # nested configs: not a dict (or PPOOverrides), an unknown field, or a known field with a bad value
     "ppo": st.one_of(st.none(), st.text(max_size=4), st.lists(st.integers(), max_size=2), st.integers(),
                      st.booleans(), st.builds(PPOConfig), st.builds(RewardConfig),
                      st.text(min_size=1, max_size=6).filter(lambda t: t not in PPO_FIELDS).map(lambda t: {t: 1}),
                      st.sampled_from(sorted(BAD_PPO)).flatmap(lambda name: BAD_PPO[name].map(lambda v: {name: v}))),
-    "stats": st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.builds(RewardConfig), st.builds(PPOConfig)),
     "advanced": st.one_of(NOT_A_NUMBER, st.integers(), st.builds(RewardConfig), st.builds(StatsConfig)),
 }
+NOT_A_CONFIG = st.one_of(NOT_A_NUMBER, st.integers(), st.floats(), st.booleans(), st.builds(PPOConfig))
 BAD_ADVANCED = {
-    "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1), "keep_inputs": not_an_int(0),
-    "resource_period_s": NEGATIVE, "max_decision_interval_s": NEGATIVE,
+    "batchnorm_min_batch": not_an_int(1), "keep_inputs": not_an_int(0), "resource_period_s": NEGATIVE,
+    # nested configs: anything but the right type
+    "cadence": st.one_of(NOT_A_CONFIG, st.builds(StatsConfig)), "reward": st.one_of(NOT_A_CONFIG, st.builds(StatsConfig)),
+    "stats": st.one_of(NOT_A_CONFIG, st.builds(RewardConfig)), "costs": st.one_of(NOT_A_CONFIG, st.builds(RewardConfig)),
     "multipliers": st.one_of(st.just(()), st.lists(st.floats(max_value=0.0), min_size=1, max_size=3),
                              st.lists(st.floats(0.1, 4.0).filter(lambda m: m != 1.0), min_size=1, max_size=3),
                              st.lists(st.text(max_size=2), min_size=1, max_size=3),
@@ -184,10 +215,14 @@ BAD_ADVANCED = {
 }
 UNIT_OPEN = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_value=1.0, allow_infinity=False),
                       st.floats(max_value=-1e-9, allow_infinity=False))
+BAD_CADENCE = {
+    "decision_budget": UNIT_OPEN, "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1),
+    "max_decision_interval_s": NEGATIVE, "free_decisions": not_an_int(0), "unknown_length_per_epoch": not_an_int(1),
+}
 BAD_STATS = {
     "ema_beta": UNIT_OPEN, "loss_ema_beta": UNIT_OPEN, "max_noise_scale": NOT_POSITIVE,
     "base_batch": not_an_int(1).filter(lambda v: v is not None), "loss_window": not_an_int(2),
-    "per_layer": NOT_A_BOOL,
+    "per_layer": NOT_A_BOOL, "noise_z": NEGATIVE,
 }
 BAD_DBA = {
     "metric": st.one_of(st.text(max_size=6).filter(lambda t: t not in ("variance", "snr")), st.none(), st.integers()),
@@ -216,6 +251,7 @@ def test_every_field_has_bad_values():
     assert set(BAD_PPO) == {f.name for f in dataclasses.fields(PPOConfig)}
     assert set(BAD_CONTROLLER) == {f.name for f in dataclasses.fields(ControllerConfig)}
     assert set(BAD_ADVANCED) == {f.name for f in dataclasses.fields(AdvancedConfig)}
+    assert set(BAD_CADENCE) == {f.name for f in dataclasses.fields(CadenceConfig)}
     assert set(BAD_STATS) == {f.name for f in dataclasses.fields(StatsConfig)}
     assert set(BAD_DBA) == {f.name for f in dataclasses.fields(DBAConfig)}
 
@@ -250,6 +286,14 @@ def test_advanced_config_rejects_bad_values(data, field):
     value = data.draw(BAD_ADVANCED[field], label=field)
     with pytest.raises(ValueError, match=field):
         AdvancedConfig(**{field: value})
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(data=st.data(), field=st.sampled_from(sorted(BAD_CADENCE)))
+def test_cadence_config_rejects_bad_values(data, field):
+    value = data.draw(BAD_CADENCE[field], label=field)
+    with pytest.raises(ValueError, match=field):
+        CadenceConfig(**{field: value})
 
 
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None)
@@ -336,18 +380,24 @@ def test_stats_config_fuzz(field, value):
 
 
 def test_nested_configs_named_in_the_error():
-    for kwargs, needle in ((dict(reward="x"), "reward='x'"), (dict(stats=StatsConfig), "stats="),
-                           (dict(ppo=PPOConfig()), "ppo=PPOConfig("), (dict(ppo={"gamma": 2}), "ppo: PPOConfig.gamma"),
+    for kwargs, needle in ((dict(ppo=PPOConfig()), "ppo=PPOConfig("), (dict(ppo={"gamma": 2}), "ppo: PPOConfig.gamma"),
                            (dict(advanced=AdvancedConfig), "advanced="),
                            (dict(policy="goodput", policy_config=ProposalConfig()),
                             "policy_config=ProposalConfig("),
-                           (dict(reward=RewardConfig(switch_weight=True)), "reward.switch_weight=True"),
                            (dict(learn=True), "learn=True applies to policy 'ppo' only, and policy='model'"),
                            (dict(policy="goodput", ppo={"seed": 1}), "ppo={'seed': 1} applies to policy 'ppo' only")):
         with pytest.raises(ValueError, match=re.escape(needle)):
             ControllerConfig(**kwargs)
     with pytest.raises(ValueError, match=re.escape("AdvancedConfig.multipliers=5")):
         AdvancedConfig(multipliers=5)
+    for kwargs, needle in ((dict(reward="x"), "AdvancedConfig.reward='x'"), (dict(stats=StatsConfig), "stats="),
+                           (dict(cadence={}), "AdvancedConfig.cadence={}")):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            AdvancedConfig(**kwargs)
+    with pytest.raises(ValueError, match=re.escape("RewardConfig.switch_weight=True")):
+        RewardConfig(switch_weight=True)
+    with pytest.raises(ValueError, match=re.escape("ProposalConfig.growth={}")):
+        ProposalConfig(growth={})
     for beta in (math.nan, 1.5):
         with pytest.raises(ValueError, match="ema_beta"):
             StatsConfig(ema_beta=beta)

@@ -1,9 +1,11 @@
 """Policy files and user config: a missing default policy is an error that says how to fix it; the PPO
 fields a user names override the stored ones where they can and are refused, by name, where they
-cannot; each policy takes its own typed config; README's settings reference matches the dataclass."""
+cannot; each policy takes its own typed config; every config turns into plain JSON values and back;
+docs/settings.md's reference is the one the dataclasses generate."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 from pathlib import Path
@@ -11,14 +13,19 @@ from pathlib import Path
 import pytest
 
 from dynamix_hvd.control.actions import ActionSpace
+from dynamix_hvd.control.cadence import CadenceConfig
 from dynamix_hvd.control.config import (FRESH_PPO, POLICY_CONFIGS, POLICY_NAMES, AdvancedConfig, ControllerConfig,
-                                        make_policy, policy_config_from)
+                                        PPOOverrides, make_policy, policy_config_from)
+from dynamix_hvd.control.costmodel import CostConfig
+from dynamix_hvd.control.growth import GrowthConfig
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, PolicyError, default_policy_dir, load_policy
 from dynamix_hvd.control.proposal import ProposalConfig
 from dynamix_hvd.control.reward import RewardConfig
-from dynamix_hvd.control.rules import GoodputConfig, LinearRampConfig
+from dynamix_hvd.control.rules import GoodputConfig, IncreaseBatchConfig, LinearRampConfig
 from dynamix_hvd.control.ppo import PPOConfig
+from dynamix_hvd.control.splitcheck import SplitConfig
 from dynamix_hvd.stats.noise_scale import StatsConfig
+from dynamix_hvd.tools import settings_doc
 
 
 def test_missing_default_policy_is_an_error_saying_how_to_fix_it(tmp_path, monkeypatch):
@@ -121,33 +128,117 @@ def test_policy_config_from_plain_fields():
     assert policy_config_from("linear-ramp", {"end": 64}) == LinearRampConfig(end=64)
     assert policy_config_from("increase-batch", {"milestones": [0.5]}).milestones == (0.5,)
     assert policy_config_from("ppo", {}) is None and policy_config_from("static", {}) is None
-    for policy, fields, needle in (("static", {"end": 1}, "takes no settings"), ("goodput", {"end": 1}, "no field.*'end'"),
+    assert policy_config_from("model", {"growth": {"z": 3.0}}).growth == GrowthConfig(z=3.0)
+    for policy, fields, needle in (("static", {"end": 1}, "takes no settings"), ("goodput", {"end": 1}, "unknown field.*'end'"),
                                    ("adabatch", {"every": 0}, "AdaBatchConfig.every=0"), ("nope", {}, "policy='nope'"),
                                    ("ppo", [1], "JSON object")):
         with pytest.raises(ValueError, match=needle):
             policy_config_from(policy, fields)
 
 
-# --- README's settings reference ----------------------------------------------------------------------
+# --- to_dict / from_dict ------------------------------------------------------------------------------
+def _every_policys_config() -> list[ControllerConfig]:
+    """A config of every policy with non-default settings at every depth."""
+    out = []
+    advanced = AdvancedConfig(batchnorm_min_batch=4, cadence=CadenceConfig(decision_budget=0, target_decisions=64),
+                              reward=RewardConfig(switch_weight=0.5), stats=StatsConfig(ema_beta=0.9, noise_z=2.0),
+                              costs=CostConfig(capacity=128, seen_within=0.2), multipliers=(0.5, 1.0, 2.0))
+    samples = {ProposalConfig: ProposalConfig(trust=None, dither_decisions=None, growth=GrowthConfig(z=3.0),
+                                              split=SplitConfig(keep=0.25)),
+               IncreaseBatchConfig: IncreaseBatchConfig(milestones=(0.3, 0.6, 0.9))}
+    for policy in POLICY_NAMES:
+        kind = POLICY_CONFIGS[policy]
+        settings = None if kind is None else samples.get(kind, kind())
+        ppo = PPOOverrides(seed=3, hidden_sizes=(32, 32), target_kl=0) if policy == "ppo" else PPOOverrides()
+        out.append(ControllerConfig(policy=policy, policy_config=settings, policy_file=None if policy == "ppo" else "default",
+                                    learn=policy == "ppo", total_epochs=7, max_passes=2, ppo=ppo, advanced=advanced))
+    return out
+
+
+@pytest.mark.parametrize("config", _every_policys_config(), ids=lambda c: c.policy)
+def test_every_policys_config_round_trips_through_json(config):
+    plain = config.to_dict()
+    assert json.loads(json.dumps(plain)) == plain, "to_dict holds a value JSON does not keep"
+    back = ControllerConfig.from_dict(json.loads(json.dumps(plain)))
+    assert back == config and type(back.policy_config) is type(config.policy_config)
+    assert ControllerConfig.from_dict(config.resolved().to_dict()) == config.resolved()
+    assert ControllerConfig.from_dict({}) == ControllerConfig()
+
+
+def test_resolved_spells_out_the_policys_defaults():
+    assert ControllerConfig().resolved().policy_config == ProposalConfig()
+    assert ControllerConfig(policy="static").resolved().policy_config is None
+    assert make_policy(ControllerConfig().resolved()).cfg == make_policy(ControllerConfig()).cfg
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"max_batchh": 4}, "ControllerConfig has unknown field.*'max_batchh'"),
+    ({"advanced": {"cadence": {"budget": 0}}}, "ControllerConfig.advanced.cadence has unknown field.*'budget'"),
+    ({"advanced": {"costs": {"capacity": 64, "nope": 1}}}, "ControllerConfig.advanced.costs has unknown field.*'nope'"),
+    ({"policy_config": {"growth": {"zz": 1}}}, "ControllerConfig.policy_config.growth has unknown field.*'zz'"),
+    ({"policy": "linear-ramp", "policy_config": {"trust": 2}}, "ControllerConfig.policy_config has unknown field.*'trust'"),
+    ({"ppo": {"lr": 1}}, "ControllerConfig.ppo has unknown field.*'lr'"),
+    ({"advanced": []}, "ControllerConfig.advanced=\\[\\]"),
+    ({"advanced": {"cadence": {"decision_budget": 2}}}, "CadenceConfig.decision_budget=2"),
+])
+def test_from_dict_names_an_unknown_or_bad_key_at_any_depth(data, needle):
+    with pytest.raises(ValueError, match=needle):
+        ControllerConfig.from_dict(data)
+
+
+def test_configs_are_frozen():
+    for config in (ControllerConfig(), AdvancedConfig(), CadenceConfig(), CostConfig(), ProposalConfig(),
+                   GrowthConfig(), SplitConfig(), PPOOverrides(), PPOConfig(), RewardConfig(), StatsConfig()):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(config, dataclasses.fields(config)[0].name, None)
+
+
+def test_controller_config_has_at_most_twelve_top_level_fields():
+    assert len(dataclasses.fields(ControllerConfig)) <= 12
+
+
+# --- docs/settings.md's reference -------------------------------------------------------------------
 def _reference() -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("### Settings")
-    return text[start:text.index("\n#", start + 1)]
+    """docs/settings.md's generated reference."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    return text[text.index(settings_doc.MARKER):]
 
 
-def test_readme_settings_reference_matches_the_dataclass():
-    """Every top-level field of ControllerConfig is a row of README's reference, in order, with its
-    default as Python; every nested config's fields are named there."""
-    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", _reference(), flags=re.M)
-    fields = dataclasses.fields(ControllerConfig)
-    assert [name for name, _ in rows] == [f.name for f in fields]
-    names = {cls.__name__: cls for cls in (AdvancedConfig, ProposalConfig, RewardConfig, StatsConfig, PPOConfig)}
-    defaults = ControllerConfig()
-    for (name, shown), f in zip(rows, fields):
-        assert eval(shown, dict(names)) == getattr(defaults, name), f"README shows {name} = {shown}"
-    nested = [AdvancedConfig, ProposalConfig, RewardConfig, StatsConfig, PPOConfig,
-              *(k for k in POLICY_CONFIGS.values() if k is not None and k is not ProposalConfig)]
-    for cls in nested:
-        line = next((l for l in _reference().splitlines() if f"`{cls.__name__}`" in l), "")
-        missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in line]
-        assert line and not missing, f"README's reference lacks {cls.__name__} or its fields {missing}"
+def _section(cls: type) -> str:
+    text = _reference()
+    start = text.index(f"### `{cls.__name__}`\n")
+    end = text.find("\n### ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_settings_reference_is_current():
+    """docs/settings.md's reference is what `dynamix-hvd settings` writes from the dataclasses now:
+    run it after changing a config field, its default or its docstring."""
+    path = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+    assert path.read_text() == settings_doc.current(path), "docs/settings.md is not current: run `dynamix-hvd settings`"
+
+
+def test_settings_reference_matches_the_dataclasses():
+    """Every field of every config reachable from ControllerConfig is a row of its class's table, in
+    order, with its default as Python and the docstring written under it."""
+    names = {cls.__name__: cls for cls, _ in settings_doc.configs()}
+    assert {ControllerConfig, AdvancedConfig, CadenceConfig, CostConfig, ProposalConfig, GrowthConfig, SplitConfig,
+            PPOOverrides, PPOConfig, RewardConfig, StatsConfig, *(k for k in POLICY_CONFIGS.values() if k)} <= set(names.values())
+    for cls in names.values():
+        rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", _section(cls), flags=re.M)
+        fields = dataclasses.fields(cls)
+        assert [name for name, _ in rows] == [f.name for f in fields], cls.__name__
+        defaults = cls()
+        for (name, shown), f in zip(rows, fields):
+            assert eval(shown.replace("\\|", "|"), dict(names)) == getattr(defaults, name), f"{cls.__name__}.{name}: {shown}"
+    assert "Width, in standard errors, of the lower confidence bound" in _section(StatsConfig)
+
+
+def test_settings_check_fails_on_a_stale_reference(tmp_path):
+    stale = tmp_path / "settings.md"
+    text = (Path(__file__).resolve().parents[1] / "docs" / "settings.md").read_text()
+    stale.write_text(text.replace("| `noise_z` | `1.0` |", "| `noise_z` | `2.0` |"))
+    assert settings_doc.main([str(stale), "--check"]) == 1
+    assert settings_doc.main([str(stale)]) == 0 and stale.read_text() == text
+    (tmp_path / "none.md").write_text("# no marker\n")
+    assert settings_doc.main([str(tmp_path / "none.md")]) == 2

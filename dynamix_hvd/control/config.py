@@ -240,9 +240,9 @@ class ControllerConfig:
     """Deadline of every control-plane collective; under MPI also how long a rank may wait in the
     gradient allreduce, or go without finishing a step, before it probes the others for a stopped one."""
     ppo: PPOOverrides = field(default_factory=PPOOverrides)
-    """Policy "ppo": the PPO settings set over the policy file's (see the class docstring for the
-    precedence); a dict of PPOConfig fields is read as a PPOOverrides. Checked at construction: an
-    unknown field or a bad value is an error naming it."""
+    """Policy "ppo": the PPO settings set over the policy file's (highest first: the fields set here,
+    the policy file's stored settings, PPOConfig's defaults); a dict of PPOConfig fields is read as a
+    PPOOverrides. Checked at construction: an unknown field or a bad value is an error naming it."""
     advanced: AdvancedConfig = field(default_factory=AdvancedConfig)
     """The cadence's tuning and decision budget, the reward, the gradient statistics, the cost model,
     the BatchNorm floor, the PPO action set, resource sampling, kept inputs."""

@@ -62,19 +62,22 @@ class GrowthConfig:
     """Most intervals the reference (and the judged intervals) keep apart; beyond, the two neighbours
     of the shortest joint length are merged into one, so many short intervals still span the same time."""
     settle: int = 1
-    """Intervals after the growth that are not judged (the LR rises with B; the loss adjusts) ..."""
+    """Intervals after the growth that are not judged (the LR rises with B; the loss adjusts), and
+    at least `settle_frac` of the time."""
     settle_frac: float = 0.05
-    """... and, in training seconds, this fraction of the time before the growth."""
+    """Training time after the growth that is not judged, as a fraction of the time before it (and
+    at least `settle` intervals)."""
     judged: int = 3
-    """Fewest intervals judged before a growth is accepted ..."""
+    """Fewest intervals judged before a growth is accepted (and at least `judge_frac` of the time)."""
     judge_frac: float = 0.5
-    """... and, in training seconds, this fraction of the reference's span."""
+    """Training time judged before a growth is accepted, as a fraction of the reference's span (and at
+    least `judged` intervals)."""
     z: float = 2.5
     """Tolerance in standard deviations of the excess loss at the last look (one-sided, about 0.6% per
     look where the line and the noise are right; a short reference, the cadence's first intervals of
     a few dozen steps, is less right than that)."""
     min_rel: float = 0.005
-    """Floor of that deviation, as a fraction of the loss."""
+    """Floor of the excess loss's standard deviation, as a fraction of the loss."""
 
     def __post_init__(self) -> None:
         for name in ("window", "max_reference"):

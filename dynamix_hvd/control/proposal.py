@@ -154,8 +154,8 @@ class ProposalConfig:
     def __post_init__(self) -> None:
         if self.noise not in ("lower", "point"):
             raise ValueError(f"ProposalConfig.noise={self.noise!r}; choose 'lower' or 'point'")
-        if self.trust is not None and not (math.isfinite(self.trust) and self.trust > 1):
-            raise ValueError(f"ProposalConfig.trust={self.trust!r}; it must be > 1 or None")
+        if self.trust is not None:
+            validate.number("ProposalConfig.trust", self.trust, above=1, what="a finite number > 1 or None")
         validate.integer("ProposalConfig.hold_unidentified", self.hold_unidentified, 0)
         validate.integer("ProposalConfig.split_intervals", self.split_intervals, 1)
         validate.number("ProposalConfig.hysteresis", self.hysteresis, 0)

@@ -67,7 +67,8 @@ def configs() -> list[tuple[type, list[str]]]:
 
 def render() -> str:
     """The generated reference: one section per config class, one table row per field."""
-    parts = []
+    parts = ["## Reference: every setting\n\nEvery config class that `ControllerConfig` holds, with each field's "
+             "default, type and documentation as written in the code.\n"]
     for cls, paths in configs():
         head = f"### `{cls.__name__}`\n\n{_summary(cls)}"
         if cls is not ControllerConfig:
@@ -135,9 +136,9 @@ def _reached(cls: type, path: str) -> str:
     if path == "policy file":
         return "a policy file's stored settings (policy \"ppo\"; `ppo` overrides them)"
     if path.startswith("ControllerConfig.policy_config"):
-        policies = ", ".join(f'"{name}"' for name, kind in POLICY_CONFIGS.items() if kind is cls)
+        policies = [f'"{name}"' for name, kind in POLICY_CONFIGS.items() if kind is cls]
         if policies:
-            return f"`{path}` (policy {policies})"
+            return f"`{path}` ({'policies' if len(policies) > 1 else 'policy'} {', '.join(policies)})"
     return f"`{path}`"
 
 
