@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                          "square root, the square-root rule for Adam-type optimizers)")
     ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
                     help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
-                         "epochs of training progress, the loop the README recommends (plain Horovod: the same)")
+                         "epochs of training progress, the loop docs/usage.md recommends (plain Horovod: the same)")
     args = ap.parse_args(argv)
     job = JOBS[args.job]
     epochs = args.epochs = args.epochs or job.epochs

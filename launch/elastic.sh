@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Horovod elastic with dynamix_hvd: workers may die and hosts come and go; training continues on the
-# workers left and grows back when hosts return (README "Horovod elastic" shows this file verbatim).
+# workers left and grows back when hosts return (docs/faults.md "Elastic Horovod" shows this file verbatim).
 #   DISCOVERY=            required: an executable printing one "host:slots" line per usable host, e.g.
 #                           #!/bin/sh
 #                           echo node1:2

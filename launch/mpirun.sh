@@ -25,7 +25,7 @@ NP=${NP:-2} HOSTFILE=${HOSTFILE:-} HOSTS=${HOSTS:-} SCRIPT=${SCRIPT:-} SCRIPT_AR
 MODULE=${MODULE:-dynamix_hvd.examples.mlp} PYTHON=${PYTHON:-$(command -v python)}
 OVERSUBSCRIBE=${OVERSUBSCRIBE:-0} ALLOW_RUN_AS_ROOT=${ALLOW_RUN_AS_ROOT:-1}
 MPIRUN=${MPIRUN:-mpirun} MPIRUN_ARGS=${MPIRUN_ARGS:-} DRY_RUN=${DRY_RUN:-0}
-# Horovod's stall warning and shutdown (README "A rank that stops answering"); set them to override.
+# Horovod's stall warning and shutdown (docs/faults.md "A rank that stops answering"); set them to override.
 export HOROVOD_STALL_CHECK_TIME_SECONDS=${HOROVOD_STALL_CHECK_TIME_SECONDS:-60}
 export HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=${HOROVOD_STALL_SHUTDOWN_TIME_SECONDS:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DYNAMIX_LAUNCHER=mpirun

@@ -6,7 +6,7 @@
 # A second run takes a couple of seconds: a stamp records what was installed, and the Horovod wheel
 # built from PyPI's sdist is cached outside the checkout.
 #
-# What it does, in order (each step says what it found; README "Installation" has the details):
+# What it does, in order (each step says what it found; docs/install.md has the details):
 #   platform  GPU node when `nvidia-smi -L` lists a GPU (the driver's CUDA version from `nvidia-smi`),
 #             else CPU node
 #   torch     CPU node: torch==2.13.0+cpu (the CPU build); GPU node: torch==2.13.0 (PyPI's build, CUDA
@@ -289,7 +289,7 @@ _dx_build_horovod_wheel() {
   PATH="$_dx_venv/bin:$PATH" PYTHON="$_dx_venv/bin/python" \
     CCACHE_BASEDIR="$build_dir" CCACHE_NOHASHDIR=true CCACHE_COMPILERCHECK=content \
     bash "$_dx_root/launch/horovod_build.sh" wheel "$src" "$build_dir/out" "${settings[@]}" >"$build_dir/build.log" 2>&1 \
-    || { tail -n 60 "$build_dir/build.log" >&2; _dx_die "Horovod build failed; full log: $build_dir/build.log (README: Troubleshooting the build)"; }
+    || { tail -n 60 "$build_dir/build.log" >&2; _dx_die "Horovod build failed; full log: $build_dir/build.log (docs/install.md: When the build fails)"; }
   mkdir -p "$wheel_dir"
   mv "$build_dir"/out/horovod-*.whl "$wheel_dir/"
   {

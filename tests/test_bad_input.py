@@ -408,6 +408,7 @@ def test_report_fuzz_counts():
     assert TRIED["configs"] >= 3 * FUZZ_EXAMPLES // 2 and TRIED["policies"] >= FUZZ_EXAMPLES // 2
 
 
+@pytest.mark.mpi
 def test_corrupt_newest_checkpoint_of_every_kind_falls_back_to_the_previous_good_one(tmp_path):
     from workers.ckpt_fallback import KINDS
 

@@ -45,6 +45,7 @@ def run_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.mpi
 def test_run_writes_records_and_traces(run_dir: Path):
     files = {p.name for p in run_dir.iterdir()}
     assert {"epochs.csv", "trace.h5", "meta.json", "report.png", "steps_rank0.csv", "steps_rank1.csv",

@@ -15,6 +15,7 @@ DEADLINE = 3.0
 MARGIN = 6.0  # start-up of the timer and a loaded two-core machine; a hang would last the silent rank's 13 s
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("launcher, ranks", [("mpirun", 3), ("horovodrun-gloo", 2)])
 def test_every_collective_delivers_in_rank_order(tmp_path, launcher, ranks):
     launch(launcher, ranks, "collectives.py", "--mode", "correct", "--out", str(tmp_path), timeout=240)
@@ -39,6 +40,7 @@ def _timeouts(out: str) -> dict[int, tuple[float, str]]:
     return {int(r): (float(s), msg) for r, s, msg in found}
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("op, silent, waiting, returned", [
     ("allgather_object", 2, [0, 1], []),
     ("allgather_tensor", 1, [0, 2], []),
@@ -56,6 +58,7 @@ def test_silent_rank_is_named_within_the_deadline_under_mpi(op, silent, waiting,
     assert sorted(int(r) for r in re.findall(r"RETURNED rank (\d+)", out)) == returned, out
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("op", ["allgather_object", "broadcast_object"])
 def test_silent_rank_under_gloo_ends_the_job_with_the_collective_named(op):
     proc = launch("horovodrun-gloo", 3, "collectives.py", "--mode", "silent", "--op", op, "--silent", "1",

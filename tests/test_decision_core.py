@@ -225,6 +225,7 @@ def test_plain_optimizer_is_refused_with_what_to_use() -> None:
         DynamixController(loader, torch.optim.SGD(model.parameters(), lr=0.1), ControllerConfig(policy="static"))
 
 
+@pytest.mark.mpi
 def test_decisions_of_a_real_mpirun_job_replay_exactly(tmp_path: Path) -> None:
     """Rank 0 of a 2-rank job keeps the typed reports it decided on; a fresh core configured as the job's
     controller, handed the same reports, decides the same sizes, gains, rewards and statistics."""
@@ -244,6 +245,7 @@ def test_decisions_of_a_real_mpirun_job_replay_exactly(tmp_path: Path) -> None:
     assert any(d["reward"] is not None for d in decisions) and decisions[-1]["layer_variance"]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("launcher, ranks", [("mpirun", 3), ("horovodrun-gloo", 2)])
 def test_array_collectives_in_a_real_job(launcher: str, ranks: int) -> None:
     out = launch(launcher, ranks, "arrays.py").stdout

@@ -63,6 +63,7 @@ def _crafted(tmp_path: Path, marker: Path) -> tuple[Path, Path]:
     return evil_torch, evil_raw
 
 
+@pytest.mark.mpi
 def test_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     evil_torch, evil_raw = _crafted(tmp_path, marker)
@@ -75,6 +76,7 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path):
     assert not marker.exists(), "restore() ran code from a crafted checkpoint"
 
 
+@pytest.mark.mpi
 def test_checkpointer_signals_only_on_request_and_controller_close_stops_its_thread(tmp_path):
     out = launch("mpirun", 2, "safety.py", "close", "--ckpt", str(tmp_path / "ck")).stdout
     assert out.count("SIGNALS-OK") == 2 and out.count("CLOSE-OK") == 2, out
@@ -239,6 +241,7 @@ def small_mounts(tmp_path):
             subprocess.run(["umount", str(path)], check=False)
 
 
+@pytest.mark.mpi
 def test_restore_is_all_or_nothing_and_saves_clean_up(tmp_path, small_mounts):
     full, readonly = small_mounts
     out = launch("mpirun", 2, "ckpt_faults.py", "fit", "nothing", "full", "readonly", "--ckpt", str(tmp_path / "ck"),

@@ -16,7 +16,7 @@ from dynamix_hvd.comm import ABORT_CODE
 from launching import WORKERS, command, job_env
 
 TIMEOUT_S = 4.0
-# README "A rank that stops answering": the probe (min(10, 2 + 0.1 timeout_s)) plus a few seconds for
+# docs/faults.md "A rank that stops answering": the probe (min(10, 2 + 0.1 timeout_s)) plus a few seconds for
 # mpirun to end the ranks; 15 s more on this loaded two-core machine.
 MARGIN_S = 2.0 + 0.1 * TIMEOUT_S + 3.0 + 15.0
 
@@ -76,7 +76,7 @@ def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names
 
 
 def _bound(case: str) -> float:
-    """README "A rank that stops answering": outside the allreduce a further timeout_s and probe; a rank
+    """docs/faults.md "A rank that stops answering": outside the allreduce a further timeout_s and probe; a rank
     that left is named a probe after it is found closed."""
     probe = 2.0 + 0.1 * TIMEOUT_S
     extra = {"user-collective": TIMEOUT_S + probe, "user-collective-error": TIMEOUT_S + probe, "left-training": probe}

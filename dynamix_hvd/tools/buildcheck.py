@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_horovod_features(expect_gpu=args.expect_gpu)
     if missing:
         print("Horovod lacks: " + ", ".join(missing) + ". Rebuild with launch/setup_env.sh "
-              "(DYNAMIX_FORCE=1 and delete the cached wheel; README: Troubleshooting the build).", file=sys.stderr)
+              "(DYNAMIX_FORCE=1 and delete the cached wheel; docs/install.md: When the build fails).", file=sys.stderr)
         try:
             print(describe(horovod_build_info()), file=sys.stderr)
         except ImportError:
