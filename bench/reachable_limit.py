@@ -83,13 +83,19 @@ def table(results: Path) -> str:
             steps_of[key] = run_steps(rows_of.loc[key].to_dict()) if key in rows_of.index else None
         return steps_of[key]
 
-    model = next(a for a in runs.arm.unique() if a not in (PLAIN, "split-speed"))
+    model = next((a for a in runs.arm.unique() if a not in (PLAIN, "split-speed")), None)
+    if model is None:
+        raise SystemExit(f"{results}: no arm but plain Horovod and the fixed split")
     constant = [c for c in ("slow3x", "slow2x") if c in set(runs.condition)]
     if not constant:
         raise SystemExit(f"{results}: no constant straggler (slow3x or slow2x) to fit the fixed costs on")
     lines = ["| job | condition | fixed cost, samples: rank 0 / rank 1 | floor | limit | reachable limit | default / plain "
              "| / limit | / reachable limit | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
+    from bench.zoo import JOBS
+
     for (w, c), group in runs[runs.condition != "none"].groupby(["workload", "condition"], sort=False):
+        if str(w).removeprefix("zoo:").split(":")[0] not in JOBS:  # not a zoo job (an older results folder)
+            continue
         rows, floor = [], batch_floor(w)
         for seed in sorted(group.seed.unique()):
             plain, mine, fit_on = steps(w, c, PLAIN, seed), steps(w, c, model, seed), steps(w, constant[0], model, seed)

@@ -94,12 +94,18 @@ def test_the_report_reads_rows_the_suite_no_longer_defines(tmp_path):
     write_results_folder(tmp_path, "zoo:mnist-cnn", "interference", {"plain-horovod": 10.0, "ppo": 7.0},
                          [0.5, 0.6, 0.95, 0.96], eval_s=0.5, balanced_fraction=0.5)
     runs, evals = pd.read_csv(tmp_path / "runs.csv"), pd.read_csv(tmp_path / "evals.csv")
-    pd.concat([runs, runs.assign(workload="charlm")]).to_csv(tmp_path / "runs.csv", index=False)
-    pd.concat([evals, evals.assign(workload="charlm")]).to_csv(tmp_path / "evals.csv", index=False)
+    old = {"workload": "charlm", "condition": "slow3x"}
+    pd.concat([runs, runs.assign(**old)]).to_csv(tmp_path / "runs.csv", index=False)
+    pd.concat([evals, evals.assign(**old)]).to_csv(tmp_path / "evals.csv", index=False)
     jobs = collect(tmp_path)
     assert set(jobs.workload) == {"zoo:mnist-cnn"} and sorted(jobs.arm) == ["plain-horovod", "ppo"]
     row = next(line for line in headline(jobs).splitlines() if "| ppo |" in line)
     assert "| mnist-cnn | interference | 0.50 (nan) | ppo | 0.70 [0.00] | 1.40 |" in row, row
+    # the reachable limit needs the run folders: without them it says so, whatever the workloads
+    from bench.reachable_limit import table
+
+    with pytest.raises(SystemExit, match="no straggler row whose run folders still hold"):
+        table(tmp_path)
 
 
 def steps_of(per_rank: dict[int, tuple[int, float]], step_s: float, epochs: int = 2, n: int = 5) -> pd.DataFrame:
