@@ -14,7 +14,7 @@ changing rows); the
 speeds c stay those of the plain run itself, per window of its steps, so the machine's speed
 drifting between runs does not move the limit. Per window the best split's compute is the least
 M with sum_i (M / c_i - k_i) >= B and every rank given at least one sample, or, for a model with
-per-rank BatchNorm, the floor the controller keeps it at (`ControllerConfig.batchnorm_min_batch`: a rank below it would normalise with
+per-rank BatchNorm, the floor the controller keeps it at (`ControllerConfig.advanced.batchnorm_min_batch`: a rank below it would normalise with
 the statistics of a few samples; column "floor"); the rest of the step stays as measured
 (`bench.suite_report.balanced_fraction` with `fixed=` and `floor=`).
 Printed per straggler row, medians over seeds: both limits and the default's time to target over

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     add_common_flags(ap, epochs=0, out="runs/zoo", default_batch=0, lr=0.0, run_log=False)
     add_bench_flags(ap)
     ap.add_argument("--batchnorm-floor", type=int, default=0,
-                    help="ControllerConfig.batchnorm_min_batch (0: its default); 1 lets a BatchNorm model's "
+                    help="AdvancedConfig.batchnorm_min_batch (0: its default); 1 lets a BatchNorm model's "
                          "ranks go down to one sample")
     ap.add_argument("--adaptive", choices=["0", "1"], default="0",
                     help="WeightedDistributedOptimizer(adaptive=): 0 (the AdaScale gain, the default), 1 (its "
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_controller:
             config = controller_config(args)
             if args.batchnorm_floor:
-                config = dataclasses.replace(config, batchnorm_min_batch=args.batchnorm_floor)
+                config = dataclasses.replace(config, advanced=dataclasses.replace(
+                    config.advanced, batchnorm_min_batch=args.batchnorm_floor))
             controller = dx.DynamixController(loader, optimizer, config, model=model)              # dx
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

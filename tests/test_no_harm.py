@@ -10,12 +10,12 @@ import torch
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.costmodel import CostModel, NetworkFit
-from dynamix_hvd.control.growth import GrowthCheck
+from dynamix_hvd.control.growth import GrowthCheck, GrowthConfig
 from dynamix_hvd.control.policy import DecisionInput
 from dynamix_hvd.control.policy_store import DEFAULT_POLICY, load_policy
 from dynamix_hvd.control.proposal import ModelPolicy, Proposal, ProposalConfig, propose
 from dynamix_hvd.control.refine import PPOPolicy
-from dynamix_hvd.control.splitcheck import SplitCheck
+from dynamix_hvd.control.splitcheck import SplitCheck, SplitConfig
 from dynamix_hvd.control.state import OBS_DIM, GlobalContext, RankReport
 
 
@@ -454,9 +454,9 @@ def test_bad_no_harm_settings_are_refused_naming_the_value(kwargs):
 
 
 def test_batchnorm_models_keep_every_rank_at_the_floor():
-    """A model with per-rank BatchNorm raises min_batch to batchnorm_min_batch (never above the smallest
+    """A model with per-rank BatchNorm raises min_batch to advanced.batchnorm_min_batch (never above the smallest
     initial size); SyncBatchNorm, LayerNorm-only models and no model leave it alone."""
-    from dynamix_hvd.control.config import ControllerConfig
+    from dynamix_hvd.control.config import AdvancedConfig, ControllerConfig
     from dynamix_hvd.control.controller import batchnorm_floor, per_rank_batchnorm
 
     bn = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
@@ -466,7 +466,8 @@ def test_batchnorm_models_keep_every_rank_at_the_floor():
     assert per_rank_batchnorm(bn) == ["1"] and per_rank_batchnorm(ln) == per_rank_batchnorm(sync) == []
     assert batchnorm_floor(cfg, bn, [32, 32]).min_batch == 16
     assert batchnorm_floor(cfg, bn, [8, 32]).min_batch == 8, "never above the smallest initial size"
-    assert batchnorm_floor(ControllerConfig(policy="static", batchnorm_min_batch=4), bn, [32, 32]).min_batch == 4
+    assert batchnorm_floor(ControllerConfig(policy="static", advanced=AdvancedConfig(batchnorm_min_batch=4)), bn,
+                           [32, 32]).min_batch == 4
     for model in (ln, sync, None):
         assert batchnorm_floor(cfg, model, [32, 32]).min_batch == 1
 
@@ -543,6 +544,17 @@ def test_the_variance_of_an_interval_mean_comes_from_its_steps():
     assert math.isnan(mean_variance([1.0, math.nan, 2.0])) and math.isnan(mean_variance(None))
 
 
+def test_the_checks_settings_come_from_the_proposal_config_and_survive_a_reset():
+    cfg = ProposalConfig(growth=GrowthConfig(z=3.5, settle=2), split=SplitConfig(keep=0.25, max_margin=0.5))
+    policy = ModelPolicy(cfg)
+    for _ in range(2):
+        assert (policy.check.z, policy.check.settle) == (3.5, 2)
+        assert (policy.split_check.keep, policy.split_check.max_margin) == (0.25, 0.5)
+        assert "config" not in policy.check.state_dict() and "keep" not in policy.split_check.state_dict()
+        policy.reset_world(3)
+    assert ModelPolicy().check.config == GrowthConfig() and ModelPolicy().split_check.config == SplitConfig()
+
+
 def test_an_older_growth_check_state_loads_with_unknown_noise_and_is_judged_mid_growth():
     old = {"window": 4, "settle": 1, "judged": 3, "z": 2.0, "min_rel": 0.005, "elapsed_s": 3.5,
            "reference": [[1.0, 2.0], [2.0, 1.9], [3.0, 1.85]], "grown_for": 1, "verdicts": 0,
@@ -550,7 +562,7 @@ def test_an_older_growth_check_state_loads_with_unknown_noise_and_is_judged_mid_
     check = GrowthCheck()
     check.load_state_dict(old)
     assert check.ready and check.judging and all(math.isnan(p[2]) for p in check.reference)
-    assert check.z == GrowthCheck().z, "settings are the code's: an older checkpoint's z is not restored"
+    assert check.z == GrowthCheck().z, "settings are the job's: an older checkpoint's z is not restored"
     for k in range(6):  # far above the reference's line: judged, and returned
         check.observe([report(0, 96, 10, 0.1, 2.5)], 128, 64)
     assert check.banned
@@ -591,7 +603,7 @@ def test_an_episode_ends_when_b_returns_and_a_new_one_is_judged_afresh():
 
 def test_a_reference_of_many_short_intervals_keeps_its_span_by_merging():
     rng = np.random.default_rng(2)
-    check = GrowthCheck(max_reference=16)
+    check = GrowthCheck(GrowthConfig(max_reference=16))
     for k in range(400):
         feed(check, 0.25, 2.0 - 0.001 * k + rng.normal(0, 0.05, 10), False)
     assert len(check.reference) == 16
@@ -601,7 +613,7 @@ def test_a_reference_of_many_short_intervals_keeps_its_span_by_merging():
 
 def test_many_short_judged_intervals_are_merged_and_still_judged():
     rng = np.random.default_rng(4)
-    check = GrowthCheck(max_reference=8, judged=0)  # judged=0: the span alone decides
+    check = GrowthCheck(GrowthConfig(max_reference=8, judged=0))  # judged=0: the span alone decides
     for k in range(40):
         feed(check, 1.0, 2.0 - 0.01 * k + rng.normal(0, 0.05, 50), False)
     for _ in range(400):

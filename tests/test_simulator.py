@@ -59,9 +59,9 @@ def drive_both(sim: ClusterSimulator, schedule: Sequence[Sequence[int]]) -> tupl
     core configured as the live controller's; returns it and its history records."""
     s = sim.spec
     cfg = ControllerConfig(policy="static", total_epochs=sim.total_epochs, min_batch=s.min_batch, max_batch=s.max_batch)
-    core = DecisionCore(sim.R, sum(sim.sizes), Recorder(), reward=cfg.reward, stats=cfg.stats,
+    core = DecisionCore(sim.R, sum(sim.sizes), Recorder(), reward=cfg.advanced.reward, stats=cfg.advanced.stats,
                         min_batch=cfg.min_batch, max_batch=cfg.max_batch, total_epochs=cfg.total_epochs,
-                        fit_warmup=True)  # as the simulator's core: its first steps have no one-off costs
+                        fit_warmup=True, costs=cfg.advanced.costs)  # as the simulator's core: its first steps have no one-off costs
     decisions = []
     for sizes in schedule:
         core.policy.next_sizes = list(sizes)

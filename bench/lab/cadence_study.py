@@ -2,7 +2,7 @@
 
 A job's decisions are spread as `target_decisions` (32) over its epochs, so a job of 40 epochs of
 45 s decides once an epoch and follows a rank that turns slow a minute or two late.
-``AdvancedConfig.max_decision_interval_s`` caps an interval inside an epoch at that many seconds of
+``CadenceConfig.max_decision_interval_s`` caps an interval inside an epoch at that many seconds of
 training. Here simulated jobs of the tuning half's workload families (`bench.lab.scenarios`), each
 stretched to about `--job-s` seconds over 40 epochs, run the default proposal with the live cadence
 (:class:`~dynamix_hvd.control.cadence.DecisionCadence`, as the controller runs it) under ceilings of

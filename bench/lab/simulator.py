@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
-from dynamix_hvd.control.cadence import DecisionCadence, interval_ceiling
+from dynamix_hvd.control.cadence import CadenceConfig, DecisionCadence, interval_ceiling
 from dynamix_hvd.control.core import DecisionCore, Observation, RankInput, StepSeries
 from dynamix_hvd.control.policy import BatchSizePolicy, DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy
@@ -181,12 +181,12 @@ class ClusterSpec:
     cadence (epoch ends, a ramp, then `target_decisions` spread over `total_epochs` epochs of
     `dataset_size` samples; an epoch's last step takes the remainder)."""
     target_decisions: int = 32
-    """ControllerConfig.advanced.target_decisions (``cadence="live"``)."""
+    """ControllerConfig.advanced.cadence.target_decisions (``cadence="live"``)."""
     min_decision_steps: int = 8
-    """ControllerConfig.advanced.min_decision_steps (``cadence="live"``)."""
+    """ControllerConfig.advanced.cadence.min_decision_steps (``cadence="live"``)."""
     max_decision_interval_s: float = 20.0
-    """ControllerConfig.advanced.max_decision_interval_s (``cadence="live"``): the longest in-epoch
-    interval, in seconds at the last interval's mean step time."""
+    """ControllerConfig.advanced.cadence.max_decision_interval_s (``cadence="live"``): the longest
+    in-epoch interval, in seconds at the last interval's mean step time."""
     max_decisions: int = 2000
     """Decisions after which an episode stops even if the target was not reached."""
     min_batch: int = 1
@@ -246,6 +246,13 @@ class ClusterSpec:
     @property
     def world_size(self) -> int:
         return len(self.alpha_s)
+
+    @property
+    def cadence_config(self) -> CadenceConfig:
+        """The live cadence's settings this spec names (``cadence="live"``; the rest at their defaults;
+        the simulator spends no time deciding, so no decision budget applies)."""
+        return CadenceConfig(target_decisions=self.target_decisions, min_decision_steps=self.min_decision_steps,
+                             max_decision_interval_s=self.max_decision_interval_s)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (provenance); :meth:`from_dict` inverts it."""
@@ -395,7 +402,7 @@ class ClusterSimulator:
         self._pos_epoch = int(self.samples_seen // s.dataset_size)
         self._pos_samples = float(self.samples_seen - self._pos_epoch * s.dataset_size)
         self._pos_step = int(self._pos_samples // max(1, sum(s.initial_batch)))
-        self.cadence = DecisionCadence(None, s.target_decisions, s.min_decision_steps, self.total_epochs)
+        self.cadence = DecisionCadence.from_config(None, s.cadence_config, self.total_epochs)
         self._recheck = False  # the last decision asked for the next one soon (the cadence's recheck)
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--target-decisions", type=int, default=32, help="with --every -1")
     ap.add_argument("--decision-budget", type=float, default=0.01, help="with --every -1 (0: no limit)")
     ap.add_argument("--max-interval", type=float, default=None,
-                    help="AdvancedConfig.max_decision_interval_s (default: its default)")
+                    help="CadenceConfig.max_decision_interval_s (default: its default)")
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
@@ -61,11 +61,11 @@ def main() -> None:
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,
-                              ppo={"rollout_length": 4, "seed": 3} if args.policy == "ppo" else {}, decision_budget=args.decision_budget,
-                              advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs,
-                                                         target_decisions=args.target_decisions,
-                                                         **({} if args.max_interval is None else
-                                                            {"max_decision_interval_s": args.max_interval})))
+                              ppo={"rollout_length": 4, "seed": 3} if args.policy == "ppo" else {},
+                              advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs, cadence=dx.CadenceConfig(
+                                  decision_budget=args.decision_budget, target_decisions=args.target_decisions,
+                                  **({} if args.max_interval is None else
+                                     {"max_decision_interval_s": args.max_interval}))))
     controller = dx.DynamixController(loader, opt, cfg, model=model if args.with_model else None)
     if args.mode == "silent":
         if rank == args.silent:

@@ -50,7 +50,7 @@ def main() -> None:
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
-        policy="static", decide_every_steps=50, stats=StatsConfig(ema_beta=0.99)))
+        policy="static", decide_every_steps=50, advanced=dx.AdvancedConfig(stats=StatsConfig(ema_beta=0.99))))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)

@@ -101,7 +101,7 @@ def main() -> None:
         controller = None
         if later is None:
             controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
-                policy="model", decide_every_steps=2, decision_budget=0, min_batch=5, max_batch=400))
+                policy="model", decide_every_steps=2, min_batch=5, max_batch=400))
         steps, group = [], []
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
