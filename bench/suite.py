@@ -16,7 +16,7 @@ and after, date, versions, git commit, the exact command), ``runs.csv`` (one row
 ``evals.csv`` (every evaluation of every job: the raw records), ``sizes.csv`` (each rank's batch size
 whenever it changed), ``summary.md``/``summary.csv`` and ``plots/``. The jobs' own directories
 (traces, per-step records, stdout) stay under ``--runs-dir`` (default ``runs/suite/NAME``).
-``--summarize-only --out DIR`` writes the summary of any results folder again, also one whose
+``--summarize-only --out DIR`` writes the summary of a results folder again, also one whose
 configuration, workloads, conditions or arms are no longer defined here: a row that cannot be
 measured again (its job directory is gone, or its workload is unknown) keeps the numbers it was
 recorded with. Definitions are in `bench.suite_report`.
@@ -417,7 +417,10 @@ def machine() -> dict[str, Any]:
         hvd_version = horovod.__version__
     except ImportError:
         hvd_version = "not installed"
-    mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    try:
+        mpi = subprocess.run(["mpirun", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    except OSError:  # no MPI here (a results folder summarized elsewhere)
+        mpi = ["not installed"]
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpu": cpu,
             "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)), "memory_mib": mem,
             "load_before": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
@@ -458,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                          "summary then lists the jobs not run yet (continue with --resume). 0: no limit")
     args = ap.parse_args(argv)
     name = "quick" if args.quick else args.config
+    if not name and args.summarize_only and args.out:
+        name = Path(args.out).name  # a results folder's summary: the folder names its configuration
     if name and name not in CONFIGS and not args.summarize_only:
         ap.error(f"--config {name!r}: no such configuration (choose from {', '.join(CONFIGS)}); "
                  "--summarize-only reads the results folder of any name")
