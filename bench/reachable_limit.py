@@ -94,7 +94,7 @@ def table(results: Path) -> str:
     from bench.zoo import JOBS
 
     for (w, c), group in runs[runs.condition != "none"].groupby(["workload", "condition"], sort=False):
-        if str(w).removeprefix("zoo:").split(":")[0] not in JOBS:  # not a zoo job (an older results folder)
+        if str(w).removeprefix("zoo:").split(":")[0] not in JOBS:  # not a zoo job (not this report's kind of row)
             continue
         rows, floor = [], batch_floor(w)
         for seed in sorted(group.seed.unique()):

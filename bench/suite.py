@@ -17,9 +17,9 @@ and after, date, versions, git commit, the exact command), ``runs.csv`` (one row
 whenever it changed), ``summary.md``/``summary.csv`` and ``plots/``. The jobs' own directories
 (traces, per-step records, stdout) stay under ``--runs-dir`` (default ``runs/suite/NAME``).
 ``--summarize-only --out DIR`` writes the summary of a results folder again, also one whose
-configuration, workloads, conditions or arms are no longer defined here: a row that cannot be
-measured again (its job directory is gone, or its workload is unknown) keeps the numbers it was
-recorded with. Definitions are in `bench.suite_report`.
+configuration, workloads, conditions or arms this module does not define (those in
+bench/results/archive.tar.xz): a row that cannot be measured again (its job directory is gone, or
+its workload is not defined here) keeps the numbers it was recorded with. Definitions are in `bench.suite_report`.
 """
 from __future__ import annotations
 
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--summarize-only", action="store_true",
                     help="run nothing: re-measure OUT/runs.csv's jobs and write the summary again (a row whose "
-                         "job directory is gone or whose workload is no longer defined keeps its recorded numbers)")
+                         "job directory is gone or whose workload is not defined here keeps its recorded numbers)")
     ap.add_argument("--resume", action="store_true",
                     help="keep the jobs OUT/runs.csv already has with a result (their job directories must "
                          "still exist) and run only the others: a configuration longer than one sitting "
@@ -506,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         jobs = []
         # the record of the run being re-measured stays (when there is one); this pass is noted beside
-        # it. A configuration no longer defined keeps its recorded one; a defined one adds the
-        # descriptions of the conditions it no longer has.
+        # it. A configuration not defined here keeps its recorded one; a defined one adds the
+        # recorded descriptions of conditions it does not have.
         config = before.get("config") or info["config"]
         if name in CONFIGS:
             config = {**info["config"], "conditions": {**config.get("conditions", {}), **info["config"]["conditions"]}}

@@ -141,11 +141,11 @@ RECORDED = ("time_to_target_s", "missed", "final", "final_at_budget", "idle_mean
 
 def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
     """Per (workload, condition, arm): medians and IQRs over seeds, paired ratios, misses, noise flag.
-    A workload that `metrics` does not name (one no longer defined) is read as an accuracy."""
+    A workload that `metrics` does not name (one `bench.suite` does not define) is read as an accuracy."""
     if runs.empty or "status" not in runs:
         return pd.DataFrame()
     ok = runs[runs.status == "ok"].copy()
-    for column in RECORDED:  # a row recorded before a measure existed: that measure is unknown
+    for column in RECORDED:  # a row recorded without this measure: unknown
         if column not in ok:
             ok[column] = False if column == "missed" else math.nan
     rows = []
@@ -208,7 +208,7 @@ def _resummarized(record: Mapping[str, Any] | None) -> str:
             f"(commit {record['git_commit'][:12]})")
     if record.get("as_recorded"):
         text += (f"; {len(record['as_recorded'])} jobs keep the numbers runs.csv recorded (their job directories "
-                 "are gone or their workload is no longer defined)")
+                 "are gone or their workload is not defined in bench.suite)")
     return text + "."
 
 

@@ -166,10 +166,10 @@ def _limit_from_none(none: pd.DataFrame, seed: int, plain: pd.Series) -> float:
 
 def reference_condition(name: str) -> str:
     """The condition with the same links and no straggler (whose plain run gives the limit). A
-    condition `bench.suite` no longer defines (an older results folder) is read by its name: a
-    straggler on links is named LINKS-slow... (``net10-slow3x``: ``net10``); any other name that
-    names a slowdown, stalls or interference has equal links to "none"; the rest are their own
-    reference (no straggler)."""
+    condition `bench.suite` does not define (bench/results/archive.tar.xz has such rows) is read by
+    its name: a straggler on links is named LINKS-slow... (``net10-slow3x``: ``net10``); any other
+    name that names a slowdown, stalls or interference has the links of "none"; the rest are their
+    own reference (no straggler)."""
     from bench.suite import CONDITIONS
 
     c = CONDITIONS.get(name)
