@@ -176,8 +176,6 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
 
 ZOO_EVAL = ["zoo:mnist-cnn", "zoo:resnet-bn", "zoo:gru-charlm", "zoo:lstm-rows", "zoo:mf-ratings"]
 ZOO_HEADLINE = [f"{w}:x{HEADLINE_ZOO[n][0]}" if (n := w.removeprefix("zoo:")) in HEADLINE_ZOO else w for w in ZOO_EVAL]
-ZOO_TUNING = ["zoo:mlp-digits", "zoo:mlp-synth", "zoo:cnn-wide", "zoo:vgg-digits", "zoo:charlm-transformer",
-              "zoo:bag-code"]
 # A group: workloads x conditions x arms, `seeds` seeds (with `first_seed` k: seeds k .. seeds - 1
 # only, to add seeds to an earlier run of seeds 0 .. k - 1). Each configuration answers one question of
 # BENCHMARKS.md, whose table gives its command; tests/test_bench_suite.py checks that every one is
