@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from dynamix_hvd.control.config import ControllerConfig
 from dynamix_hvd.control.controller import NO_MODEL_WARNING
+from dynamix_hvd.control.proposal import ProposalConfig
 from launching import launch
 
 
@@ -64,6 +66,7 @@ def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, pol
         assert when == [[e, s, 60] for e in range(4) for s in (8, 16, 24, 32, 40, 48, 56, 60)], when
         return
     assert any(d["sizes"] != [8, 12] for d in results[0]["history"]), "the sizes did change (from 8 + 12)"
+    assert ControllerConfig.from_dict(results[0]["config"]).policy_config == ProposalConfig(), "defaults spelled out"
     for epoch in range(4):
         steps = [s for e, s, _ in when if e == epoch]
         assert steps and steps[-1] == [n for e, _, n in when if e == epoch][-1], (epoch, when)  # its end
@@ -123,6 +126,13 @@ def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(
         if when[i][0] == when[i - 1][0] and when[i][1] != 60:  # inside an epoch (its end decides anyway)
             assert steps[i] - steps[i - 1] <= max(8, ceilings[i - 1]), (i, when, ceilings)
     assert len(when) >= 10, when  # without the ceiling: 6
+    # every rank records the settings it ran with, the ones given on its command line included
+    for result in results:
+        config = ControllerConfig.from_dict(result["config"])
+        assert result["checkpointed_config"] == result["config"]
+        assert (config.policy, config.total_epochs, config.min_batch) == ("static", 2, 2)
+        assert config.advanced.cadence.max_decision_interval_s == 0.12
+        assert (config.advanced.cadence.decision_budget, config.advanced.cadence.target_decisions) == (0, 4)
 
 
 def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path):

@@ -117,7 +117,8 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "history": history, "backend": controller.channel.backend, "when": when, "at_step": at_step,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
-        "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes}))
+        "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes,
+        "config": controller.config_dict(), "checkpointed_config": controller.state_dict()["config"]}))
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
         Path(args.out, "inputs.json").write_text(json.dumps({
             "inputs": [[i.to_dict() for i in inputs] for inputs in controller.inputs],
