@@ -242,3 +242,51 @@ def test_settings_check_fails_on_a_stale_reference(tmp_path):
     assert settings_doc.main([str(stale)]) == 0 and stale.read_text() == text
     (tmp_path / "none.md").write_text("# no marker\n")
     assert settings_doc.main([str(tmp_path / "none.md")]) == 2
+
+
+# --- the settings in a run's records ---------------------------------------------------------------
+def test_changed_settings_name_what_differs_from_the_defaults():
+    from dynamix_hvd.control.config import changed_settings, settings_line
+
+    assert changed_settings(ControllerConfig().resolved().to_dict()) == {}
+    assert settings_line(ControllerConfig().to_dict()) == "settings: the defaults"
+    assert settings_line(ControllerConfig(policy="static").to_dict()) == "settings: policy='static'"
+    config = ControllerConfig(total_epochs=9, policy_config=ProposalConfig(growth=GrowthConfig(z=3.0)),
+                              advanced=AdvancedConfig(cadence=CadenceConfig(decision_budget=0)))
+    assert changed_settings(config.to_dict()) == {"total_epochs": 9, "policy_config.growth.z": 3.0,
+                                                  "advanced.cadence.decision_budget": 0}
+    ramp = ControllerConfig(policy="linear-ramp", policy_config=LinearRampConfig(end=64)).resolved().to_dict()
+    assert changed_settings(ramp) == {"policy": "linear-ramp", "policy_config.end": 64}
+    assert changed_settings({**ControllerConfig().to_dict(), "newer": 1}) == {"newer": 1}
+
+
+def test_run_records_hold_every_setting_and_summarize_names_the_changed_ones(tmp_path, capsys):
+    """RunLog writes the controller's config_dict into meta.json; `dynamix-hvd summarize` prints the
+    settings that differ from the defaults in one line."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dynamix_hvd.data.loader import AdaptiveLoader
+    from dynamix_hvd.data.synthetic import teacher_classification
+    from dynamix_hvd.runs.runlog import RunLog
+    from dynamix_hvd.tools.cli import main
+
+    config = ControllerConfig(total_epochs=1, max_batch=64, advanced=AdvancedConfig(batchnorm_min_batch=4)).resolved()
+    controller = SimpleNamespace(history=[], memory_budget=None, config_dict=config.to_dict)
+    train, _ = teacher_classification(40, seed=0)
+    loader = AdaptiveLoader(train, [10], rank=0)
+    run = RunLog(tmp_path, loader, controller=controller, gather=lambda o: [o])
+    loader.set_epoch(0)
+    for _ in loader:
+        loader.tracker.step_started()
+        loader.tracker.synchronized()
+        loader.tracker.step_finished(lr=0.1)
+        run.step(torch.tensor(1.0))
+    run.end_epoch()
+    run.finish()
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert ControllerConfig.from_dict(meta["controller_config"]) == config
+    capsys.readouterr()
+    assert main(["summarize", str(tmp_path)]) == 0
+    assert "settings: total_epochs=1, max_batch=64, advanced.batchnorm_min_batch=4\n" in capsys.readouterr().out

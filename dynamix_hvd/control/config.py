@@ -301,6 +301,41 @@ class ControllerConfig:
         return _typed(cls, data, "ControllerConfig", {"policy_config": kind})
 
 
+def changed_settings(plain: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings in `plain` (:meth:`ControllerConfig.to_dict`'s values, e.g. a run's recorded
+    ``controller_config``) that differ from the defaults, by dotted path:
+    ``{"total_epochs": 90, "advanced.cadence.decision_budget": 0}``. The policy's settings are compared
+    with that policy's defaults; a key the defaults do not have (a record of another version) counts
+    as changed."""
+    policy = plain.get("policy", ControllerConfig.policy)
+    try:
+        defaults = ControllerConfig(policy=policy).resolved().to_dict()
+    except ValueError:
+        defaults = ControllerConfig().to_dict()
+    changed: dict[str, Any] = {} if policy == ControllerConfig.policy else {"policy": policy}
+
+    def walk(value: Any, default: Any, path: str) -> None:
+        if isinstance(value, Mapping) and isinstance(default, Mapping):
+            for key, v in value.items():
+                walk(v, default.get(key, _MISSING), f"{path}.{key}" if path else str(key))
+        elif value != default and not (path == "policy_config" and value is None):
+            changed[path] = value
+
+    walk(plain, defaults, "")
+    return changed
+
+
+def settings_line(plain: Mapping[str, Any]) -> str:
+    """One line naming the settings of `plain` that differ from the defaults (:func:`changed_settings`)."""
+    changed = changed_settings(plain)
+    if not changed:
+        return "settings: the defaults"
+    return "settings: " + ", ".join(f"{path}={value!r}" for path, value in changed.items())
+
+
+_MISSING = object()
+
+
 def _plain(value: Any) -> Any:
     """A config's value as plain JSON values (dataclasses as dicts, tuples as lists)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

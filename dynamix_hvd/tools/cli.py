@@ -111,6 +111,10 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         return _fail(str(exc), 1)
     print(header_text(run))
+    if run.meta.get("controller_config") is not None:  # the controller's settings that are not the defaults
+        from ..control.config import settings_line
+
+        print(settings_line(run.meta["controller_config"]))
     print()
     import pandas as pd
 
