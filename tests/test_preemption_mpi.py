@@ -3,6 +3,7 @@ after an out-of-memory step (whose smaller batch makes the AdaScale gain depend 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -103,3 +104,31 @@ def test_restart_after_an_oom_step_matches_the_uninterrupted_run(tmp_path):
         diff = max(abs(a - b) for x, y in zip(want, params(out)) for a, b in zip(x, y))
         print(f"max |param difference| uninterrupted vs restarted after an OOM (saved every {save_every}): {diff:.3e}")
         assert diff == 0.0
+
+
+def test_vote_by_time_is_rare_and_the_checkpoint_resumes_exactly(tmp_path):
+    # The default cadence: a vote about every check_interval_s of training (here 0.3 s of steps that
+    # sleep 10 ms, so at most 30 steps apart), never one per step; the checkpoint it writes after
+    # the signal resumes to the uninterrupted run's parameters.
+    plain, first, again = (tmp_path / n for n in ("plain", "first", "again"))
+    for d in (plain, first, again):
+        d.mkdir()
+    by_time = ("--check-every", "0", "--check-interval", "0.3", "--step-sleep", "0.01")
+    done = launch("mpirun", 2, "resume.py", "--out", str(plain), "--ckpt", str(tmp_path / "ck_plain"), *by_time).stdout
+    steps, votes, channel_votes, train_s = (float(done.split(key + " ")[1].split()[0])
+                                            for key in ("STEPS", "VOTES", "CHANNEL-VOTES", "TRAIN-S"))
+    print(f"uninterrupted: {steps:g} steps in {train_s:.2f} s, {votes:g} preemption votes")
+    assert steps == 48 and votes == channel_votes >= 3, done[-3000:]
+    # one vote per interval of training, plus the first ones while the interval doubles up to it
+    assert votes <= train_s / 0.3 + 1 + math.log2(30) and votes <= steps / 3, done[-3000:]
+    ckpt = tmp_path / "ck"
+    stopped = launch("mpirun", 2, "resume.py", "--out", str(first), "--ckpt", str(ckpt), "--sigterm-at", str(STOP_AT),
+                     *by_time, expect_success=False)
+    assert stopped.returncode != 0 and "stop requested: checkpoint written" in stopped.stdout, stopped.stdout[-3000:]
+    at = int(stopped.stdout.split("STEPS")[1].split()[0])
+    signalled = 16 + 5  # epoch 0 has 16 steps (500 samples, 32 a step)
+    print(f"signal after step {signalled}, checkpoint after step {at}")
+    assert signalled <= at <= signalled + 30, stopped.stdout[-3000:]
+    resumed = launch("mpirun", 2, "resume.py", "--out", str(again), "--ckpt", str(ckpt), *by_time).stdout
+    assert "RESUMED-FROM" in resumed
+    assert _max_diff(_params(plain), _params(again)) == 0.0

@@ -1,10 +1,24 @@
 """Preemption-safe checkpoints for jobs under mpirun/srun (Horovod elastic is not available there).
 
-SIGTERM or SIGINT on any rank only sets a flag. At the next step boundary (the loader's step-end
-callback, reached by every rank after the same number of steps) the ranks agree through the control
-plane whether any of them was signalled; if so, rank 0 writes one checkpoint and every rank exits
-with `exit_code`. Agreement first, because a signal usually reaches ranks at different moments and
-a checkpoint taken by some ranks mid-step would mix two states.
+SIGTERM or SIGINT on any rank only sets a flag. At a vote (in the loader's step-end callback, which
+every rank reaches after the same number of steps) the ranks agree through the control plane whether
+any of them was signalled; if so, rank 0 writes one checkpoint and every rank exits with `exit_code`.
+Agreement first, because a signal usually reaches ranks at different moments and a checkpoint taken
+by some ranks mid-step would mix two states.
+
+How often the ranks vote (a small collective, so never at every step by default): about once every
+`check_interval_s` seconds (1 s by default). Wall clocks differ between ranks, so the cadence is
+counted in steps that every rank computes alike: each vote also carries every rank's mean step time
+since the previous vote, and the next vote comes after ``ceil(check_interval_s / slowest step time)``
+steps, at most twice as many as in the last interval (the first vote comes after the first step).
+When the batch sizes or the micro-batches per step change (on every rank alike), the interval
+shrinks in proportion to the largest growth of a rank's batch, so a step that becomes slower that
+way does not stretch it. The bound: a stop request is acted on (checkpoint written, every rank
+exiting) within about ``check_interval_s`` of training, plus the step the request arrives in and the
+checkpoint's write; longer only in proportion as steps slow down between two votes for another
+reason than the batch sizes. Time spent outside the loop (evaluation between epochs, say) does not
+count: the vote comes once training has run that long. ``check_every=k`` instead votes every k
+steps exactly (1: at every step boundary, the least delay at the cost of a collective per step).
 
 Nothing happens on construction: `install_signal_handlers()` turns signals into a stop request
 (without it, `save()` and `restore()` still work), and `close()` puts the previous handlers back.
@@ -36,10 +50,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import math
 import os
 import shutil
 import signal
 import sys
+import time
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -133,17 +149,44 @@ def _check_writable(directory: Path) -> None:
         raise CheckpointError(f"checkpoint directory {directory} cannot take checkpoints: {exc}") from None
 
 
+MAX_VOTE_INTERVAL = 1 << 20
+"""Most steps between two preemption votes."""
+
+
+def next_vote_interval(previous: int, step_s: Sequence[float], interval_s: float) -> int:
+    """Steps to the next preemption vote: `interval_s` of the slowest rank's steps (`step_s`, every
+    rank's mean step time since the last vote), at most twice `previous` and at least one. Every rank
+    calls it with the same values, so every rank gets the same number."""
+    slowest = max(step_s, default=0.0)
+    steps = math.ceil(interval_s / slowest) if slowest > 0 and math.isfinite(slowest) else 1
+    return max(1, min(steps, 2 * previous, MAX_VOTE_INTERVAL))
+
+
 class Checkpointer:
     """Write a checkpoint when any rank is signalled; restore the newest good one on start-up.
 
     Call `install_signal_handlers()` to act on SIGTERM/SIGINT; `close()` (or ``with``) undoes it.
+
+    Args:
+        check_interval_s: about how many seconds of training pass between two preemption votes
+            (default 1; see the module's documentation for how the steps between votes are counted).
+        check_every: vote every this many steps instead (1: at every step boundary, the shortest
+            delay, at the cost of a small collective per step); None (default): vote by time.
+        exit_code: what every rank exits with after the checkpoint (default 143, as after SIGTERM).
+        keep: how many checkpoints to keep (default 2).
     """
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, optimizer: Any,
                  loader: AdaptiveLoader, controller: Any = None, *, channel: ControlChannel | None = None,
-                 check_every: int = 1, exit_code: int = 143, keep: int = 2) -> None:
-        if check_every < 1 or keep < 1:
-            raise ValueError(f"check_every={check_every} and keep={keep} must both be >= 1")
+                 check_every: int | None = None, check_interval_s: float = 1.0, exit_code: int = 143,
+                 keep: int = 2) -> None:
+        if check_every is not None:
+            validate.integer("Checkpointer check_every", check_every, 1,
+                             what="an integer >= 1 (votes every check_every steps) or None (votes by time)")
+        validate.number("Checkpointer check_interval_s", check_interval_s, above=0,
+                        what="a positive finite number of seconds")
+        validate.integer("Checkpointer keep", keep, 1)
+        validate.integer("Checkpointer exit_code", exit_code, 0, 255)
         self.directory = Path(directory)
         _check_writable(self.directory)
         self.model, self.optimizer, self.loader, self.controller = model, optimizer, loader, controller
@@ -151,8 +194,17 @@ class Checkpointer:
         self.timeout_s = float(controller.cfg.timeout_s if controller is not None else DEFAULT_TIMEOUT_S)
         """The deadline of the checkpoint's collectives: the controller's ``timeout_s``."""
         self.check_every, self.exit_code, self.keep = check_every, exit_code, keep
+        self.check_interval_s = float(check_interval_s)
         self.requested = False
+        self.votes = 0
+        """Preemption votes taken so far (each one collective of the control channel)."""
         self._steps = 0
+        self._interval = 1           # steps from one vote to the next (identical on every rank)
+        self._next_vote = 1          # the step count of the next vote
+        self._last_vote_step = 0
+        self._t_last_vote = time.perf_counter()
+        self._sizes = loader.batch_sizes
+        self._passes = getattr(optimizer, "backward_passes_per_step", 1)
         self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
         # Without a controller nobody else watches for a stopped rank (MPI only).
@@ -163,7 +215,7 @@ class Checkpointer:
     # --- signals -----------------------------------------------------------------------------------
     def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1),
                                 ) -> "Checkpointer":
-        """Make `signals` request a checkpoint and exit at the next step boundary (main thread only).
+        """Make `signals` request a checkpoint and exit at the next preemption vote (main thread only).
         The handlers they replace come back with `close()`. SIGUSR1 is what mpirun forwards to every
         rank at once (launch/slurm_mpirun.sbatch turns the TERM it receives into it)."""
         for sig in signals:
@@ -189,14 +241,21 @@ class Checkpointer:
         self.close(failed=failed_exit(exc_type, exc))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.requested = True  # acted upon at the next step boundary, never inside a step
+        self.requested = True  # acted upon at the next vote, a step boundary, never inside a step
 
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._steps += 1
-        if self._steps % self.check_every:
-            return
+        if self.check_every is not None:
+            if self._steps % self.check_every:
+                return
+        else:
+            passes = getattr(self.optimizer, "backward_passes_per_step", 1)
+            if loader.batch_sizes is not self._sizes or passes != self._passes:
+                self._resized(loader.batch_sizes, passes)
+            if self._steps < self._next_vote:
+                return
         try:
-            stop = self.channel.any_true(self.requested, self._op(PREEMPTION_VOTE))
+            stop = self._vote()
             path = self.save() if stop else None
         except Exception as exc:  # inside the loop: under MPI the other ranks would wait for this one
             if self.channel.backend != "mpi4py":
@@ -207,6 +266,31 @@ class Checkpointer:
             if self.channel.rank == 0:
                 log.warning("stop requested: checkpoint written to %s; exiting with code %d", path, self.exit_code)
             sys.exit(self.exit_code)
+
+    def _resized(self, sizes: tuple[int, ...], passes: int) -> None:
+        """New sizes (the same on every rank): shorten the vote interval by the largest growth of a
+        rank's batch (a step of a larger batch takes longer; a smaller batch keeps the interval)."""
+        if len(sizes) == len(self._sizes):
+            growth = max(b * passes / (a * self._passes) for a, b in zip(self._sizes, sizes))
+            if growth > 1:
+                self._interval = max(1, int(self._interval / growth))
+                self._next_vote = min(self._next_vote, max(self._steps, self._last_vote_step + self._interval))
+        else:
+            self._interval, self._next_vote = 1, self._steps
+        self._sizes, self._passes = sizes, passes
+
+    def _vote(self) -> bool:
+        """One collective: whether any rank was signalled; by time, also when to vote next."""
+        self.votes += 1
+        if self.check_every is not None:
+            return self.channel.any_true(self.requested, self._op(PREEMPTION_VOTE))
+        now = time.perf_counter()
+        step_s = (now - self._t_last_vote) / max(1, self._steps - self._last_vote_step)
+        everyone = self.channel.allgather_object((bool(self.requested), step_s), self._op(PREEMPTION_VOTE))
+        self._t_last_vote, self._last_vote_step = now, self._steps
+        self._interval = next_vote_interval(self._interval, [s for _, s in everyone], self.check_interval_s)
+        self._next_vote = self._steps + self._interval
+        return any(flag for flag, _ in everyone)
 
     # --- writing ---------------------------------------------------------------------------------------
     def state(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--sigterm-at", type=int, default=-1, help="global step at which rank 1 gets SIGTERM")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (to be preempted)")
     ap.add_argument("--started", default="", help="file rank 0 writes after its first step")
+    ap.add_argument("--check-every", type=int, default=1, help="preemption vote every k steps (0: by time)")
+    ap.add_argument("--check-interval", type=float, default=1.0, help="seconds between votes by time")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
@@ -44,24 +46,39 @@ def main() -> None:
     opt = dx.WeightedDistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), model.named_parameters(),
                                           loader)
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(policy="static"))
-    ckpt = Checkpointer(args.ckpt, model, opt, loader, controller)
+    ckpt = Checkpointer(args.ckpt, model, opt, loader, controller, check_every=args.check_every or None,
+                        check_interval_s=args.check_interval)
     ckpt.install_signal_handlers()
+    votes = []  # the preemption votes the control channel ran (counted where they are issued)
+    allgather = ckpt.channel.allgather_object
+
+    def counted(obj, op):
+        votes.append(op.name)
+        return allgather(obj, op)
+
+    ckpt.channel.allgather_object = counted
     restored = ckpt.restore()
     if restored is not None and rank == 0:
         print(f"RESUMED-FROM {restored} epoch {loader.epoch} step {loader.step}", flush=True)
     served = []
-    for epoch in range(loader.epoch, EPOCHS):
-        loader.set_epoch(epoch)
-        for idx, x, y in loader:
-            opt.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            served.append({"epoch": epoch, "indices": idx.tolist()})
-            if args.started and rank == 0 and len(served) == 1:
-                Path(args.started).write_text("started")
-            time.sleep(args.step_sleep)
-            if rank == 1 and epoch * 1000 + loader.step == args.sigterm_at:
-                os.kill(os.getpid(), signal.SIGTERM)
+    t0 = time.perf_counter()
+    try:
+        for epoch in range(loader.epoch, EPOCHS):
+            loader.set_epoch(epoch)
+            for idx, x, y in loader:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                served.append({"epoch": epoch, "indices": idx.tolist()})
+                if args.started and rank == 0 and len(served) == 1:
+                    Path(args.started).write_text("started")
+                time.sleep(args.step_sleep)
+                if rank == 1 and epoch * 1000 + loader.step == args.sigterm_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        if rank == 0:
+            print(f"STEPS {len(served)} VOTES {ckpt.votes} CHANNEL-VOTES {votes.count('dx.checkpoint.vote')} "
+                  f"TRAIN-S {time.perf_counter() - t0:.3f}", flush=True)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "params": [p.detach().flatten().tolist() for p in model.parameters()], "served": served,
         "decisions": len(controller.history)}))

@@ -58,7 +58,8 @@ def main() -> None:
     controller = dx.DynamixController(loader, opt, dx.ControllerConfig(
         policy="static", decide_every_steps=args.every, timeout_s=args.timeout))
     if args.ckpt:
-        Checkpointer(args.ckpt, model, opt, loader, controller).install_signal_handlers()
+        # a vote at every step, so the other rank waits for the stopped one in the preemption vote
+        Checkpointer(args.ckpt, model, opt, loader, controller, check_every=1).install_signal_handlers()
     with controller:  # as the README writes it: closed on leaving the block, by an error too
         if train_until_stop(args, rank, loader, opt, model):
             return  # left training: the others must not take this for the end of the job
