@@ -29,7 +29,11 @@ already overlap almost fully."""
 
 
 def fit_joint(model: CostModel, delta: float = 0.05, iterations: int = 20) -> tuple[CostFit, NetworkFit] | None:
-    """The jointly refined (lines, network) of `model`'s points (None before the first point)."""
+    """The jointly refined (lines, network) of `model`'s points (None before the first point).
+
+    `delta` (the log error beyond which a point's loss grows linearly) and `iterations` (L-BFGS's)
+    are not settings: the fit starts from the staged one, which already follows the points, and only
+    refines it."""
     staged, net = model.fit(), model.fit_network()
     if staged is None:
         return None
