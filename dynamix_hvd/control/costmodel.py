@@ -25,7 +25,10 @@ not fill takes as long as for k_i samples. The fit:
   ``serial=False``; a missed change leaves the line stale until forgetting catches up, a false one
   only restarts it, so this test keeps the plain bound's sensitivity) in two tested intervals, the same
   way, changed speed (a neighbour, a clock, a throttled link to its data; one such interval alone
-  is a blip, common on shared hosts). Intervals at sizes the line has not seen (at most 2x from one
+  is a blip, common on shared hosts). A change that one interval's steps show decisively, from
+  some step on far beyond the threshold at a strict serial bound (`decisive_factor`,
+  :func:`~dynamix_hvd.control.speedgap.decisive_change`), is followed after that interval alone,
+  the line restarting from the step where it began; a pause of a few steps is never decisive. Intervals at sizes the line has not seen (at most 2x from one
   it has, `max_extrapolation`) count only where their steps are off the line by more than the
   threshold beyond what the line can be off there without a change (a step's time between two
   sizes grows by a factor between 1 and their ratio): there they confirm a pending verdict the same
@@ -86,7 +89,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import validate
-from .speedgap import MIN_STEPS, shrunk_mean
+from .speedgap import MIN_STEPS, decisive_change, shrunk_mean
 
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
 """The overlap exponents the network fit tries (not a setting: the grid spans the model's domain, from
@@ -138,6 +141,17 @@ class CostConfig:
     its line starts again after the first of them (module docstring). 0: never; lines then follow a
     change by forgetting alone."""
 
+    decisive_factor: float = 2.0
+    """A change of speed is followed after one interval, without waiting for a second, where that
+    interval's steps after it are off the line by a median of more than this many times
+    `shift_threshold`, most of them (`decisive_share`) beyond the threshold, at a strict serial bound
+    (:func:`~dynamix_hvd.control.speedgap.decisive_change`); the line then starts again from the
+    step where the change began. A pause of a few steps moves neither the median nor the share. 0:
+    every change waits for a second interval."""
+    decisive_share: float = 0.8
+    """Share of the steps after a change that must be off the line by more than `shift_threshold`
+    for the change to be followed after one interval (see `decisive_factor`)."""
+
     impossible_fixed: float = 0.5
     """A rank whose last interval, at sizes its line had not seen, ran faster than the line predicted
     there and whose least-squares line through all its points (without the a >= 0 bound) then has a
@@ -171,8 +185,10 @@ class CostConfig:
         validate.integer("CostConfig.capacity", self.capacity, 2)
         for name in ("points_per_interval", "iterations", "latency_probes"):
             validate.integer(f"CostConfig.{name}", getattr(self, name), 1)
-        for name in ("min_spread", "attention_t", "shift_threshold", "impossible_fixed", "max_extrapolation"):
+        for name in ("min_spread", "attention_t", "shift_threshold", "impossible_fixed", "max_extrapolation",
+                     "decisive_factor"):
             number(name, minimum=0)
+        number("decisive_share", above=0, maximum=1)
         for name in ("pinned_fixed_share", "knee_residual"):
             number(name, minimum=0, below=1)
         number("seen_share", above=0, maximum=1)
@@ -324,6 +340,8 @@ class CostModel:
         # not checkpointed: a restored process's first interval carries its start-up costs
         self._pending = np.zeros(world_size)
         self._pending_end = np.zeros(world_size)
+        self._restart_at: dict[int, float] = {}  # rank -> step count its line restarts after (this interval's)
+        self._tested_at = np.zeros(0)  # step counts of the steps `_follow_speed` tests
 
     @property
     def points(self) -> int:
@@ -377,7 +395,8 @@ class CostModel:
         if not ok.any():
             return
         if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
-            self._follow_speed(b[ok], t[ok])                        # follows the lengths it drew
+            self._tested_at = at[ok]                                # follows the lengths it drew
+            self._follow_speed(b[ok], t[ok])
         idx = np.flatnonzero(ok)
         keep = idx[kept_points(len(idx), self.cfg.points_per_interval)]
         mult = steps_each * len(idx) / len(keep)
@@ -392,6 +411,10 @@ class CostModel:
         self._at = np.concatenate([self._at, at[keep]])[-cap:]
         self._mult = np.concatenate([self._mult, np.full(len(keep), mult)])[-cap:]
         self._live = np.concatenate([self._live, np.ones((len(keep), R))])[-cap:]
+        for r, after in self._restart_at.items():  # a change followed after one interval: its earlier steps go
+            before = self._at <= after
+            self._live[before if (~before).any() else slice(None, -1), r] = 0.0
+        self._restart_at = {}
         self._fit = self._net = None
         if self.cfg.impossible_fixed > 0 and not (q[ok] > 0).any():
             self._restart_impossible_lines()
@@ -443,6 +466,8 @@ class CostModel:
                         self._pending[r], self._pending_end[r] = off, self.steps
                 continue  # otherwise an earlier interval's verdict waits for the next
             d = np.log(t[seen, r] / predicted[seen, r])
+            if self._decisive(r, d, seen):  # a change large and clear enough to follow at once
+                continue
             off = float(shrunk_mean(d[:, None], serial=False)[0])
             if abs(off) <= self.cfg.shift_threshold:
                 self._pending[r] = 0.0
@@ -450,6 +475,22 @@ class CostModel:
                 self._confirm_shift(r, float(d.mean()))
             else:
                 self._pending[r], self._pending_end[r] = off, self.steps
+
+    def _decisive(self, r: int, d: np.ndarray, seen: np.ndarray) -> bool:
+        """Rank `r`'s interval (log ratios `d` of its steps at seen sizes, `seen` the mask of those
+        steps among the interval's) holds a change decisive on its own (`CostConfig.decisive_factor`):
+        its line starts again from the step where the change began, at once."""
+        if not self.cfg.decisive_factor or not seen.all():  # with steps at unseen sizes between, the
+            return False                                     # start of the change is not in `d`'s order
+        start = decisive_change(d, self.cfg.shift_threshold, self.cfg.decisive_factor, self.cfg.decisive_share)
+        if start is None:
+            return False
+        self.shift[r] = math.exp(float(np.median(d[start:])))
+        self._live[:, r] = 0.0  # every earlier interval's points; this interval's before `start` in record()
+        self._restart_at[r] = float(self._tested_at[start]) - 0.5 * self._latest_steps_each
+        self._pending[r] = 0.0
+        self._fit = None
+        return True
 
     def _confirm_shift(self, r: int, log_factor: float) -> None:
         """Rank `r` changed speed: its pending interval and the points before it stop counting."""

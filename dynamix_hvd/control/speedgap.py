@@ -132,3 +132,48 @@ def speed_gap(batches: np.ndarray, arrival: np.ndarray, step_s: np.ndarray | Non
         # the saving, a fraction of the slowest arrival, as a fraction of the measured step
         gain *= min(1.0, float(t.mean(0).max() / timed.mean()))
     return gain, int(np.argmax(shrunk))
+
+
+DECISIVE_CONFIDENCE = 0.999
+"""One-sided confidence of the bound a change must pass to be followed after one interval (the
+serial one of `shrunk_mean` on the steps after the change). Not a setting: a change that ought to be
+followed at once is several times the threshold, far beyond this bound; the confidence only keeps
+runs of correlated noise from passing it (the scan over where the change fell tries every start)."""
+
+
+def decisive_change(d: np.ndarray, threshold: float, factor: float, share: float,
+                    min_steps: int = MIN_STEPS) -> int | None:
+    """Where in one interval's log ratios `d` [n] (a rank's arrivals over its line's prediction, in
+    step order) a change of speed starts that is decisive on its own, or None. The change may fall
+    anywhere in the interval: the start is the one whose later steps (at least `min_steps`) are
+    farthest from the line in standard errors. It is decisive where those steps (the tail) are
+    off the line the same way by a median of more than `factor` x `threshold`, at least `share` of
+    them by more than `threshold` (a pause of a few steps, however long, moves neither), and the
+    tail's mean, its outlying steps clipped, is beyond `threshold` at the serial bound of
+    `DECISIVE_CONFIDENCE` (correlated steps counted as fewer). `threshold`: the log ratio a change must exceed (``CostConfig.shift_threshold``)."""
+    d = np.asarray(d, dtype=np.float64)
+    n = len(d)
+    if n < min_steps or not np.isfinite(d).all():
+        return None
+    # where the change starts: the largest tail z-statistic, on steps winsorised at the 10th and 90th
+    # percentiles so that one paused step does not hide the start (tail sums for every start at once)
+    x = np.clip(d, *np.percentile(d, [10.0, 90.0])) if n >= 10 else d
+    k = np.arange(n, 0, -1, dtype=np.float64)              # tail lengths for starts 0..n-1
+    s1, s2 = np.cumsum(x[::-1])[::-1], np.cumsum((x * x)[::-1])[::-1]
+    mean = s1 / k
+    var = np.maximum(s2 - k * mean * mean, 0.0) / np.maximum(k - 1.0, 1.0)
+    starts = np.arange(n - min_steps + 1)
+    for way in (1.0, -1.0):                                 # slower, faster
+        z = way * mean[starts] / np.sqrt(np.maximum(var[starts], 1e-300) / k[starts])
+        tau = int(starts[int(np.argmax(z))])
+        tail = d[tau:] * way
+        middle = float(np.median(tail))
+        if middle <= factor * threshold or np.mean(tail > threshold) < share:
+            continue
+        # the bound on the tail's mean, its pauses clipped to 3 robust standard deviations
+        spread = 1.4826 * float(np.median(np.abs(tail - middle)))
+        if spread > 0:
+            tail = np.clip(tail, middle - 3.0 * spread, middle + 3.0 * spread)
+        if float(shrunk_mean(tail[:, None], DECISIVE_CONFIDENCE)[0]) > threshold:
+            return tau
+    return None
