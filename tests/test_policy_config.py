@@ -96,7 +96,8 @@ def test_load_policy_reports_what_it_overrode():
 
 
 @pytest.mark.parametrize("ppo, needle", [({"lr": 1e-3}, "unknown field.*'lr'"), ({"gamma": 2.0}, "ppo.*gamma"),
-                                         ({"hidden_sizes": ()}, "ppo.*hidden_sizes"), ([("seed", 1)], "ppo=")])
+                                         ({"hidden_sizes": ()}, "ppo.*hidden_sizes"), ([("seed", 1)], "ppo="),
+                                         ({"learning_rate": None}, "ppo.*learning_rate=None")])
 def test_bad_ppo_settings_are_refused_at_construction(ppo, needle):
     with pytest.raises(ValueError, match=needle):
         ControllerConfig(policy="ppo", ppo=ppo)
@@ -163,6 +164,12 @@ def test_every_policys_config_round_trips_through_json(config):
     assert back == config and type(back.policy_config) is type(config.policy_config)
     assert ControllerConfig.from_dict(config.resolved().to_dict()) == config.resolved()
     assert ControllerConfig.from_dict({}) == ControllerConfig()
+
+
+def test_ppo_overrides_set_only_what_is_named():
+    assert ControllerConfig(policy="ppo", ppo={"target_kl": None}).ppo.named() == {"target_kl": None}
+    assert ControllerConfig(policy="ppo", ppo=PPOOverrides(seed=2)).ppo.named() == {"seed": 2}
+    assert ControllerConfig(policy="ppo").ppo.named() == {} and PPOOverrides.of({}) == PPOOverrides()
 
 
 def test_resolved_spells_out_the_policys_defaults():

@@ -116,6 +116,10 @@ class PPOOverrides:
             raise ValueError(f"ControllerConfig.ppo has unknown field(s) {', '.join(map(repr, unknown))}; "
                              f"PPOConfig's fields are {', '.join(PPO_FIELDS)}")
         named = dict(ppo)
+        try:  # a named field is set, None included: checked as PPOConfig's value
+            dataclasses.replace(FRESH_PPO, **named)
+        except ValueError as exc:
+            raise ValueError(f"ControllerConfig.ppo: {exc}") from None
         if "target_kl" in named and named["target_kl"] is None:
             named["target_kl"] = 0  # PPOConfig's None (never), set on purpose
         return cls(**named)
