@@ -416,7 +416,7 @@ _dx_setup() {
   _dx_pip install -q 'numpy<2.5' setuptools wheel \
     'cmake>=3.18,<4' mpi4py numba numba-cuda 'nvidia-cuda-nvrtc==13.*' 'nvidia-nvvm==13.*' \
     pandas h5py psutil pyyaml cloudpickle packaging tqdm matplotlib 'mlxtend==0.25.0' \
-    pytest pytest-timeout hypothesis import-linter
+    pytest pytest-timeout pytest-xdist hypothesis import-linter
   _dx_install_horovod
   _dx_pip install -q --no-deps --no-build-isolation -e "$_dx_root"
   printf '%s' "$key" >"$stamp"

@@ -2,8 +2,11 @@
 bench) and tests/ (launching.py, workers/) on sys.path."""
 from __future__ import annotations
 
+import json
+import os
 import random
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -44,9 +47,12 @@ def cli_here(capsys: pytest.CaptureFixture[str]) -> CliRunner:
 
 # --- tiers ------------------------------------------------------------------------------------------------
 # Every test belongs to exactly one tier (docs/testing.md; `bash launch/run_tests.sh --tier unit`):
-#   unit    one process, no launcher (a plain `python -c` child at most); seconds in all
+#   unit    no multi-process job: one process, with children that start none (`python -c`, a launch
+#           wrapper's checks that refuse or print the command); safe to run several at once
 #   mpi     real multi-process jobs started the way users start them (mpirun, horovodrun, dynamix-hvd run)
 #   system  Slurm, the chaos soak, elastic Horovod, the benchmarks run as tests, the set-up and packaging
+# launch/run_tests.sh runs the unit tier over several processes, then the mpi and system tiers one test at
+# a time: their jobs use every core, and many measure time.
 # A test's tier: its own @pytest.mark.<tier>, else TEST_TIER, else MODULE_TIER, else its module's source
 # decides (it imports `launching`: mpi; else unit).
 TIERS = ("unit", "mpi", "system")
@@ -56,14 +62,14 @@ MODULE_TIER = {
     "test_dba_mpi.py": "mpi", "test_dropin_mpi.py": "mpi", "test_faults_mpi.py": "mpi", "test_gns_mpi.py": "mpi",
     "test_model_mpi.py": "mpi", "test_preemption_mpi.py": "mpi", "test_progress_mpi.py": "mpi",
     "test_slow_rank_mpi.py": "mpi", "test_stall_mpi.py": "mpi", "test_tokens_mpi.py": "mpi",
-    "test_integration_horovod.py": "mpi", "test_launch.py": "mpi",
+    "test_integration_horovod.py": "mpi",
     "test_slurm.py": "system", "test_chaos.py": "system", "test_packaging.py": "system",
     "test_setup_env.py": "system", "test_bench_overhead.py": "system",
     # mixed: unit by default, the tests that launch jobs say so themselves
     "test_bad_input.py": "unit", "test_bench_suite.py": "unit", "test_cli.py": "unit",
     "test_comm_collectives.py": "unit", "test_decision_core.py": "unit", "test_elastic.py": "unit",
     "test_plain_state.py": "unit", "test_zoo.py": "unit",
-    "test_gpu_check.py": "unit", "test_tiers.py": "unit", "test_memory_budget.py": "unit",
+    "test_gpu_check.py": "unit", "test_tiers.py": "unit", "test_memory_budget.py": "unit", "test_launch.py": "unit",
 }
 
 # Tests in modules whose owners do not mark them (tests/test_memory_*.py): node id -> tier.
@@ -106,19 +112,66 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 COLLECTED_TIERS = pytest.StashKey[dict]()
-_TIER_SECONDS: dict[str, float] = {}
+
+
+# --- time ---------------------------------------------------------------------------------------------------
+# Each phase (set-up, call, teardown) of each test: (seconds, phase, node id, tier). launch/run_tests.sh runs
+# two sessions (the unit tier over several processes, then the others one at a time) and sets
+# DYNAMIX_TEST_LOG, a file every session appends its records to, and DYNAMIX_TEST_SUMMARY=N for the last
+# one, which prints the time per tier and the N slowest phases of all of them.
+_RECORDS: list[tuple[float, str, str, str]] = []
+_STARTED: list[float] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _STARTED.append(time.perf_counter())
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    tier = next((k for k in report.keywords if k in TIERS), None)
-    if tier is not None:
-        _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # the controller gets every worker's reports
+    tier = next((k for k in report.keywords if k in TIERS), "?")
+    _RECORDS.append((report.duration, report.when, report.nodeid, tier))
+
+
+def _workers(config: pytest.Config) -> int:
+    return int(getattr(config.option, "numprocesses", None) or 0)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
-    if _TIER_SECONDS:
-        parts = [f"{t} {_TIER_SECONDS[t]:.0f} s" for t in TIERS if t in _TIER_SECONDS]
-        terminalreporter.write_line(f"time per tier (set-up + test + teardown): {', '.join(parts)}")
+    log = os.environ.get("DYNAMIX_TEST_LOG")
+    if os.environ.get("PYTEST_XDIST_WORKER") or not (_RECORDS or log):
+        return
+    wall = time.perf_counter() - _STARTED[0] if _STARTED else 0.0
+    session = {"wall_s": wall, "workers": _workers(config), "tiers": sorted({r[3] for r in _RECORDS})}
+    records, sessions = list(_RECORDS), [session]
+    if log:
+        path = Path(log)
+        earlier = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+        records += [tuple(e["record"]) for e in earlier if "record" in e]
+        sessions = [e["session"] for e in earlier if "session" in e] + sessions
+        with path.open("a") as f:
+            f.writelines(json.dumps({"record": r}) + "\n" for r in _RECORDS)
+            f.write(json.dumps({"session": session}) + "\n")
+    show = int(os.environ.get("DYNAMIX_TEST_SUMMARY", "0") or 0) if log else 0
+    if log and not show:
+        return  # a later session prints the whole run's summary
+    if not records:
+        return
+    per_tier: dict[str, float] = {}
+    for seconds, _, _, tier in records:
+        per_tier[tier] = per_tier.get(tier, 0.0) + seconds
+    parts = [f"{t} {per_tier[t]:.0f} s" for t in (*TIERS, "?") if t in per_tier]
+    write = terminalreporter.write_line
+    write(f"time per tier (set-up + test + teardown, summed): {', '.join(parts)}")
+    if len(sessions) > 1 or session["workers"]:
+        write("sessions: " + "; ".join(
+            f"{'/'.join(s['tiers'])} {s['wall_s']:.0f} s wall" + (f" on {s['workers']} processes" if s["workers"] else "")
+            for s in sessions) + f"; {sum(s['wall_s'] for s in sessions):.0f} s in all")
+    if show:
+        terminalreporter.write_sep("=", f"slowest {show} set-ups/tests/teardowns of the whole run")
+        for seconds, when, nodeid, _ in sorted(records, reverse=True)[:show]:
+            write(f"{seconds:8.2f}s {when:<8} {nodeid}")
 
 
 # --- order --------------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ def assert_refused(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in out, f"{needle!r} not in the message:\n{out}"
 
 
-# --- real jobs through the wrappers ------------------------------------------------------------------
+# --- real jobs through the wrappers (the mpi tier; the checks below refuse before any job starts) ---------
+@pytest.mark.mpi
 @pytest.mark.parametrize("name,env", [("mpirun.sh", {}), ("horovodrun.sh", {"GLOO": "1"})])
 def test_wrapper_runs_a_real_job(tmp_path, name, env):
     # --decide-every 0: decisions at epoch ends only, so the epoch line shows the sizes it was launched with
@@ -53,6 +54,7 @@ def test_wrapper_runs_a_real_job(tmp_path, name, env):
     assert (tmp_path / "trace.h5").is_file() and (tmp_path / "epochs.csv").is_file()
 
 
+@pytest.mark.mpi
 def test_run_job_keeps_its_interface(tmp_path):
     # --decide-every 0: decisions at epoch ends only, so epoch 1's line shows the sizes it was launched with
     proc = wrapper("run_job.sh", "--samples", "512", "--no-report", "--decide-every", "0", JOB="mlp", NP="2",
@@ -61,6 +63,9 @@ def test_run_job_keeps_its_interface(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "sizes 4/12" in proc.stdout and "horovodrun --mpi -np 2" in proc.stderr
     assert (tmp_path / "meta.json").is_file()
+
+
+def test_run_job_oversubscribes_and_refuses_unknown_choices():
     # more ranks than cores still work as before: run_job.sh oversubscribes by default
     more = wrapper("run_job.sh", JOB="mlp", NP=str(local_cores() + 1), LAUNCHER="mpirun", DRY_RUN="1")
     assert more.returncode == 0 and "--oversubscribe" in more.stderr, more.stderr

@@ -23,13 +23,15 @@ def test_every_collected_test_has_exactly_one_tier(request: pytest.FixtureReques
 def test_a_tier_selects_its_tests_and_only_them():
     # the tier markers are there before -m deselects (a module of each kind: mixed, whole-module, by default)
     files = ["tests/test_elastic.py", "tests/test_gns_mpi.py", "tests/test_tiers.py"]
+    procs = {tier: subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                     "-p", "no:xdist", "-m", tier, *files], cwd=REPO, env=job_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for tier in TIERS}  # side by side: each is mostly the start-up of Python and torch
     chosen = {}
-    for tier in TIERS:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                               "-m", tier, *files], cwd=REPO, env=job_env(), capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode in (0, 5), proc.stdout + proc.stderr
-        chosen[tier] = {line for line in proc.stdout.splitlines() if "::" in line}
+    for tier, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 5), out
+        chosen[tier] = {line for line in out.splitlines() if "::" in line}
     elastic = "tests/test_elastic.py::test_worker_killed_mid_epoch_then_rejoins_without_losing_samples"
     assert elastic in chosen["system"] and elastic not in chosen["unit"] | chosen["mpi"], chosen
     assert "tests/test_elastic.py::test_controller_deadline_must_outlast_gloo_timeout" in chosen["unit"], chosen

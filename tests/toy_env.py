@@ -148,7 +148,9 @@ class ToyBatchSizeEnv:
         """Exact integer optimum ``(b*, G*)`` by enumerating every candidate bottleneck time."""
         cfg = self.config
         times = np.concatenate([np.arange(cfg.min_batch, c + 1) / s for c, s in zip(self.caps, self.speeds)])
-        cands = np.stack([fill_to_time(t, self.speeds, cfg.min_batch, self.caps) for t in np.unique(times)])
+        # fill_to_time for every candidate time at once (the same arithmetic, one row per time)
+        fit = np.floor(np.unique(times)[:, None] * self.speeds * (1.0 + 1e-12))
+        cands = np.clip(fit, cfg.min_batch, self.caps).astype(np.int64)
         g = goodput(cands, self.speeds, self.phi, cfg.overhead_s, self.ref_batch)
         k = int(np.argmax(g))
         return cands[k], float(g[k])
