@@ -91,6 +91,23 @@ def test_a_real_straggler_is_split_after_two_intervals_of_evidence():
     assert one[0][0] > 1.5 * one[0][1], "split_intervals=1 splits at the first decision"
 
 
+def test_a_rank_that_becomes_slower_mid_job_is_split_within_an_interval_and_a_recheck():
+    """Equal ranks for eight intervals, then rank 1 3x slower: the interval that shows it asks for a
+    recheck (one busy interval on a shared host looks the same, so it alone does not split equal
+    ranks), and the recheck's decision leaves the even split; a 1.3x slowdown (a gap below a
+    recheck's) waits for the next regular interval."""
+    slow = dict(a=[0.002, 0.006], c=[1e-4, 3e-4])
+    for n in (40, 12):
+        infos: list = []
+        hist = run(ModelPolicy(), **EQUAL, change=(8, slow["a"], slow["c"]), decisions=10, n=n, infos=infos)
+        assert all(s == [64, 64] for s in hist[:9]), hist
+        assert infos[8]["recheck"] and hist[9][0] > 1.5 * hist[9][1], (n, hist)
+    infos = []
+    mild = dict(a=[0.002, 0.0026], c=[1e-4, 1.3e-4])
+    hist = run(ModelPolicy(), **EQUAL, change=(8, mild["a"], mild["c"]), decisions=10, infos=infos)
+    assert hist[8] == [64, 64] and not infos[8]["recheck"] and hist[9][0] > hist[9][1], hist
+
+
 def _decide_on(policy, model, times, sizes=(64, 64), steps_each=1):
     b, t, sync = times
     model.record(b, t, sync, overhead_s=1e-3, steps_each=steps_each)
