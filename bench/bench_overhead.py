@@ -15,6 +15,11 @@ its optimizer, clipping and loss; ``--batch`` defaults to the job's):
 * ``default``: the controller as a user turns it on (``ControllerConfig`` defaults: the cost-model proposal, decisions
   inside epochs on the default cadence, ``model=`` given); it may move the sizes, which the summary
   reports (a move on equal ranks is itself harm);
+* ``user``: what a user runs: ``default`` plus a ``Checkpointer`` (signal handlers installed, its
+  preemption votes on their default cadence) and a ``RunLog`` (``step(loss)`` every step,
+  ``end_epoch()`` at every epoch's end, ``finish()`` after the timing); read it against the A/A row
+  (``--variants horovod,horovod-again,user``, best with ``--np 1``, where no allreduce wait hides the
+  host's work);
 * ablations (``--variants``, see ``ABLATIONS``) that take one part away from the data plane, or add one
   of its parts to plain Horovod, at a time.
 
@@ -46,15 +51,17 @@ import cProfile
 import io
 import json
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("horovod", "weighted", "controller", "default")
+VARIANTS = ("horovod", "weighted", "controller", "default", "user")
 ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "horovod-again": "a second plain Horovod set-up (A/A: the noise floor of the paired ratio)",
     "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
@@ -96,6 +103,7 @@ class Setup:
         self.clip = job.clip if job is not None else 0.0
         self.controller = None
         self.flat = None
+        self.checkpointer = self.runlog = self.tmp = None
         if variant.startswith("horovod"):
             self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
             self.loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler)
@@ -121,9 +129,16 @@ class Setup:
                                                        dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=period),
                                                                            decide_every_steps=0),
                                                        model=self.model)
-            elif variant == "default":  # as bench.zoo_train's default arm builds it
+            elif variant in ("default", "user"):  # as bench.zoo_train's default arm builds it
                 cfg = dx.ControllerConfig(total_epochs=job.epochs if job is not None else 10)
                 self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)
+            if variant == "user":
+                from dynamix_hvd.runs.runlog import RunLog
+
+                self.tmp = tempfile.mkdtemp(prefix=f"dx-bench-overhead-r{hvd.rank()}-")
+                self.checkpointer = dx.Checkpointer(Path(self.tmp, "ckpt"), self.model, self.opt, self.loader,
+                                                    self.controller).install_signal_handlers()
+                self.runlog = RunLog(Path(self.tmp, "run"), self.loader, controller=self.controller)
 
         self.phases = dict.fromkeys(PHASES, 0.0)  # seconds summed over the timed epochs
         self.steps = 0
@@ -179,6 +194,8 @@ class Setup:
             t3 = clock()
             if self.controller is not None:
                 self.controller.record_loss(loss)
+            if self.runlog is not None:
+                self.runlog.step(loss)
             t4 = clock()
             if timed:
                 ph["data"] += t1 - t0
@@ -190,13 +207,21 @@ class Setup:
                 self.samples += len(y)
             yield
             t0, c0 = clock(), cpu()
+        if self.runlog is not None:
+            self.runlog.end_epoch()  # a collective, as in a user's script
         if timed:
             ph["data"] += clock() - t0  # the epoch's last next(): end-of-epoch callbacks, the decision
             ph["main-thread CPU"] += cpu() - c0
 
     def close(self) -> None:
+        if self.runlog is not None:
+            self.runlog.finish(self.controller.history)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if self.controller is not None:
             self.controller.close()
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def dataset(steps: int, batch: int, world: int, job: Any = None) -> Any:

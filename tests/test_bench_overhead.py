@@ -17,7 +17,7 @@ def test_quick_run_reports_every_variant(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["np"] == 2 and result["rounds"] == 3 and result["chunk"] == 2
-    assert set(result["paired_ratio"]) == {"horovod", "weighted", "controller", "default"}
+    assert set(result["paired_ratio"]) == {"horovod", "weighted", "controller", "default", "user"}
     assert result["paired_ratio"]["horovod"] == 1.0 and result["ratio_of_totals"]["horovod"] == 1.0
     assert all(len(t) == 3 and all(x > 0 for x in t) for t in result["chunk_s"].values())
     for v, (lo, hi) in result["paired_ratio_90ci"].items():
@@ -26,6 +26,20 @@ def test_quick_run_reports_every_variant(tmp_path):
     phases = result["rank0_ms_per_step"]["controller"]
     assert set(phases) == {"data", "forward+backward", "step", "controller", "main-thread CPU"} and phases["forward+backward"] > 0
     assert "paired ratio" in proc.stdout and "where the time goes" in proc.stdout
+
+
+def test_what_users_run_against_an_a_a_row_in_one_process(tmp_path):
+    """The measurement of the per-step cost: plain Horovod twice (the A/A row: the noise floor) and the
+    user variant (the default controller, a Checkpointer and a RunLog), paired in one process."""
+    out = tmp_path / "overhead.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_overhead", "--quick", "--np", "1",
+                           "--variants", "horovod,horovod-again,user", "--json", str(out)],
+                          cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["np"] == 1 and set(result["paired_ratio"]) == {"horovod", "horovod-again", "user"}
+    assert all(len(t) == 3 and all(x > 0 for x in t) for t in result["chunk_s"].values())
+    assert result["rank0_ms_per_step"]["user"]["controller"] > 0  # record_loss and RunLog.step, timed
 
 
 def test_zoo_job_runs_its_own_model_optimizer_and_clipping(tmp_path):

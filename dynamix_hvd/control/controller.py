@@ -41,7 +41,7 @@ from ..comm import (CONTROL_DECISION, CONTROL_MEMORY, CONTROL_REPORTS, ControlCh
                     failed_exit)
 from ..data.loader import AdaptiveLoader
 from ..data.memory import IntervalPeak, MemoryBudget, memory_budget, memory_in_use, sharing_key
-from ..data.metrics import StepRecord
+from ..data.metrics import StepColumns
 from ..data.resources import ResourceSampler
 from ..logs import get_logger
 from ..stats.noise_scale import GradientStatistics
@@ -282,7 +282,7 @@ class DynamixController:
             return 0
         return min(1 << 20, math.ceil(decide_s / (budget * step)))
 
-    def _report(self, records: list[StepRecord]) -> RankInput:
+    def _report(self, records: StepColumns) -> RankInput:
         res = self.resources.latest()
         losses = torch.stack(self._losses).tolist() if self._losses else []
         finite_losses = [l for l in losses if math.isfinite(l)]  # a NaN step must not poison the mean
@@ -292,17 +292,17 @@ class DynamixController:
         # decision core leaves the same steps out of its cost fit).
         timed = records[WARMUP_STEPS:] if self._fresh_start and len(records) > WARMUP_STEPS else records
         self._fresh_start = False
-        mean = (lambda key: statistics.fmean(getattr(r, key) for r in timed) if timed else 0.0)  # noqa: E731
-        total_time = sum(r.step_s for r in timed)
+        mean = (lambda key: statistics.fmean(timed.column(key).tolist()) if timed else 0.0)  # noqa: E731
+        total_time = sum(timed.column("step_s").tolist())
         kind = records[-1].memory_kind if records else "rss"
-        peak = max((r.peak_memory_bytes for r in records), default=0)
+        peak = max(records.values("peak_memory_bytes"), default=0)
         if self._interval_peak is not None:  # CPU: the resident set's peak over this interval
             peak, kind = self._interval_peak.take(), self._interval_peak.kind
         report = RankReport(
             rank=self.rank, local_batch=self.loader.batch_sizes[self.rank], steps=len(records),
             compute_s=mean("compute_s"), sync_wait_s=mean("sync_wait_s"), data_wait_s=mean("data_wait_s"),
             step_s=mean("step_s"),
-            samples_per_s=sum(r.local_batch for r in timed) / total_time if total_time > 0 else 0.0,
+            samples_per_s=sum(timed.values("local_batch")) / total_time if total_time > 0 else 0.0,
             peak_memory_bytes=peak, memory_floor_bytes=self.memory_floor_bytes,
             mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
@@ -311,14 +311,14 @@ class DynamixController:
             local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
             max_batch=self.bounds.upper(self.rank), allreduce_bytes=self.optimizer.allreduce_bytes,
             latency_probe_s=self._latency_probe_s)
-        steps = StepSeries(local_batch=[r.local_batch for r in records], local_sq=[r.local_grad_sq for r in records],
-                           global_sq=[r.global_grad_sq for r in records],
+        steps = StepSeries(local_batch=records.values("local_batch"), local_sq=records.values("local_grad_sq"),
+                           global_sq=records.values("global_grad_sq"),
                            losses=wire.padded_losses(losses, len(records)),
                            memory_kind=kind,
-                           compute_s=[r.compute_s for r in records], data_wait_s=[r.data_wait_s for r in records],
-                           sync_wait_s=[r.sync_wait_s for r in records],
-                           micro_batches=[r.micro_batches for r in records],
-                           sq_tokens=[r.local_sq_tokens for r in records])
+                           compute_s=records.values("compute_s"), data_wait_s=records.values("data_wait_s"),
+                           sync_wait_s=records.values("sync_wait_s"),
+                           micro_batches=records.values("micro_batches"),
+                           sq_tokens=records.values("local_sq_tokens"))
         layers = self.optimizer.pop_layer_means()
         return RankInput(report, steps, None if layers is None else LayerMeans(*layers))
 

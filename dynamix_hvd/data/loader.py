@@ -17,6 +17,7 @@ run did at that point.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 import torch
@@ -29,6 +30,18 @@ from .. import validate
 
 Budget = Literal["samples", "tokens"]
 DEFAULT_SORT_WINDOW = 1024
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """An epoch's plan from some cursor on, with what it was planned for."""
+
+    epoch: int
+    sizes: tuple[int, ...]
+    last_step: str
+    order: tuple[Any, ...]      # the loader's epoch order it was planned on (identity)
+    steps: list[PlannedStep]
+    index: dict[int, int]       # a step's start (and the plan's end) -> its position in `steps`
 
 
 class AdaptiveLoader:
@@ -86,6 +99,10 @@ class AdaptiveLoader:
         self.sort_window = sort_window
         # (epoch, order, token cumsum, squared-length cumsum with token budgets)
         self._order: tuple[int, torch.Tensor, list[int] | None, list[int] | None] | None = None
+        # The epoch's plan under the current sizes (see `_plan_left`), and the epoch's size with token
+        # budgets: each recomputed only when what it depends on changed.
+        self._plan: _Plan | None = None
+        self._epoch_tokens: tuple[torch.Tensor, int, int] | None = None  # (lengths, its version, sum)
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
@@ -177,11 +194,16 @@ class AdaptiveLoader:
 
     @property
     def epoch_size(self) -> int:
-        """One epoch in the loader's unit: samples, or tokens with ``budget="tokens"``."""
-        if self.budget == "tokens":
-            assert self.lengths is not None
-            return int(self.lengths.sum())
-        return self.num_samples
+        """One epoch in the loader's unit: samples, or tokens with ``budget="tokens"`` (the sum of
+        `lengths`, summed again only when `lengths` is replaced or changed in place)."""
+        if self.budget != "tokens":
+            return self.num_samples
+        lengths = self.lengths
+        assert lengths is not None
+        cached = self._epoch_tokens
+        if cached is None or cached[0] is not lengths or cached[1] != lengths._version:
+            cached = self._epoch_tokens = (lengths, lengths._version, int(lengths.sum()))
+        return cached[2]
 
     def units(self, step: PlannedStep) -> tuple[int, ...]:
         """Every rank's share of `step` in the loader's unit (what `batch_sizes` count)."""
@@ -205,19 +227,48 @@ class AdaptiveLoader:
             self._order = (self.epoch, order, cum, sq_cum)
         return self._order[1], self._order[2]
 
-    def remaining_steps(self) -> list[PlannedStep]:
-        _, cum = self._epoch_order()
+    def _plan_left(self) -> tuple[list[PlannedStep], int]:
+        """The epoch's plan under the current sizes and where the cursor is in it: ``steps[i:]`` are
+        the steps left. Planned when the epoch, the sizes, the end-of-epoch policy or the epoch's order
+        changed, or the cursor is at no planned step's start (a resumed state); read otherwise. A plan
+        made from a later step's start would be the same steps: planning is greedy from the cursor."""
+        self._epoch_order()
+        plan = self._plan
+        if (plan is not None and plan.sizes is self._sizes and plan.order is self._order
+                and plan.epoch == self.epoch and plan.last_step == self.last_step):
+            i = plan.index.get(self._cursor)
+            if i is not None:
+                return plan.steps, i
+        _, _, cum, _ = self._order  # type: ignore[misc]
         if self.budget == "tokens":
             assert cum is not None
-            return plan_token_steps(cum, self._cursor, self._sizes, self.last_step)
-        steps = plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
-        return steps if cum is None else with_tokens(steps, cum)
+            steps = plan_token_steps(cum, self._cursor, self._sizes, self.last_step)
+        else:
+            steps = plan_steps(self.num_samples, self._cursor, self._sizes, self.last_step)
+            if cum is not None:
+                steps = with_tokens(steps, cum)
+        index = {s.start: k for k, s in enumerate(steps)}
+        index[steps[-1].end if steps else self._cursor] = len(steps)  # the epoch's end: nothing left
+        self._plan = _Plan(self.epoch, self._sizes, self.last_step, self._order, steps, index)
+        return steps, 0
+
+    def remaining_steps(self) -> list[PlannedStep]:
+        """The steps of the current epoch not handed out yet, under the current sizes."""
+        steps, i = self._plan_left()
+        return steps[i:]
+
+    @property
+    def steps_left(self) -> int:
+        """How many steps of the current epoch are not handed out yet, under the current sizes
+        (``len(remaining_steps())``, without copying the plan)."""
+        steps, i = self._plan_left()
+        return len(steps) - i
 
     def __len__(self) -> int:
         """Steps of the current epoch under the current sizes: those handed out plus those left.
         Constant through an epoch whose sizes do not change, as a DataLoader's length is (training
         scripts use it mid-epoch, e.g. for LR warm-up by fraction of the epoch)."""
-        return self._step + len(self.remaining_steps())
+        return self._step + self.steps_left
 
     def _local_sq_tokens(self, step: PlannedStep) -> int:
         """With token budgets, the sum of this rank's squared sample lengths in `step` (what attention

@@ -6,15 +6,20 @@ the two; on a GPU, where the host only launches kernels, it is the larger of tha
 between two CUDA events recorded at the same two points (otherwise the device's compute would show up
 as allreduce wait, and every rank would look equally fast). A straggler shows up as ``sync_wait_s`` on the *other* ranks: they finish backward first and
 wait in ``synchronize()`` for the slow rank's gradients.
+
+The records are kept as columns (`StepColumns`: one float64 row per step in a preallocated array that
+grows geometrically), so a step appends one row and creates no object; `StepRecord` objects are made
+only when read one by one.
 """
 from __future__ import annotations
 
+import math
 import resource
 import time
-from collections import deque
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Iterator, Sequence, overload
 
+import numpy as np
 import torch
 
 
@@ -76,28 +81,188 @@ def peak_memory(device: torch.device | None) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "rss"
 
 
-@dataclass
+STEP_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepRecord))
+"""The fields of a step record, in column order."""
+_TYPES = {f.name: str(f.type) for f in fields(StepRecord)}
+INT_FIELDS = frozenset(name for name, kind in _TYPES.items() if kind == "int")
+TEXT_FIELDS = frozenset(name for name, kind in _TYPES.items() if kind == "str")
+COLUMN = {name: i for i, name in enumerate(STEP_FIELDS)}
+"""Column of each field in a row."""
+
+# Text fields hold a code: the position of the text in this table, shared by every buffer of the process.
+_TEXTS: list[str] = ["ok", "nonfinite", "oom", "rss", "cuda"]
+_CODES: dict[str, int] = {text: i for i, text in enumerate(_TEXTS)}
+
+
+def text_code(text: str) -> int:
+    """The code a text field's value is stored as (new texts get the next code)."""
+    code = _CODES.get(text)
+    if code is None:
+        code = _CODES[text] = len(_TEXTS)
+        _TEXTS.append(text)
+    return code
+
+
+def _blank_row() -> list[float]:
+    row = []
+    for f in fields(StepRecord):
+        default = f.default
+        row.append(math.nan if default is MISSING else float(text_code(default)) if isinstance(default, str)
+                   else float(default))
+    return row
+
+
+_BLANK = _blank_row()  # a row with every field at its default (NaN where it has none)
+
+
+class StepColumns(Sequence[StepRecord]):
+    """Step records as columns: one float64 row per step (text fields as codes, integers exactly up
+    to 2**53) in an array that doubles when full. A sequence of `StepRecord` (each made on reading);
+    `column(name)` and `values(name)` read a field of every step at once. `extra` names columns
+    after the record's fields (e.g. a run log's wall time and loss)."""
+
+    def __init__(self, extra: Sequence[str] = (), capacity: int = 256, *, _data: np.ndarray | None = None) -> None:
+        self.names: tuple[str, ...] = STEP_FIELDS + tuple(extra)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        if _data is not None:
+            self._data, self._n = _data, len(_data)
+        else:
+            self._data, self._n = np.empty((max(1, capacity), len(self.names))), 0
+
+    def _view(self, lo: int, hi: int, copy: bool = False) -> "StepColumns":
+        rows = self._data[lo:hi]
+        out = StepColumns.__new__(StepColumns)
+        out.names, out.index = self.names, self.index
+        out._data, out._n = (rows.copy() if copy else rows), max(0, hi - lo)
+        return out
+
+    # --- writing -------------------------------------------------------------------------------------
+    def append(self, row: Sequence[float], *extra: float) -> None:
+        """Add one step: a row of numbers (text fields as `text_code`), then `extra`, ``len(names)``
+        numbers in all."""
+        n = self._n
+        if n == len(self._data):
+            grown = np.empty((2 * n, len(self.names)))
+            grown[:n] = self._data[:n]
+            self._data = grown
+        if extra:
+            k = len(row)
+            self._data[n, :k] = row
+            self._data[n, k:] = extra
+        else:
+            self._data[n] = row
+        self._n = n + 1
+
+    def extend(self, other: "StepColumns") -> None:
+        """Add every row of `other` (the same columns)."""
+        for i in range(len(other)):
+            self.append(other._data[i])
+
+    def drop_first(self, k: int) -> None:
+        """Forget the first `k` rows."""
+        k = min(max(k, 0), self._n)
+        if k:
+            rest = self._n - k
+            self._data[:rest] = self._data[k:self._n]
+            self._n = rest
+
+    def clear(self) -> None:
+        self._n = 0
+
+    # --- reading -------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._n
+
+    def row(self, i: int) -> np.ndarray:
+        """Row `i` (negative: from the end) as a float64 array (a view)."""
+        if not -self._n <= i < self._n:
+            raise IndexError(f"step row {i} of {self._n}")
+        return self._data[i % self._n]
+
+    def column(self, name: str) -> np.ndarray:
+        """Field `name` of every step as a float64 array (a view: copy it to keep it)."""
+        return self._data[:self._n, self.index[name]]
+
+    def values(self, name: str) -> list[Any]:
+        """Field `name` of every step as Python values of the field's type (int, float or str)."""
+        col = self.column(name)
+        if name in TEXT_FIELDS:
+            return [_TEXTS[int(c)] for c in col]
+        if name in INT_FIELDS:
+            return col.astype(np.int64).tolist()
+        return col.tolist()
+
+    def _record(self, row: np.ndarray) -> StepRecord:
+        values = row[:len(STEP_FIELDS)].tolist()
+        return StepRecord(**{name: (_TEXTS[int(v)] if name in TEXT_FIELDS else int(v) if name in INT_FIELDS else v)
+                             for name, v in zip(STEP_FIELDS, values)})
+
+    @overload
+    def __getitem__(self, i: int) -> StepRecord: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> "StepColumns": ...
+
+    def __getitem__(self, i: int | slice) -> StepRecord | "StepColumns":
+        if isinstance(i, slice):
+            lo, hi, stride = i.indices(self._n)
+            if stride != 1:
+                raise ValueError("step rows are sliced with a step of 1")
+            return self._view(lo, max(lo, hi))
+        return self._record(self.row(i))
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        for i in range(self._n):
+            yield self._record(self._data[i])
+
+    def copy(self) -> "StepColumns":
+        return self._view(0, self._n, copy=True)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StepColumns):
+            return self.names == other.names and np.array_equal(self._data[:self._n], other._data[:other._n],
+                                                                equal_nan=True)
+        if isinstance(other, (list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StepColumns({self._n} steps)"
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        """One dict per step, the record's fields with their types (``asdict(StepRecord)``)."""
+        cols = {name: self.values(name) for name in STEP_FIELDS}
+        return [dict(zip(cols, values)) for values in zip(*cols.values())]
+
+
 class StepTracker:
-    """Collects StepRecords of one rank. Bounded so a long job cannot grow it without limit."""
+    """Collects the step records of one rank, as columns (`StepColumns`). Bounded: the history keeps
+    the most recent `max_records` steps, and so do the records not drained yet."""
 
-    rank: int
-    max_records: int = 100_000
-    device: torch.device | None = None
-    records: deque = field(init=False)
-    """The most recent `max_records` steps (history for logs and reports)."""
-    _undrained: list = field(default_factory=list, init=False)
-    _open: StepRecord | None = field(default=None, init=False)
-    _t_request: float = field(default=0.0, init=False)
-    _t_batch: float = field(default=0.0, init=False)
-    _t_step: float = field(default=0.0, init=False)
-    _t_sync: float = field(default=0.0, init=False)
-    _events: tuple | None = field(default=None, init=False)
-    _sq_group: int = field(default=0, init=False)
-    _group: list = field(default_factory=list, init=False)
-    """(request, ready) times of the batches handed out since the last closed step (its micro-batches)."""
+    def __init__(self, rank: int, max_records: int = 100_000, device: torch.device | None = None) -> None:
+        self.rank = rank
+        self.max_records = max_records
+        self.device = device
+        self._rows = StepColumns()
+        self._drained = 0           # rows of _rows before this one were drained already
+        self._restored = StepColumns()  # undrained records put back by load_state_dict, drained first
+        self.finished = 0
+        """Steps closed so far (`step_finished`), over the tracker's life."""
+        self._open: list[float] | None = None
+        self._t_request = 0.0
+        self._t_batch = 0.0
+        self._t_step = 0.0
+        self._t_sync = 0.0
+        self._events: tuple | None = None
+        self._sq_group = 0
+        # (request, ready) times of the batches handed out since the last closed step (its micro-batches)
+        self._group: list[tuple[float, float]] = []
 
-    def __post_init__(self) -> None:
-        self.records = deque(maxlen=self.max_records)
+    @property
+    def records(self) -> StepColumns:
+        """The most recent `max_records` steps (history for logs and reports), oldest first."""
+        n = len(self._rows)
+        return self._rows[max(0, n - self.max_records):n]
 
     # --- called by the loader -------------------------------------------------------------------
     def batch_requested(self) -> None:
@@ -105,9 +270,9 @@ class StepTracker:
 
     def batch_ready(self, epoch: int, step: int, local_batch: int, global_batch: int,
                     tokens: tuple[int, ...] | None = None, sq_tokens: int = 0) -> None:
-        self._t_batch = time.perf_counter()
+        t = self._t_batch = time.perf_counter()
         first = not self._group  # the first micro-batch of an optimizer step (every batch without accumulation)
-        self._group.append((self._t_request, self._t_batch))  # a new list per step only at step_finished
+        self._group.append((self._t_request, t))  # a new list per step only at step_finished
         if len(self._group) > 256:  # batches drawn without ever stepping: keep the recent ones
             del self._group[0]
         if self.device is not None and self.device.type == "cuda":
@@ -117,12 +282,13 @@ class StepTracker:
                 self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             if first:  # device time spans all micro-batches of the step
                 self._events[0].record()
-        self._open = StepRecord(epoch=epoch, step=step, rank=self.rank, local_batch=local_batch,
-                                global_batch=global_batch, data_wait_s=self._t_batch - self._t_request)
+        row = self._open = _BLANK.copy()
+        row[_EPOCH], row[_STEP], row[_RANK] = epoch, step, self.rank
+        row[_LOCAL_BATCH], row[_GLOBAL_BATCH], row[_DATA_WAIT] = local_batch, global_batch, t - self._t_request
         if tokens is not None:
-            self._open.local_tokens, self._open.global_tokens = tokens[self.rank], sum(tokens)
+            row[_LOCAL_TOKENS], row[_GLOBAL_TOKENS] = tokens[self.rank], sum(tokens)
         self._sq_group = (0 if first else self._sq_group) + sq_tokens  # summed over the step's micro-batches
-        self._open.local_sq_tokens = self._sq_group
+        row[_SQ_TOKENS] = self._sq_group
 
     # --- called by the optimizer ----------------------------------------------------------------
     def step_started(self) -> None:
@@ -144,62 +310,100 @@ class StepTracker:
         left the gradient allreduce; 0 before its first batch (read by the stall watchdog's thread)."""
         return max(self._t_request, self._t_batch, self._t_step, self._t_sync)
 
-    def step_finished(self, **extra: Any) -> StepRecord | None:
-        """Close the open step; `extra` fills optional fields (lr, grad norms; ``micro_batches``: the
-        loader steps accumulated into this one, whose data waits and compute are then summed)."""
-        rec = self._open
+    def step_finished(self, **extra: Any) -> None:
+        """Close the open step (it becomes ``records[-1]``); `extra` fills optional fields (lr, grad
+        norms; ``micro_batches``: the loader steps accumulated into this one, whose data waits and
+        compute are then summed). Nothing happens without an open step (the optimizer stepped without
+        a batch from this loader)."""
+        row = self._open
         group, self._group = self._group, []
-        if rec is None:
-            return None  # optimizer stepped without a batch from our loader: nothing to attribute
+        if row is None:
+            return
         now = time.perf_counter()
         n = max(1, min(int(extra.get("micro_batches", 1)), len(group)))
-        waits = [ready - request for request, ready in group[-n:]]
+        t_first = group[-n][1] if group else self._t_batch
         # From the first micro-batch's arrival to step(): its compute, then for each later one the loop
         # asking for the next batch (its data wait, not compute) and that batch's forward/backward.
-        t_first = group[-n][1] if group else self._t_batch
-        span = self._t_step - t_first - sum(waits[1:])
-        rec.compute_s = span
+        later_waits = 0.0
         if n > 1:
-            rec.data_wait_s = sum(waits)
+            waits = [ready - request for request, ready in group[-n:]]
+            later_waits = sum(waits[1:])
+            row[_DATA_WAIT] = sum(waits)
+        span = self._t_step - t_first - later_waits
+        compute = span
         if self._events is not None:
             # the allreduce has finished, so the backward kernels before the end event have too
             start, end = self._events
             end.synchronize()
-            rec.device_compute_s = start.elapsed_time(end) / 1e3
+            device_s = start.elapsed_time(end) / 1e3
+            row[_DEVICE_COMPUTE] = device_s
             # the events span the later micro-batches' data waits too (the device idles through them)
-            rec.compute_s = max(rec.compute_s, rec.device_compute_s - sum(waits[1:]))
-        rec.sync_wait_s = max(0.0, self._t_sync - self._t_step + span - rec.compute_s)
-        rec.optimizer_s = now - self._t_sync
-        rec.step_s = now - (group[-n][0] if group else self._t_request)
-        rec.samples_per_s = rec.local_batch / rec.step_s if rec.step_s > 0 else float("nan")
-        rec.peak_memory_bytes, rec.memory_kind = peak_memory(self.device)
+            compute = max(compute, device_s - later_waits)
+        row[_COMPUTE] = compute
+        row[_SYNC_WAIT] = max(0.0, self._t_sync - self._t_step + span - compute)
+        row[_OPTIMIZER] = now - self._t_sync
+        step_s = row[_STEP_S] = now - (group[-n][0] if group else self._t_request)
+        row[_SAMPLES_PER_S] = row[_LOCAL_BATCH] / step_s if step_s > 0 else math.nan
+        peak, kind = peak_memory(self.device)
+        row[_PEAK], row[_MEMORY_KIND] = peak, _CODES.get(kind) if kind in _CODES else text_code(kind)
         for key, value in extra.items():
-            setattr(rec, key, value)
-        self.records.append(rec)
-        self._undrained.append(rec)
+            column = COLUMN.get(key)
+            if column is None:
+                raise TypeError(f"step_finished() got {key}=, which is no StepRecord field")
+            row[column] = text_code(value) if key in TEXT_FIELDS else value
+        self._rows.append(row)
+        self.finished += 1
         self._open = None
-        return rec
+        rows = len(self._rows)
+        if rows >= 2 * self.max_records:  # keep the most recent max_records (amortised: one move per max_records steps)
+            dropped = rows - self.max_records
+            self._rows.drop_first(dropped)
+            self._drained = max(0, self._drained - dropped)
 
     # --- consumers ------------------------------------------------------------------------------
-    def drain(self) -> list[StepRecord]:
-        """Records since the previous drain (the controller's decision interval); history is kept."""
-        out, self._undrained = self._undrained, []
+    def drain(self) -> StepColumns:
+        """Records since the previous drain (the controller's decision interval), as a copy; the
+        history is kept."""
+        n = len(self._rows)
+        lo = max(self._drained, n - self.max_records)
+        out = self._rows[lo:n].copy()
+        self._drained = n
+        if len(self._restored):
+            restored, self._restored = self._restored, StepColumns()
+            restored.extend(out)
+            out = restored
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """The records not drained yet (the controller's open decision interval), as plain values:
         this rank's own part of a checkpoint."""
-        return {"undrained": [asdict(r) for r in self._undrained]}
+        n = len(self._rows)
+        undrained = self._restored.to_dicts() + self._rows[max(self._drained, n - self.max_records):n].to_dicts()
+        return {"undrained": undrained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put back `state_dict()` output: the next drain returns those records first."""
-        known = {f.name for f in fields(StepRecord)}
-        self._undrained = [StepRecord(**{k: v for k, v in r.items() if k in known}) for r in state["undrained"]]
+        self._drained = len(self._rows)
+        self._restored = StepColumns()
+        for r in state["undrained"]:
+            row = _BLANK.copy()
+            for key, value in r.items():
+                column = COLUMN.get(key)
+                if column is not None:
+                    row[column] = text_code(value) if key in TEXT_FIELDS else value
+            self._restored.append(row)
 
     def to_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(r) for r in self.records]
+        return self.records.to_dicts()
 
     def to_dataframe(self):  # -> pandas.DataFrame; pandas imported lazily (not needed per step)
         import pandas as pd
 
-        return pd.DataFrame(self.to_dicts())
+        return pd.DataFrame(self.to_dicts(), columns=list(STEP_FIELDS))
+
+
+(_EPOCH, _STEP, _RANK, _LOCAL_BATCH, _GLOBAL_BATCH, _DATA_WAIT, _COMPUTE, _DEVICE_COMPUTE, _SYNC_WAIT, _OPTIMIZER,
+ _STEP_S, _SAMPLES_PER_S, _PEAK, _MEMORY_KIND, _LOCAL_TOKENS, _GLOBAL_TOKENS, _SQ_TOKENS) = (
+    COLUMN[name] for name in ("epoch", "step", "rank", "local_batch", "global_batch", "data_wait_s", "compute_s",
+                              "device_compute_s", "sync_wait_s", "optimizer_s", "step_s", "samples_per_s",
+                              "peak_memory_bytes", "memory_kind", "local_tokens", "global_tokens", "local_sq_tokens"))

@@ -131,7 +131,8 @@ class ResourceSampler:
         now, cpu, net, retrans = time.monotonic(), self._cpu_seconds(), read_net_bytes(), read_tcp_retransmits()
         dt = max(now - self._t, 1e-9)
         threads = max(torch.get_num_threads(), 1)
-        used = memory_in_use(self.device)
+        cuda = self.device is not None and self.device.type == "cuda"
+        used = memory_in_use(self.device) if cuda else self._proc.memory_info().rss  # (no new psutil.Process)
         total = self.budget_bytes
         out = ResourceSample(cpu_util=min((cpu - self._cpu) / dt / threads, 1.0), gpu_util=_gpu_util(self.device),
                              mem_used_bytes=int(used), mem_total_bytes=int(total),

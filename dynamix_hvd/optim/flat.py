@@ -1,11 +1,16 @@
 """Gradients as views into one flat buffer per (device, dtype), and their squared norms.
 
-Zeroing is one kernel per buffer, and the per-parameter squared norms the gradient statistics need
-are one pass: on CUDA the Numba-CUDA segment kernel of `dynamix_hvd.stats.sqnorm`, on CPU torch's
-multi-tensor norm (or one dot product per parameter). Pure torch: no Horovod, no MPI.
+Zeroing is one kernel per buffer. The per-parameter squared norms of all gradients are written into
+a tensor the caller keeps: on CUDA by the Numba-CUDA segment kernel of `dynamix_hvd.stats.sqnorm`
+(one launch per buffer); on CPU by one dot product per parameter into preallocated slots (faster than
+torch's multi-tensor norm, whose reduction kernel is slower, and without the Numba CPU kernel's load
+time in every process), or torch's multi-tensor norm for 16-bit gradients. Squared norms taken one
+parameter at a time, as each gradient is handed to the allreduce, go into preallocated slots too,
+read at once. Pure torch: no Horovod, no MPI.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -46,37 +51,57 @@ class FlatGradients:
         # per parameter: its squared norm as one dot product where `sq_norm` would take one
         self._by_dot = [_by_dot(v) for v in self.views]
         # Per-parameter squared norms of a buffer. CUDA: the Numba-CUDA segment kernel, prepared once
-        # (one launch over the buffer). CPU: a dot product per parameter (or torch's multi-tensor norm),
-        # which spares every process the load of the Numba CPU kernel at its first step.
+        # (one launch over the buffer). CPU: a dot product per parameter into its slot (or torch's
+        # multi-tensor norm), which spares every process the load of the Numba CPU kernel.
         cuda = self.buffers[0].device.type == "cuda"
         by_dot = [all(self._by_dot[i] for i in members) for members in self.members]
         self.backend = (backend_for(self.buffers[0]) if cuda else "torch-dot" if all(by_dot)
                         else "torch-foreach" if not any(by_dot) else "torch-dot+foreach")
-        self._norms = [SegmentSqNorms(buf, off) if buf.device.type == "cuda" else self._cpu_norms(members)
+        self._norms = [_cuda_norms(SegmentSqNorms(buf, off)) if buf.device.type == "cuda" else self._cpu_norms(members)
                        for buf, off, members in zip(self.buffers, self.offsets, self.members)]
+        # one buffer holding every parameter in order: its norms are written straight into `out`
+        self._in_order = len(self.buffers) == 1 and self.members[0] == list(range(len(params)))
+        self._member_index = [torch.tensor(m, dtype=torch.int64, device=b.device) for b, m in zip(self.buffers, self.members)]
+        # Slots for squared norms taken one parameter at a time (`put_sq_norm`): one preallocated tensor
+        # per buffer (in the precision the norm is taken in), zeroed by `clear_slots` when written.
+        self._slot_bufs = [torch.zeros(len(m), dtype=_norm_dtype(b.dtype), device=b.device)
+                           for b, m in zip(self.buffers, self.members)]
+        self._slots: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        for slots, members in zip(self._slot_bufs, self.members):
+            for slot, i in zip(slots.unbind(), members):
+                self._slots[i] = slot
+        self._slots_written = False
         self.attach()
 
-    def _cpu_norms(self, members: list[int]) -> Callable[[], torch.Tensor]:
+    def _cpu_norms(self, members: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
         views = [self.views[i] for i in members]
         if all(self._by_dot[i] for i in members):
-            # One dot product per parameter, as the local norms are taken: on CPU as fast as the
-            # multi-tensor norm in isolation, and faster inside a training step (fewer allocations).
-            lines = [self._lines[i] for i in members]
-            return lambda: torch.stack([torch.dot(line, line) for line in lines]).to(torch.float64)
+            scratch = torch.zeros(len(members), dtype=views[0].dtype)
+            pairs = [(self._lines[i], slot) for i, slot in zip(members, scratch.unbind())]
+
+            def dots(out: torch.Tensor) -> torch.Tensor:
+                for line, slot in pairs:
+                    torch.dot(line, line, out=slot)
+                return out.copy_(scratch)
+            return dots
         half = views[0].dtype in (torch.float16, torch.bfloat16)
 
-        def norms() -> torch.Tensor:
+        def norms(out: torch.Tensor) -> torch.Tensor:
             found = torch._foreach_norm(views, 2, dtype=torch.float32) if half else torch._foreach_norm(views)
-            return torch.stack(found).to(torch.float64).square()
+            return torch.stack(found, out=out).square_()
         return norms
 
-    def attach(self) -> None:
+    def attach(self, moved: bool = False) -> None:
         """Point every ``p.grad`` at its view, keeping any gradient that lives elsewhere.
 
-        A view itself may have been moved off the buffer: Horovod's synchronize() with a compression
-        (fp16) ends with ``p.grad.set_(decompressed)``, which gives the view object (that is
-        ``p.grad``) the decompressed tensor's storage. Such a view is set back onto its place in the
-        buffer, its values copied along, so the view objects (which the norms hold) stay valid."""
+        A view itself may have been moved off the buffer (`moved`: check for it): Horovod's
+        synchronize() with a compression (fp16) ends with ``p.grad.set_(decompressed)``, which gives
+        the view object (that is ``p.grad``) the decompressed tensor's storage. Such a view is set
+        back onto its place in the buffer, its values copied along, so the view objects (which the
+        norms hold) stay valid. Without `moved`, the usual case (every ``p.grad`` is its view) costs
+        one pass in C over the parameters."""
+        if not moved and all(map(operator.is_, map(_GRAD, self.params), self.views)):
+            return
         for p, view, (buf, start), home in zip(self.params, self.views, self._homes, self._home_ptrs):
             g = p.grad
             if g is view and (home is None or view.data_ptr() == home):
@@ -90,22 +115,49 @@ class FlatGradients:
                     view.copy_(g)
                 p.grad = view
 
-    def sq_norm(self, index: int) -> torch.Tensor:
-        """`sq_norm` of parameter `index`'s gradient, read in place from its buffer (the caller has
-        checked that ``p.grad`` is its view, at home)."""
-        if self._by_dot[index]:
-            line = self._lines[index]
-            return torch.dot(line, line)
-        return sq_norm(self.views[index])
-
-    def sq_norms(self) -> torch.Tensor:
-        """Squared norm of every parameter's gradient (float64, parameter order), one pass per buffer."""
-        if len(self._norms) == 1 and self.members[0] == list(range(len(self.params))):
-            return self._norms[0]()
-        out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
-        for norms, members in zip(self._norms, self.members):
-            out[members] = norms().to(out.device)
+    def sq_norms(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Squared norm of every parameter's gradient (float64, parameter order), one fused operation
+        per buffer; written into `out` (float64, one entry per parameter) when given."""
+        if out is None:
+            out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
+        if self._in_order:
+            return self._norms[0](out)
+        for norms, members, index in zip(self._norms, self.members, self._member_index):
+            part = norms(torch.empty(len(members), dtype=torch.float64, device=index.device))
+            out.index_copy_(0, index.to(out.device), part.to(out.device))
         return out
+
+    def put_sq_norm(self, index: int, grad: torch.Tensor | None = None) -> None:
+        """Write the squared norm (`sq_norm`) of parameter `index`'s gradient into its slot: of its view
+        in the buffer (the caller has checked that ``p.grad`` is its view, at home), or of `grad`."""
+        slot = self._slots[index]
+        self._slots_written = True
+        if grad is None:
+            if self._by_dot[index]:
+                line = self._lines[index]
+                torch.dot(line, line, out=slot)
+            else:
+                slot.copy_(sq_norm(self.views[index]))
+        elif self._by_dot[index] and grad.dtype == slot.dtype:
+            line = grad.reshape(-1)
+            torch.dot(line, line, out=slot)
+        else:
+            slot.copy_(sq_norm(grad))
+
+    def slot_sq_norms(self, out: torch.Tensor) -> torch.Tensor:
+        """The slots' squared norms into `out` (float64, parameter order; 0 where none was written)."""
+        if self._in_order:
+            return out.copy_(self._slot_bufs[0])
+        for slots, index in zip(self._slot_bufs, self._member_index):
+            out.index_copy_(0, index.to(out.device), slots.to(out.device, out.dtype))
+        return out
+
+    def clear_slots(self) -> None:
+        """Zero the slots (one kernel per buffer, only when some were written)."""
+        if self._slots_written:
+            for slots in self._slot_bufs:
+                slots.zero_()
+            self._slots_written = False
 
     def zero(self) -> None:
         self.attach()
@@ -123,6 +175,20 @@ def sq_norm(grad: torch.Tensor) -> torch.Tensor:
     if grad.dtype in (torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     return torch.linalg.vector_norm(grad).square()
+
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `sq_norm` returns for a gradient of `dtype`."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return torch.empty(0, dtype=dtype).abs().dtype  # complex: its real counterpart
+
+
+def _cuda_norms(prepared: SegmentSqNorms) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda out: out.copy_(prepared())
 
 
 def _by_dot(t: torch.Tensor) -> bool:

@@ -26,9 +26,9 @@ so the same samples are redone. A healthy step runs no collective besides the gr
 
 Cost per step over plain Horovod (see BENCHMARKS.md, "Overhead: where the time goes"): per parameter,
 inside Horovod's compress() call, the local squared norm (one dot product in the gradient's own
-precision, kept on the device) and, at unequal sizes, an in-place multiply; and ``step()`` reads back
-one small tensor (the local and global squared norms, and the scaler's inf flag) for the non-finite
-check and the step record.
+precision, written into a preallocated slot on the device) and, at unequal sizes, an in-place
+multiply; and ``step()`` reads back one small tensor (the local and global squared norms, and the
+scaler's inf flag) for the non-finite check and the step record.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ import torch
 from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, LRCoupling
 from .progress import ProgressAccounting
-from .flat import FlatGradients, sq_norm
+from .flat import FlatGradients
 from .. import validate
 
 
@@ -218,11 +218,13 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
         device = self._params[0].device
-        # Per parameter: squared norm of this rank's local gradient of the step (a 0-d tensor on the
-        # gradient's device, or None before its hook ran), turned into one float64 tensor in synchronize().
-        self._local_parts: list[torch.Tensor | None] = [None] * len(self._params)
-        self._zero = torch.zeros((), dtype=torch.float64, device=device)
-        self._no_local = torch.zeros(len(self._params), dtype=torch.float64, device=device)
+        # The step's squared norms per parameter, [local, global] (float64), written in place every
+        # step: the local ones from the slots of `flat` (filled as Horovod takes each gradient), the
+        # global ones by one fused operation after the allreduce. One small tensor read back per step.
+        self._pair = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
+        self._local_row, self._global_row = self._pair.unbind()
+        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        self._local_in_pair = False  # this step's local norms are already in _pair[0] (one fused pass)
         # Per-parameter sums over the steps since the controller last read them (no host sync).
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
         self._layer_steps = 0
@@ -274,8 +276,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if step is not planned:
             planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
-            # Squared norm of this rank's local gradient (times the step's unit in _local_sq()).
-            self._local_parts[index] = self.flat.sq_norm(index)
+            # Squared norm of this rank's local gradient into its slot (times the step's unit in _local_sq()).
+            self.flat.put_sq_norm(index)
         if not after:
             grad.mul_(scale)
 
@@ -296,7 +298,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             out = grad * scale
             if self.track_grad_norms:  # |local sum so far|^2; the last micro-batch's value is the group's
                 acc = out if len(self._micro) == 1 else out + self._params[index].grad
-                self._local_parts[index] = sq_norm(acc)
+                self.flat.put_sq_norm(index, acc)
             return out
         return weight
 
@@ -395,15 +397,19 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         return [int(v) for v in hvd.allreduce(status, name="dx.step_status", op=hvd.Sum).tolist()]
 
     def _local_sq(self) -> torch.Tensor:
-        """This step's local squared norms per parameter (float64; 0 where no gradient came)."""
+        """This step's local squared norms per parameter, in ``_pair[0]`` (float64; 0 where no gradient
+        came, or without ``track_grad_norms``)."""
+        local = self._local_row
         if not self.track_grad_norms:
-            return self._no_local
-        local = torch.stack([self._zero if t is None else t for t in self._local_parts]).to(torch.float64)
+            return local.zero_()
+        if not self._local_in_pair:
+            self.flat.slot_sq_norms(local)
         unit = self._step_scale[2]
-        return local if unit == 1.0 else local * unit
+        return local if unit == 1.0 else local.mul_(unit)
 
     def _clear_local(self) -> None:
-        self._local_parts = [None] * len(self._params)
+        self.flat.clear_slots()
+        self._local_in_pair = False
         self._step_scale = (None, 1.0, 1.0, False)
         self._preweighted = False
 
@@ -475,7 +481,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def should_step(self) -> bool:
         """True once this step's micro-batches are all in: k of them, or the epoch's last ones."""
-        return len(self._micro) >= self.backward_passes_per_step or not self.loader.remaining_steps()
+        return len(self._micro) >= self.backward_passes_per_step or self.loader.steps_left == 0
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -520,11 +526,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         tracker = self.loader.tracker
         tracker.step_started()
         if not self._engine_hooked:
-            self.flat.attach()
-            for view in self.flat.views:
-                self._weigh(view)
+            self._weigh_all()
         self._engine.synchronize()
-        self.flat.attach()  # compression may have replaced p.grad with a new tensor
+        # Horovod ends with p.grad.set_(decompressed): a compression that returns a new tensor moves
+        # the views off the buffer (without one, each is set to itself)
+        self.flat.attach(moved=self._compression is not hvd.Compression.none)
         step, scale, _, after = self._step_scale
         if after and step is not None and scale != 1.0:  # the factor every rank shares, once, on the sum
             for buf in self.flat.buffers:
@@ -540,9 +546,27 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / global_n)
             if self.backward_passes_per_step > 1:
-                local_sq = local_sq / max(local_n, 1) ** 2
-        self._synced = {"global_sq": self.flat.sq_norms(), "local_sq": local_sq,
+                local_sq.div_(max(local_n, 1) ** 2)
+        self._synced = {"global_sq": self.flat.sq_norms(self._global_row), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
+
+    def _weigh_all(self) -> None:
+        """What Horovod's compress() calls do parameter by parameter, for all gradients at once where
+        Horovod calls none (one process): the local squared norms as `FlatGradients.sq_norms` takes
+        them, the weight in one multiply per buffer."""
+        self.flat.attach()
+        if self.backward_passes_per_step != 1 or self._preweighted:
+            return
+        planned, scale, _, after = self._step_scale
+        step = self.loader.current_step
+        if step is not planned:
+            planned, scale, _, after = self._start_micro_step(step)
+        if self.track_grad_norms:
+            self.flat.sq_norms(self._local_row)
+            self._local_in_pair = True
+        if not after and scale != 1.0:
+            for buf in self.flat.buffers:
+                buf.mul_(scale)
 
     def _loss_scale(self) -> float:
         called_by_scaler = "found_inf" in vars(self)
@@ -573,16 +597,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         assert synced is not None
         tracker = self.loader.tracker
         scale = self._loss_scale()
-        global_sq = synced["global_sq"]
         # [local, global] squared norms per parameter (the layer sums add this pair as it is)
-        pair = torch.stack([synced["local_sq"].to(global_sq.device), global_sq])
+        pair = self._pair
         if scale != 1.0:
-            pair = pair / scale**2
+            pair.div_(scale**2)
         found_inf = vars(self).get("found_inf")
         # The one read-back of the step: the non-finite check needs the norm on the host.
-        totals = pair.sum(1)
+        totals = torch.sum(pair, 1, out=self._totals)
         if found_inf is not None:
-            totals = torch.cat([totals, found_inf.to(global_sq.device, torch.float64).reshape(1)])
+            totals = torch.cat([totals, found_inf.to(pair.device, torch.float64).reshape(1)])
         read = totals.tolist()
         local_total, grad_norm = read[0], read[1] ** 0.5
         if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
@@ -678,7 +701,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             view = self.flat.views[i]
             view.copy_(grads[name].reshape(view.shape) * (local[name] / global_[name]))
             if self.track_grad_norms:
-                self._local_parts[i] = sq_norm(grads[name])
+                self.flat.put_sq_norm(i, grads[name])
         self._preweighted = True
 
     def pop_layer_means(self) -> tuple[list[float], list[float]] | None:

@@ -42,11 +42,12 @@ import numpy as np
 import pandas as pd
 
 from ..comm import RUNLOG_CLOCK, RUNLOG_EPOCH, RUNLOG_FINISH, Collective, library_channel
-from ..data.metrics import StepRecord
+from ..data.metrics import COLUMN, STEP_FIELDS as _FIELDS, StepColumns
 from ..logs import get_logger
 from .progress import Progress
 
-STEP_FIELDS = [f.name for f in dataclasses.fields(StepRecord)]
+STEP_FIELDS = list(_FIELDS)
+_STEP, _EPOCH, _GLOBAL_BATCH, _LOSS = COLUMN["step"], COLUMN["epoch"], COLUMN["global_batch"], len(_FIELDS) + 1
 DECISION_SCALARS = ("decision", "epoch", "wall_s", "lr_gain", "loss", "noise_scale", "efficiency",
                     "throughput", "overhead_s", "learn_s")
 NETWORK_SCALARS = ("net_s", "latency_s", "bus_bandwidth_Bps")
@@ -85,12 +86,16 @@ class RunLog:
         self.t_start = time.time()
         self.t0: float = min(self.gather(self.t_start, RUNLOG_CLOCK))
         """Unix time when the earliest rank made its RunLog: the origin of every ``wall_s``."""
-        # [record, unix time at step end, loss]; one list object shared by the trace and the epoch
-        self._steps: list[list[Any]] = []   # the trace: the first `max_trace_steps` steps
-        self._epoch: list[list[Any]] = []   # the current epoch's steps
+        # Step records as columns, each row the record, the unix time at the step's end and the loss
+        # (NaN until the losses are read, at the epoch's end)
+        self._steps = StepColumns(("time_unix", "loss"))  # the trace: the first `max_trace_steps` steps
+        self._epoch = StepColumns(("time_unix", "loss"))  # the current epoch's steps
+        self._epoch_losses: list[Any] = []   # the current epoch's losses as given (read lazily)
+        self._losses_read = 0                # of which the first ones are in the loss columns
+        self._epoch_in_trace = 0             # the current epoch's first steps that are in the trace
         self.max_trace_steps = max_trace_steps
         self.trace_steps_dropped = 0
-        self._last_rec: StepRecord | None = None
+        self._steps_seen = loader.tracker.finished
         self._pending_loss: Any = None
         self._seen_decisions = len(controller.history) if controller is not None else 0
         self._decision_times: dict[int, float] = {}
@@ -112,60 +117,72 @@ class RunLog:
         self._pending_loss = loss.detach() if hasattr(loss, "detach") else loss
 
     def _on_step_end(self, loader: Any, epoch_end: bool) -> None:
-        records = loader.tracker.records
-        rec = records[-1] if records else None
-        if rec is None or rec is self._last_rec:
+        tracker = loader.tracker
+        if tracker.finished == self._steps_seen:
             return  # the optimizer did not step: nothing measured
-        self._last_rec = rec
+        self._steps_seen = tracker.finished
         loss, self._pending_loss = self._pending_loss, None
-        item = [rec, time.time(), loss]
-        self._epoch.append(item)
+        row, now = tracker.records.row(-1), time.time()
+        self._epoch.append(row, now, math.nan)
+        self._epoch_losses.append(loss)
         if len(self._steps) < self.max_trace_steps:
-            self._steps.append(item)
+            self._steps.append(row, now, math.nan)
+            self._epoch_in_trace += 1
         else:
             self.trace_steps_dropped += 1
         if self.controller is not None and len(self.controller.history) > self._seen_decisions:
             for d in self.controller.history[self._seen_decisions:]:
-                self._decision_times[int(d.get("decision", len(self._decision_times)))] = time.time()
+                self._decision_times[int(d.get("decision", len(self._decision_times)))] = now
             self._seen_decisions = len(self.controller.history)
         if self.progress is None or not self.progress.enabled:
             return
         sizes = tuple(loader.batch_sizes)
-        if rec.step == 0:
-            self.progress.start_epoch(rec.epoch, rec.step + 1 + len(loader.remaining_steps()))
+        step, epoch = int(row[_STEP]), int(row[_EPOCH])
+        if step == 0:
+            self.progress.start_epoch(epoch, step + 1 + loader.steps_left)
         total = None
         if sizes != self._sizes_seen and not epoch_end:
-            total = rec.step + 1 + len(loader.remaining_steps())
+            total = step + 1 + loader.steps_left
         self._sizes_seen = sizes
-        self.progress.update(rec.step, total, sizes, rec.global_batch, loss)
+        self.progress.update(step, total, sizes, int(row[_GLOBAL_BATCH]), loss)
 
-    @staticmethod
-    def _losses_to_float(items: list[list[Any]]) -> None:
-        for item in items:
-            loss = item[2]
-            if loss is not None and not isinstance(loss, float):
-                item[2] = _float(loss.item() if hasattr(loss, "item") else loss)
+    def _read_losses(self) -> None:
+        """The current epoch's losses not read yet, into the loss columns (NaN where none was given)."""
+        first_in_trace = len(self._steps) - self._epoch_in_trace
+        for i in range(self._losses_read, len(self._epoch_losses)):
+            loss = self._epoch_losses[i]
+            if loss is None:
+                continue
+            value = loss if isinstance(loss, float) else _float(loss.item() if hasattr(loss, "item") else loss)
+            self._epoch.row(i)[_LOSS] = value
+            if i < self._epoch_in_trace:
+                self._steps.row(first_in_trace + i)[_LOSS] = value
+        self._losses_read = len(self._epoch_losses)
 
     # --- per epoch (collective) -----------------------------------------------------------------------
     def end_epoch(self, **metrics: float) -> list[dict[str, Any]]:
         """Close the epoch on every rank (a collective): one row per rank; rank 0 prints the summary."""
-        steps, self._epoch = self._epoch, []
-        self._losses_to_float(steps)
-        recs = [r for r, _, _ in steps]
-        losses = [l for _, _, l in steps if l is not None and math.isfinite(l)]
-        time_s = sum(r.step_s for r in recs)
-        mean = (lambda key: statistics.fmean(getattr(r, key) for r in recs) if recs else math.nan)  # noqa: E731
-        row = {"epoch": recs[-1].epoch if recs else -1, "rank": self.rank,
-               "wall_unix": steps[-1][1] if steps else time.time(), "steps": len(recs),
-               "samples": sum(r.local_batch for r in recs),
-               "batch_size": int(statistics.median(r.local_batch for r in recs)) if recs else 0,
+        self._read_losses()
+        recs = self._epoch
+        n = len(recs)
+        losses = [l for l in recs.column("loss").tolist() if math.isfinite(l)]
+        batches = recs.values("local_batch")
+        time_s = sum(recs.column("step_s").tolist())
+        mean = (lambda key: statistics.fmean(recs.column(key).tolist()) if n else math.nan)  # noqa: E731
+        row = {"epoch": int(recs.row(-1)[_EPOCH]) if n else -1, "rank": self.rank,
+               "wall_unix": float(recs.row(-1)[len(_FIELDS)]) if n else time.time(), "steps": n,
+               "samples": sum(batches),
+               "batch_size": int(statistics.median(batches)) if n else 0,
                "loss_mean": statistics.fmean(losses) if losses else math.nan,
                "loss_last": losses[-1] if losses else math.nan,
-               "samples_per_s": sum(r.local_batch for r in recs) / time_s if time_s > 0 else math.nan,
+               "samples_per_s": sum(batches) / time_s if time_s > 0 else math.nan,
                "step_s": mean("step_s"), "compute_s": mean("compute_s"), "sync_wait_s": mean("sync_wait_s"),
-               "data_wait_s": mean("data_wait_s"), "lr": recs[-1].lr if recs else math.nan,
-               "peak_memory_bytes": max((r.peak_memory_bytes for r in recs), default=0),
+               "data_wait_s": mean("data_wait_s"), "lr": float(recs.row(-1)[COLUMN["lr"]]) if n else math.nan,
+               "peak_memory_bytes": max(recs.values("peak_memory_bytes"), default=0),
                **{k: _float(v) for k, v in metrics.items()}}
+        self._epoch.clear()
+        self._epoch_losses.clear()
+        self._losses_read = self._epoch_in_trace = 0
         rows = self.gather(row, RUNLOG_EPOCH)
         if self.rank == 0:
             self.epoch_rows.extend(rows)
@@ -183,10 +200,10 @@ class RunLog:
     # --- end of run (collective) -----------------------------------------------------------------------
     def finish(self, history: Sequence[dict[str, Any]] | None = None, report: bool = False) -> Path | None:
         """Gather every rank's steps to rank 0 and write the run directory (returned on rank 0)."""
-        self._losses_to_float(self._steps)
-        cols: dict[str, list[Any]] = {k: [getattr(r, k) for r, _, _ in self._steps] for k in STEP_FIELDS}
-        cols["time_unix"] = [t for _, t, _ in self._steps]
-        cols["loss"] = [math.nan if l is None else l for _, _, l in self._steps]
+        self._read_losses()
+        cols: dict[str, list[Any]] = {k: self._steps.values(k) for k in STEP_FIELDS}
+        cols["time_unix"] = self._steps.column("time_unix").tolist()
+        cols["loss"] = self._steps.column("loss").tolist()
         budget = getattr(self.controller, "memory_budget", None)
         everything = self.gather({"steps": cols, "host": socket.gethostname(),
                                   "memory_budget": None if budget is None else budget.to_dict()},
