@@ -1,7 +1,8 @@
 """The data plane in real multi-process jobs: exact mean gradients and exact epoch coverage.
 
-Each case launches tests/workers/dataplane.py with a real launcher and then replays the same steps in
-this process as single-process full-batch training: the parameters must match to 1e-6 (float64).
+Each case runs tests/workers/dataplane.py under a real launcher (the cases of one launcher and world size
+in one job) and then replays the same steps in this process as single-process full-batch training: the
+parameters must match to 1e-6 (float64).
 """
 from __future__ import annotations
 
@@ -55,14 +56,41 @@ def reference_params(config: str, steps: list[list[dict]]) -> dict[str, torch.Te
     return {n: p.detach().flatten() for n, p in model.named_parameters()}
 
 
+# Runs of tests/workers/dataplane.py by launcher and world size: name -> the worker's arguments. The runs of
+# one launcher and world size share one job (--then between them, each in its own folder), so that its
+# ranks start, import torch and Horovod and join once; tests/test_slow_rank_mpi.py adds a run of its own.
+RUNS: dict[tuple[str, int], dict[str, list[str]]] = {}
+for _launcher, _ranks, _sizes in CASES:
+    RUNS.setdefault((_launcher, _ranks), {})[_sizes] = ["--sizes", _sizes, "--samples", str(SAMPLES),
+                                                        "--epochs", str(EPOCHS)]
+_JOBS: dict[tuple[str, int], dict[str, Path] | BaseException] = {}
+
+
+def dataplane_run(launcher: str, ranks: int, name: str, factory: pytest.TempPathFactory) -> list[dict]:
+    """Every rank's results of run `name`; the first call for a launcher and world size runs the job."""
+    key = (launcher, ranks)
+    if key not in _JOBS:
+        folders, argv = {}, []
+        root = factory.mktemp(f"{launcher}{ranks}")
+        for run_name, args in RUNS[key].items():
+            folders[run_name] = root / f"run{len(folders)}"
+            folders[run_name].mkdir()
+            argv += [*(["--then"] if argv else []), "--out", str(folders[run_name]), *args]
+        try:
+            launch(launcher, ranks, "dataplane.py", *argv)
+            _JOBS[key] = folders
+        except BaseException as exc:  # the job failed: every test of it fails with its output, none reruns it
+            _JOBS[key] = exc
+    if isinstance(_JOBS[key], BaseException):
+        raise _JOBS[key]
+    folder = _JOBS[key][name]
+    return [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-np{c[1]}-{c[2].replace(',', '.')}")
 def job(request, tmp_path_factory):
     launcher, ranks, sizes = request.param
-    out = tmp_path_factory.mktemp(f"{launcher}{ranks}")
-    launch(launcher, ranks, "dataplane.py", "--out", str(out), "--sizes", sizes,
-           "--samples", str(SAMPLES), "--epochs", str(EPOCHS))
-    results = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(ranks)]
-    return ranks, sizes, results
+    return ranks, sizes, dataplane_run(launcher, ranks, sizes, tmp_path_factory)
 
 
 def test_every_rank_reports_the_whole_world(job):

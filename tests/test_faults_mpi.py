@@ -1,4 +1,4 @@
-"""Injected failures in real jobs: a NaN step is skipped everywhere, an OOM is redone smaller."""
+"""Injected failures in a real job: a NaN step is skipped everywhere, an OOM is redone smaller."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,27 @@ from pathlib import Path
 import pytest
 
 from launching import launch
+
+
+# Every case is a run of tests/workers/faults.py; all of them run in one job under mpirun (--then between
+# them, each in its own folder), so that the ranks start, import torch and Horovod and join once.
+RUNS = {
+    "nan": ["--nan-step", "5"],
+    "oom": ["--oom-above", "20"],
+    **{f"oom-{where}-{passes}": ["--oom-above", "20", "--oom-in", where, "--passes", str(passes)]
+       for where, passes in (("backward", 1), ("forward", 2), ("backward", 2))},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("faults")
+    argv = []
+    for name, args in RUNS.items():
+        (root / name).mkdir()
+        argv += [*(["--then"] if argv else []), "--out", str(root / name), *args]
+    launch("mpirun", 2, "faults.py", *argv)
+    return {name: root / name for name in RUNS}
 
 
 def _results(tmp_path, ranks=2):
@@ -20,9 +41,8 @@ def _epoch_coverage(results, epoch):
                   if s["epoch"] == epoch and s["status"] != "oom" for i in s["indices"])
 
 
-def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
-    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--nan-step", "5")
-    results = _results(tmp_path)
+def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(runs):
+    results = _results(runs["nan"])
     for r in results:
         assert r["statuses"][5] == "nonfinite" and r["skipped"]["nonfinite"] == 1
         assert r["statuses"].count("ok") == len(r["statuses"]) - 1
@@ -34,9 +54,8 @@ def test_nan_loss_on_one_rank_skips_the_step_on_all_ranks(tmp_path):
         assert _epoch_coverage(results, epoch) == list(range(600))
 
 
-def test_oom_shrinks_the_rank_redoes_the_step_and_remembers_the_bound(tmp_path):
-    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--oom-above", "20")
-    results = _results(tmp_path)
+def test_oom_shrinks_the_rank_redoes_the_step_and_remembers_the_bound(runs):
+    results = _results(runs["oom"])
     r0 = results[0]
     assert r0["skipped"]["oom"] == 1, "exactly one failure: the bound is remembered afterwards"
     assert r0["statuses"][0] == "oom" and r0["statuses"][1] == "ok"
@@ -47,13 +66,11 @@ def test_oom_shrinks_the_rank_redoes_the_step_and_remembers_the_bound(tmp_path):
 
 
 @pytest.mark.parametrize("where,passes", [("backward", 1), ("forward", 2), ("backward", 2)])
-def test_oom_mid_backward_or_in_a_micro_batch_is_redone_without_losing_samples(tmp_path, where, passes):
+def test_oom_mid_backward_or_in_a_micro_batch_is_redone_without_losing_samples(runs, where, passes):
     """In backward: the last layer's gradients are already in Horovod's hands when the first layer's
     fails (only the rest is poisoned). With accumulation: the whole optimizer step, every micro-batch,
     is served again."""
-    launch("mpirun", 2, "faults.py", "--out", str(tmp_path), "--oom-above", "20", "--oom-in", where,
-           "--passes", str(passes))
-    results = _results(tmp_path)
+    results = _results(runs[f"oom-{where}-{passes}"])
     for r in results:
         assert r["skipped"] == {"nonfinite": 0, "oom": 1}, r["skipped"]
         assert r["statuses"][0] == "oom" and set(r["statuses"][1:]) == {"ok"}

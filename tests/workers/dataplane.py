@@ -2,11 +2,13 @@
 
 Each rank writes rank<R>.json with, per optimizer config, the sample indices it read in every step
 and its final parameters. The test replays the same steps in one process to check exactness.
+Several runs in one job: their arguments separated by --then (each with its own --out).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -57,7 +59,27 @@ def size_schedule(world: int, epochs: int, seed: int) -> list[tuple[list[int], l
     return [(draw(), draw()) for _ in range(epochs)]
 
 
-def main() -> None:
+def runs(argv: list[str]) -> list[list[str]]:
+    """The worker's argument lists: several runs in one job are separated by --then (the ranks start,
+    import torch and Horovod and join the job once)."""
+    out = [[]]
+    for arg in argv:
+        if arg == "--then":
+            out.append([])
+        else:
+            out[-1].append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    argvs = runs(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    hvd.init()
+    for one in argvs:
+        run(one)
+
+
+def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sizes", default="", help="first epoch's sizes, e.g. 3,7,12 (default random)")
@@ -67,9 +89,7 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-s", type=float, default=0.0)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    hvd.init()
+    args = ap.parse_args(argv)
     rank, world = hvd.rank(), hvd.size()
     schedule = size_schedule(world, args.epochs, seed=11)
     if args.sizes:

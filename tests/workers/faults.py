@@ -5,11 +5,13 @@
 --oom-in backward  ... raised inside backward, from the first layer's gradient hook, after the last
                 layer's gradients went to Horovod (default: in the forward pass)
 --passes K      micro-batches per optimizer step (the OOM then hits a micro-batch)
+Several runs in one job: their arguments separated by --then (each with its own --out).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -22,15 +24,26 @@ from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    hvd.init()
+    argvs = [[]]
+    for arg in sys.argv[1:]:  # one start of the ranks for several runs
+        if arg == "--then":
+            argvs.append([])
+        else:
+            argvs[-1].append(arg)
+    for argv in argvs:
+        run(argv)
+
+
+def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--nan-step", type=int, default=-1)
     ap.add_argument("--oom-above", type=int, default=10**9)
     ap.add_argument("--oom-in", choices=("forward", "backward"), default="forward")
     ap.add_argument("--passes", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    hvd.init()
+    args = ap.parse_args(argv)
     rank = hvd.rank()
     train, _ = teacher_classification(600, seed=0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -82,6 +95,7 @@ def main() -> None:
         "bound_rank1": controller.bounds.upper(1), "final_sizes": list(loader.batch_sizes),
         "noise_scale": controller.stats.noise_scale if rank == 0 else None,
         "decision_losses": [d["loss"] for d in controller.history] if rank == 0 else []}))
+    controller.close()
 
 
 if __name__ == "__main__":
