@@ -1,9 +1,13 @@
 """The library's one logging path: `logging` loggers under ``dynamix_hvd``, rank-prefixed output.
 
-Library code logs through ``get_logger(__name__)`` and never prints. Importing adds only a
-``NullHandler`` to the package logger (the `logging` convention for libraries), so nothing is shown
-until the application says where records go. `configure_logging()`, which the examples and the CLI
-call, sends them to stderr as ``[dynamix_hvd rank 1] message``. The rank comes from the launcher's
+Library code logs through ``get_logger(__name__)`` and never prints. Warnings a user needs (a stop
+request wrote a checkpoint and the job is exiting; a rank was found slower and given fewer samples)
+are shown by default: importing puts a WARNING-level handler on the package logger that writes to
+stderr as ``[dynamix_hvd rank 1] warning: message``, and stays silent while the application has
+configured the root logger (the records reach the application's handlers there, once).
+`configure_logging()`, which the examples and the CLI call, replaces it and shows records from
+`level` on; an application that wants none of them sets the package logger's level
+(``logging.getLogger("dynamix_hvd").setLevel(logging.ERROR)``). The rank comes from the launcher's
 environment (``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK``, ``HOROVOD_RANK``, ``SLURM_PROCID``), so the
 prefix is right before ``hvd.init()`` and under every launcher. No MPI, no Horovod.
 """
@@ -17,7 +21,6 @@ from typing import TextIO
 PACKAGE = "dynamix_hvd"
 RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROVOD_RANK", "SLURM_PROCID")
 
-logging.getLogger(PACKAGE).addHandler(logging.NullHandler())
 
 
 def launcher_rank() -> int | None:
@@ -54,6 +57,30 @@ class _ConfiguredHandler(logging.StreamHandler):
     """Marks the handler `configure_logging` installed, so a second call replaces it."""
 
 
+class DefaultHandler(logging.Handler):
+    """The package's handler until the application chooses one: WARNING and above to the current
+    ``sys.stderr``, rank-prefixed, unless the root logger has handlers of the application's (then
+    the record reaches them by propagation, and showing it here too would print it twice)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(RankFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # logging must never raise into the training loop
+            self.handleError(record)
+
+
+DEFAULT_HANDLER = DefaultHandler()
+"""The handler importing the package installs (see the module docstring)."""
+logging.getLogger(PACKAGE).addHandler(DEFAULT_HANDLER)
+
+
 def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = None) -> logging.Handler:
     """Show the package's records at `level` and above on `stream` (stderr), rank-prefixed.
 
@@ -62,7 +89,7 @@ def configure_logging(level: int | str = logging.INFO, stream: TextIO | None = N
     the root itself should not call this as well.
     """
     logger = logging.getLogger(PACKAGE)
-    for old in [h for h in logger.handlers if isinstance(h, _ConfiguredHandler)]:
+    for old in [h for h in logger.handlers if isinstance(h, (_ConfiguredHandler, DefaultHandler))]:
         logger.removeHandler(old)
     handler = _ConfiguredHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(RankFormatter())

@@ -112,3 +112,21 @@ def test_phase_spans_tile_the_run(changing):
         assert e0 == s1 and p0 != p1 and s0 < e0
     assert {p for _, _, p in spans} <= set(PHASES)
     assert phase_spans(changing, [math.nan] * len(changing)) == []
+
+
+def test_leaving_the_even_split_warns_once_naming_the_slow_rank(changing, caplog):
+    from dynamix_hvd.control.controller import warn_if_split
+
+    with caplog.at_level("WARNING", logger="dynamix_hvd"):
+        for record in changing:
+            warn_if_split(record)
+    leaving = [d for d in changing if d["info"]["transition"]["next"] == "judging split"
+               and d["info"]["transition"]["phase"] != "judging split"]
+    assert len(leaving) >= 1 and len(caplog.records) == len(leaving)
+    first = caplog.records[0].getMessage()
+    assert first.startswith("rank 1 was measured slower than the others") and "16/16 -> 22/10" in first, first
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dynamix_hvd"):
+        for record in replayed_history("equal"):
+            warn_if_split(record)
+    assert not caplog.records

@@ -31,7 +31,7 @@ from dynamix_hvd.control.rules import BASELINES, make_baseline
 from dynamix_hvd.control.state import GLOBAL_FEATURES, RANK_FEATURES
 from dynamix_hvd.data.loader import AdaptiveLoader
 from dynamix_hvd.data.resources import ResourceSampler
-from dynamix_hvd.logs import RankFormatter, configure_logging, get_logger, launcher_rank
+from dynamix_hvd.logs import DEFAULT_HANDLER, RankFormatter, configure_logging, get_logger, launcher_rank
 from dynamix_hvd.resilience.checkpoint import FORMAT, FORMAT_VERSION, non_plain_entry
 from dynamix_hvd.control.ppo import PPOLearner
 from launching import REPO, job_env, launch
@@ -157,7 +157,7 @@ def snapshot():
             "registry": [id(registry), [(a.__qualname__, b.__qualname__) for a, b in registry]],
             "root_handlers": [repr(h) for h in logging.getLogger().handlers],
             "package_handlers": sorted({type(h).__name__ for h in logging.getLogger("dynamix_hvd").handlers}
-                                       - {"NullHandler"}),
+                                       - {"DefaultHandler"}),  # the package's own, from its first import
             "warning_filters": len(warnings.filters)}
 
 changes = []
@@ -213,15 +213,58 @@ def test_rank_prefixed_logging_is_opt_in(monkeypatch):
         log.info("checkpoint written")
         log.warning("skipping checkpoint")
         log.debug("hidden at INFO")
+        assert DEFAULT_HANDLER not in package.handlers  # configured: the default gave way
     finally:
         package.removeHandler(handler)
         package.setLevel(level)
+        package.addHandler(DEFAULT_HANDLER)
     assert stream.getvalue().splitlines() == ["[dynamix_hvd rank 3] checkpoint written",
                                               "[dynamix_hvd rank 3] warning: skipping checkpoint"]
     assert RankFormatter(rank=0).prefix == "[dynamix_hvd rank 0]"
     monkeypatch.delenv("SLURM_PROCID")
     monkeypatch.delenv("HOROVOD_RANK")
     assert RankFormatter().prefix == "[dynamix_hvd]"  # not launched: no rank to name
+
+
+_WARN = r"""
+import logging, sys
+setup = sys.argv[1]
+import dynamix_hvd
+from dynamix_hvd.logs import DEFAULT_HANDLER, configure_logging, get_logger
+if setup == "basic":
+    logging.basicConfig(format="app %(levelname)s %(name)s: %(message)s")
+elif setup == "configured":
+    configure_logging()
+elif setup == "silenced":
+    logging.getLogger("dynamix_hvd").setLevel(logging.ERROR)
+log = get_logger("dynamix_hvd.resilience.checkpoint")
+log.info("checkpoint written")
+log.warning("stop requested: checkpoint written to /ck; exiting with code 143")
+"""
+
+
+@pytest.mark.parametrize("setup, rank, expected", [
+    ("none", None, ["[dynamix_hvd] warning: stop requested: checkpoint written to /ck; exiting with code 143"]),
+    ("none", "1", ["[dynamix_hvd rank 1] warning: stop requested: checkpoint written to /ck; exiting with code 143"]),
+    ("basic", "1", ["app WARNING dynamix_hvd.resilience.checkpoint: stop requested: checkpoint written to /ck; "
+                    "exiting with code 143"]),
+    ("configured", "1", ["[dynamix_hvd rank 1] checkpoint written",
+                         "[dynamix_hvd rank 1] warning: stop requested: checkpoint written to /ck; exiting with code 143"]),
+    ("silenced", "1", []),
+])
+def test_warnings_a_user_needs_are_shown_by_default_once(setup, rank, expected):
+    """Without any logging set-up a warning reaches stderr, rank-prefixed, and nothing below it does;
+    an application that configured the root logger gets it once, through its own handler; the
+    package's configure_logging replaces the default; the package logger's level silences it."""
+    env = {k: v for k, v in job_env().items() if k not in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROVOD_RANK",
+                                                           "SLURM_PROCID")}
+    if rank is not None:
+        env["OMPI_COMM_WORLD_RANK"] = rank
+    proc = subprocess.run([sys.executable, "-c", _WARN, setup], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "checkpoint" in line]
+    assert lines == expected, proc.stderr
 
 
 @pytest.fixture

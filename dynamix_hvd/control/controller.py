@@ -87,6 +87,21 @@ def token_bounds(cfg: ControllerConfig, loader: AdaptiveLoader) -> ControllerCon
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
+def warn_if_split(record: dict[str, Any]) -> None:
+    """Rank 0: a warning when a decision leaves the job's own split because a rank was measured slower
+    (once per such decision, not at every decision that follows the split)."""
+    t = (record.get("info") or {}).get("transition") or {}
+    if t.get("next") != "judging split" or t.get("phase") == "judging split":
+        return
+    ev = t.get("evidence", {})
+    gap, rank = ev.get("gap_bound"), ev.get("slowest_rank")
+    get_logger(__name__).warning(
+        "rank %s was measured slower than the others (equalising their arrivals shortens the step by at least "
+        "%.0f%%): local batch sizes %s -> %s (dynamix-hvd explain RUN_DIR shows each decision and why)",
+        rank, 100 * gap if isinstance(gap, (int, float)) else float("nan"),
+        "/".join(map(str, record.get("previous_sizes") or [])), "/".join(map(str, record.get("sizes") or [])))
+
+
 class DynamixController:
     """Attach to a loader and optimizer; decisions then happen by themselves as the loader iterates.
 
@@ -233,6 +248,7 @@ class DynamixController:
                                         passes=self.optimizer.backward_passes_per_step,
                                         done=self.loader.epochs_done)
             record = decision.record()
+            warn_if_split(record)
             # per loader step, the cadence's unit (a step record spans the micro-batches of the
             # interval that ran, before this decision sets their number for the next)
             passes = self.optimizer.backward_passes_per_step
