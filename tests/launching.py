@@ -5,6 +5,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from dynamix_hvd.tools.launchcheck import ROOT_ENV, local_plan
@@ -26,6 +28,48 @@ def job_env() -> dict[str, str]:
 def command(launcher: str, np: int, argv: list[str]) -> list[str]:
     """The launcher line `dynamix-hvd run` and the benchmarks use, on this host, oversubscribed."""
     return launch_command(local_plan(launcher, np), argv, forward=())
+
+
+class Job:
+    """One job started by `launch_side_by_side`: its CompletedProcess and when it ended (time.time())."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, ended: float) -> None:
+        self.proc, self.ended = proc, ended
+
+
+def launch_side_by_side(jobs: dict[str, tuple[str, int, list[str]]], timeout: float = 300) -> dict[str, Job]:
+    """Start several jobs at once, name -> (launcher, ranks, argv), and wait for all of them; returns name ->
+    Job. For jobs that spend most of their time waiting (a rank that sleeps or is stopped on purpose): side
+    by side they take about as long as the longest. A job still running after `timeout` is killed, its
+    output kept (the caller sees the exit code and its output)."""
+    started = {}
+    for name, (launcher, np, argv) in jobs.items():
+        log = tempfile.TemporaryFile("w+")  # a pipe could fill up while another job is waited for
+        proc = subprocess.Popen(command(launcher, np, argv), env=job_env(), stdout=log, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        started[name] = (proc, log)
+    end = time.monotonic() + timeout
+    ended: dict[str, float] = {}
+    killed = set()
+    while len(ended) < len(started):
+        for name, (proc, _) in started.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.time()
+        if time.monotonic() > end:
+            for name, (proc, _) in started.items():
+                if name not in ended:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    ended[name] = time.time()
+                    killed.add(name)
+        time.sleep(0.05)
+    out = {}
+    for name, (proc, log) in started.items():
+        log.seek(0)
+        text = log.read() + (f"\n[launching] killed: still running after {timeout} s\n" if name in killed else "")
+        out[name] = Job(subprocess.CompletedProcess(proc.args, proc.returncode, text, ""), ended[name])
+        log.close()
+    return out
 
 
 def launch(launcher: str, np: int, script: str, *args: str, timeout: float = 300,

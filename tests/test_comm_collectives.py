@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dynamix_hvd import comm
 from dynamix_hvd.comm import Collective
-from launching import REPO, launch
+from launching import REPO, WORKERS, launch, launch_side_by_side
 
 DEADLINE = 3.0
 MARGIN = 6.0  # start-up of the timer and a loaded two-core machine; a hang would last the silent rank's 13 s
@@ -40,16 +42,34 @@ def _timeouts(out: str) -> dict[int, tuple[float, str]]:
     return {int(r): (float(s), msg) for r, s, msg in found}
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("op, silent, waiting, returned", [
+SILENT_MPI = [  # op, silent rank, ranks that time out, ranks that return
     ("allgather_object", 2, [0, 1], []),
     ("allgather_tensor", 1, [0, 2], []),
     ("gather_object", 2, [0], [1]),        # rank 1 only sends: it needs nothing from rank 2
     ("broadcast_object", 0, [1, 2], []),   # a silent root
-])
-def test_silent_rank_is_named_within_the_deadline_under_mpi(op, silent, waiting, returned):
-    out = launch("mpirun", 3, "collectives.py", "--mode", "silent", "--op", op, "--silent", str(silent),
-                 "--deadline", str(DEADLINE), timeout=180).stdout
+]
+SILENT_GLOO = ["allgather_object", "broadcast_object"]
+
+
+@pytest.fixture(scope="module")
+def silent_jobs() -> dict[str, subprocess.CompletedProcess]:
+    """Every silent-rank job, side by side: each spends most of its time waiting for its sleeping rank (13 s
+    under mpirun), so together they take about as long as one. Keys: "mpirun OP", "gloo OP"."""
+    def argv(op: str, silent: int) -> list[str]:
+        return [sys.executable, str(WORKERS / "collectives.py"), "--mode", "silent", "--op", op, "--silent",
+                str(silent), "--deadline", str(DEADLINE)]
+
+    jobs = {f"mpirun {op}": ("mpirun", 3, argv(op, silent)) for op, silent, _, _ in SILENT_MPI}
+    jobs.update({f"gloo {op}": ("horovodrun-gloo", 3, argv(op, 1)) for op in SILENT_GLOO})
+    return {name: job.proc for name, job in launch_side_by_side(jobs, timeout=240).items()}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op, silent, waiting, returned", SILENT_MPI)
+def test_silent_rank_is_named_within_the_deadline_under_mpi(silent_jobs, op, silent, waiting, returned):
+    proc = silent_jobs[f"mpirun {op}"]
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
     timeouts = _timeouts(out)
     assert sorted(timeouts) == waiting, out
     for rank, (seconds, message) in timeouts.items():
@@ -59,11 +79,11 @@ def test_silent_rank_is_named_within_the_deadline_under_mpi(op, silent, waiting,
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("op", ["allgather_object", "broadcast_object"])
-def test_silent_rank_under_gloo_ends_the_job_with_the_collective_named(op):
-    proc = launch("horovodrun-gloo", 3, "collectives.py", "--mode", "silent", "--op", op, "--silent", "1",
-                  "--deadline", str(DEADLINE), timeout=180, expect_success=False)
+@pytest.mark.parametrize("op", SILENT_GLOO)
+def test_silent_rank_under_gloo_ends_the_job_with_the_collective_named(silent_jobs, op):
+    proc = silent_jobs[f"gloo {op}"]
     assert proc.returncode != 0, proc.stdout
+    assert "killed: still running" not in proc.stdout, proc.stdout[-6000:]
     lines = re.findall(rf"rank (\d+): collective 'test.silent.{op}' did not complete within 3 s under Gloo "
                        r"\(([\d.]+) s waited\)", proc.stdout)
     # every rank that waited says so (the job ends at the first), and the silent rank never does

@@ -7,13 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dynamix_hvd.comm import ABORT_CODE
-from launching import WORKERS, command, job_env
+from launching import WORKERS, command, job_env, launch_side_by_side
 
 TIMEOUT_S = 4.0
 # docs/faults.md "A rank that stops answering": the probe (min(10, 2 + 0.1 timeout_s)) plus a few seconds for
@@ -32,7 +31,7 @@ def _kill_victim(out: Path) -> None:
                 break
 
 
-@pytest.mark.parametrize("case, ranks, extra, names", [
+STOPPED = [  # case, ranks, extra arguments, where the message says the others waited
     ("checkpointer", 2, ["--ckpt", "CKPT"], "preemption check"),       # stuck in the preemption vote
     ("allreduce", 3, [], "in the gradient allreduce"),                 # no collective of ours: the watchdog
     ("decide-every-step", 2, ["--every", "1"], "decision"),            # stuck in the controller's gather
@@ -43,21 +42,32 @@ def _kill_victim(out: Path) -> None:
     ("user-collective-error", 2, ["--epoch-vote", "--fail"], "outside the gradient allreduce"),
     # the victim leaves training (its controller closes cleanly) while the other waits in the allreduce
     ("left-training", 2, ["--leave"], "in the gradient allreduce"),
-])
-def test_stopped_rank_ends_the_job_naming_it(tmp_path, case, ranks, extra, names):
-    extra = [str(tmp_path / "ck") if a == "CKPT" else a for a in extra]
-    argv = [sys.executable, str(WORKERS / "stall.py"), "--out", str(tmp_path), "--timeout", str(TIMEOUT_S), *extra]
-    proc = subprocess.Popen(command("mpirun", ranks, argv), env=job_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+]
+
+
+@pytest.fixture(scope="module")
+def stopped_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
+    """Every case's job, side by side (each spends most of its time waiting for its stopped rank, so together
+    they take about as long as one): case -> (its folder, the finished job, when it ended, time.time())."""
+    jobs, folders = {}, {}
+    for case, ranks, extra, _ in STOPPED:
+        folders[case] = out = tmp_path_factory.mktemp(case)
+        extra = [str(out / "ck") if a == "CKPT" else a for a in extra]
+        jobs[case] = ("mpirun", ranks, [sys.executable, str(WORKERS / "stall.py"), "--out", str(out),
+                                        "--timeout", str(TIMEOUT_S), *extra])
     try:
-        out, _ = proc.communicate(timeout=300)
-        ended = time.time()
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{case}: the job hung (killed after 300 s):\n{out[-4000:]}")
+        done = launch_side_by_side(jobs, timeout=300)
     finally:
-        _kill_victim(tmp_path)
+        for out in folders.values():
+            _kill_victim(out)
+    return {case: (folders[case], job.proc, job.ended) for case, job in done.items()}
+
+
+@pytest.mark.parametrize("case, ranks, extra, names", STOPPED)
+def test_stopped_rank_ends_the_job_naming_it(stopped_jobs, case, ranks, extra, names):
+    tmp_path, proc, ended = stopped_jobs[case]
+    out = proc.stdout
+    assert "killed: still running" not in out, f"{case}: the job hung (killed after 300 s):\n{out[-4000:]}"
     assert (tmp_path / "victim.json").exists(), f"the victim never stopped: the test proved nothing\n{out[-3000:]}"
     took = ended - json.loads((tmp_path / "victim.json").read_text())["t"]
     print(f"{case}: job ended {took:.1f} s after rank 1 stopped (timeout_s {TIMEOUT_S:g}, bound "
