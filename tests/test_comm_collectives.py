@@ -15,6 +15,9 @@ from launching import REPO, WORKERS, launch, launch_side_by_side
 
 DEADLINE = 3.0
 MARGIN = 6.0  # start-up of the timer and a loaded two-core machine; a hang would last the silent rank's 13 s
+# The ranks leave the worker's starting allreduce a little apart; a rank told of the timeout by another
+# reports the other's deadline less that lag (2.99 s seen on a loaded machine).
+LAG = 0.25
 
 
 @pytest.mark.mpi
@@ -73,7 +76,7 @@ def test_silent_rank_is_named_within_the_deadline_under_mpi(silent_jobs, op, sil
     timeouts = _timeouts(out)
     assert sorted(timeouts) == waiting, out
     for rank, (seconds, message) in timeouts.items():
-        assert DEADLINE <= seconds <= DEADLINE + comm._grace(Collective("x", DEADLINE)) + MARGIN, out
+        assert DEADLINE - LAG <= seconds <= DEADLINE + comm._grace(Collective("x", DEADLINE)) + MARGIN, out
         assert f"collective 'test.silent.{op}'" in message and f"rank(s) [{silent}] did not answer" in message, out
     assert sorted(int(r) for r in re.findall(r"RETURNED rank (\d+)", out)) == returned, out
 
@@ -88,7 +91,7 @@ def test_silent_rank_under_gloo_ends_the_job_with_the_collective_named(silent_jo
                        r"\(([\d.]+) s waited\)", proc.stdout)
     # every rank that waited says so (the job ends at the first), and the silent rank never does
     assert lines and all(r != "1" for r, _ in lines), proc.stdout
-    assert all(DEADLINE <= float(s) <= DEADLINE + MARGIN for _, s in lines), proc.stdout
+    assert all(DEADLINE - LAG <= float(s) <= DEADLINE + MARGIN for _, s in lines), proc.stdout
     assert "the silent rank is the one without it" in proc.stdout
 
 

@@ -45,6 +45,9 @@ def correct(out: Path) -> None:
 
 def silent(op_name: str, silent_rank: int, deadline: float) -> None:
     ch, rank = library_channel(), hvd.rank()
+    # every rank starts the test at about the same time (not as each finished starting up): a rank that
+    # learns of the timeout from another ends the other's deadline after the other started
+    hvd.allreduce(torch.zeros(1), name="test.silent.start")
     if rank == silent_rank:
         time.sleep(deadline + 10)  # alive, but never joins
         return
