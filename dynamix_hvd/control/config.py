@@ -152,7 +152,8 @@ class AdvancedConfig:
     batch (must include 1.0; a policy file is refused unless it was trained with the same set)."""
     resource_period_s: float = 1.0
     """How often a background thread samples CPU, memory and network counters (0: at each decision).
-    Reading them costs milliseconds in some sandboxes, which would otherwise delay every decision."""
+    Reading them can cost milliseconds (containers, network file systems), which would otherwise
+    delay every decision."""
     keep_inputs: int = 0
     """Rank 0 keeps the typed per-rank inputs of the last this-many decisions in
     `DynamixController.inputs`, e.g. to replay them through a fresh `DecisionCore`; 0 keeps none."""

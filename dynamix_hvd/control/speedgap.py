@@ -11,8 +11,8 @@ bound on the split's gain is the time the arrival-equalising split saves at the 
 allreduce and the update that no split shortens. Equal ranks give a bound at or below zero; a 2x
 straggler (a gain of 1/3) timed for six steps gives 0.16-0.34.
 
-Steps are not independent draws: a core slowed by its neighbours stays slow for many steps (on the
-project's VM the lag-1 autocorrelation of d in plain Horovod's runs on equal ranks is 0.51 and
+Steps are not independent draws: a core slowed by its neighbours stays slow for many steps (on a
+shared 2-core virtual machine the lag-1 autocorrelation of d in plain Horovod's runs on equal ranks is 0.51 and
 0.68, medians over the two halves of the workload zoo), and a test that assumes
 independence then finds gaps in noise. The bound's standard error and degrees of freedom therefore
 come from the interval's effective number of steps, n divided by the variance inflation that the

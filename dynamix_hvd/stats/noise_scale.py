@@ -271,7 +271,7 @@ class StatsConfig:
 
     ema_beta: float = 0.99
     """Smoothing of tr(Sigma) and |G|^2 (separately, then divided); memory ~1/(1-beta) steps. One
-    step's estimate is very noisy (~75% relative std with 3 ranks in the tests), so ~100 steps give
+    step's estimate is very noisy (~75% relative std with 3 ranks), so ~100 steps give
     ~10%; lower it only if the noise scale moves faster than that."""
     base_batch: Optional[int] = None
     """B0 of the efficiency E(B) and of `snapshot`'s gain; None = the first global batch seen (the
