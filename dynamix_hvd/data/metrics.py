@@ -260,7 +260,8 @@ class StepTracker:
 
     @property
     def records(self) -> StepColumns:
-        """The most recent `max_records` steps (history for logs and reports), oldest first."""
+        """The most recent `max_records` steps (history for logs and reports), oldest first: a view of
+        the buffer as it is now (read it before the next step; ``.copy()`` keeps it)."""
         n = len(self._rows)
         return self._rows[max(0, n - self.max_records):n]
 
@@ -345,7 +346,7 @@ class StepTracker:
         step_s = row[_STEP_S] = now - (group[-n][0] if group else self._t_request)
         row[_SAMPLES_PER_S] = row[_LOCAL_BATCH] / step_s if step_s > 0 else math.nan
         peak, kind = peak_memory(self.device)
-        row[_PEAK], row[_MEMORY_KIND] = peak, _CODES.get(kind) if kind in _CODES else text_code(kind)
+        row[_PEAK], row[_MEMORY_KIND] = peak, text_code(kind)
         for key, value in extra.items():
             column = COLUMN.get(key)
             if column is None:
