@@ -361,7 +361,8 @@ CONTROL_DECISION = Collective("dx.control.decision", DEFAULT_TIMEOUT_S, "batch-s
 CONTROL_MEMORY = Collective("dx.control.memory", DEFAULT_TIMEOUT_S, "memory sharing key",
                             "control.controller: at construction, which ranks share a memory budget")
 PREEMPTION_VOTE = Collective("dx.checkpoint.vote", DEFAULT_TIMEOUT_S, "preemption flag",
-                             "resilience.checkpoint: every check_every steps, whether any rank was signalled")
+                             "resilience.checkpoint: about once a second of training (or every check_every steps), "
+                             "whether any rank was signalled, with each rank's step time")
 CHECKPOINT_RANK_STATE = Collective("dx.checkpoint.rank_state", DEFAULT_TIMEOUT_S, "per-rank checkpoint state",
                                    "resilience.checkpoint.Checkpointer.save(): every rank's part to rank 0")
 CHECKPOINT_WRITTEN = Collective("dx.checkpoint.written", DEFAULT_TIMEOUT_S, "checkpoint written",
