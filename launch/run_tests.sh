@@ -8,7 +8,7 @@
 #                  packaging); a comma list (--tier unit,mpi) or the option repeated runs several; all
 #                  tiers by default. docs/testing.md says how long each takes.
 #   --workers N    processes for the unit tier (pytest-xdist, one test file at a time per process);
-#                  default: the machine's cores, at most 4; 1 runs it in one process.
+#                  default: the machine's cores, at most 4; 1 runs it in one process. (-n N says the same.)
 #
 # Two pytest sessions: the unit tier spread over the workers, then the mpi and system tiers one test at a
 # time (their jobs use every core, and some of them measure time). With `-m EXPR` of your own, one
@@ -31,6 +31,9 @@ while [ $# -gt 0 ]; do
     --tier=*) _tiers+=("${1#--tier=}"); shift ;;
     --workers) [ $# -ge 2 ] || _die "--workers needs a number"; _workers=$2; shift 2 ;;
     --workers=*) _workers=${1#--workers=}; shift ;;
+    -n|--numprocesses) [ $# -ge 2 ] || _die "$1 needs a number"  # pytest-xdist's own: the unit tier's workers
+                       _workers=$2; shift 2 ;;
+    --numprocesses=*) _workers=${1#--numprocesses=}; shift ;;
     -m|-m*|--markexpr*) _own_m=1; _args+=("$1"); shift ;;
     -x|--exitfirst|--maxfail*) _exitfirst=1; _args+=("$1"); shift ;;
     -*) _args+=("$1"); shift ;;
@@ -38,6 +41,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#_paths[@]} -gt 0 ] || _paths=(tests)
+[ "$_workers" != auto ] || _workers=""
 if [ -n "$_workers" ]; then
   [[ $_workers =~ ^[1-9][0-9]*$ ]] || _die "--workers needs a number of processes (1 or more), not '$_workers'"
 fi

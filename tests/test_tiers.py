@@ -42,7 +42,9 @@ def test_a_tier_selects_its_tests_and_only_them():
 
 @pytest.mark.parametrize("args, message", [(["--tier", "fast"], "unknown tier 'fast'"),
                                            (["--tier", "unit,gpu"], "unknown tier 'gpu'"),
-                                           (["--tier"], "--tier needs a tier")])
+                                           (["--tier"], "--tier needs a tier"),
+                                           (["--workers", "0"], "--workers needs a number of processes"),
+                                           (["-n", "two"], "--workers needs a number of processes")])
 def test_run_tests_refuses_an_unknown_tier_before_any_set_up(args, message):
     proc = subprocess.run(["bash", str(REPO / "launch" / "run_tests.sh"), *args], capture_output=True, text=True,
                           timeout=30, stdin=subprocess.DEVNULL)
