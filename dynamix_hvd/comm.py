@@ -359,7 +359,8 @@ CONTROL_REPORTS = Collective("dx.control.reports", DEFAULT_TIMEOUT_S, "metrics",
 CONTROL_DECISION = Collective("dx.control.decision", DEFAULT_TIMEOUT_S, "batch-size decision",
                               "control.controller.decide(): rank 0's decision to every rank")
 CONTROL_MEMORY = Collective("dx.control.memory", DEFAULT_TIMEOUT_S, "memory sharing key",
-                            "control.controller: at construction, which ranks share a memory budget")
+                            "control.controller: at the first decision of each world, which ranks share a "
+                            "memory budget")
 PREEMPTION_VOTE = Collective("dx.checkpoint.vote", DEFAULT_TIMEOUT_S, "preemption flag",
                              "resilience.checkpoint: about once a second of training (or every check_every steps), "
                              "whether any rank was signalled, with each rank's step time")

@@ -27,6 +27,7 @@ def test_a_training_step_issues_only_the_gradient_allreduces(tmp_path):
         assert control.pop("dx.control.reports") == control.pop("dx.control.decision") == decisions
         assert control.pop("dx.runlog.epoch_rows") == 3
         assert control.pop("dx.checkpoint.vote") == votes
+        assert control.pop("dx.control.memory") == 1  # which ranks share a memory budget: once per world
         assert control == {}, f"collectives nobody expects: {control}"
         assert 3 <= votes <= math.ceil(train_s / 1.0) + 1 + 8, (votes, train_s)
     assert ranks[0]["control"] == ranks[1]["control"] and ranks[0]["horovod"] == ranks[1]["horovod"]

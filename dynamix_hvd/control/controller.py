@@ -125,11 +125,15 @@ class DynamixController:
         # np.median imports numpy.ma on first use: 0.2 s here, which would land in the first decision
         # (inside the first epoch, with every other rank waiting); pay it now, before training starts
         import numpy.ma  # noqa: F401
-        # The memory this rank may plan with: ranks on one device, or in one cgroup on a host, share it.
-        keys = self.channel.allgather_object(sharing_key(device), CONTROL_MEMORY.within(self.cfg.timeout_s))
-        self.memory_budget: MemoryBudget = memory_budget(device, shared_by=keys.count(keys[self.rank]))
+        # The memory this rank may plan with: ranks on one device, or in one cgroup on a host, share
+        # it. Which ranks share is learnt by a collective at the first decision of each world
+        # (`_share_memory_budget`), not here: a worker that joins an elastic job constructs its
+        # controller while the others are already training, and a collective only it calls would
+        # deadlock. Until then the budget is this process's alone (nothing reads it before a report).
+        self._device = device
+        self.memory_budget: MemoryBudget = memory_budget(device)
         """The peak memory this rank may plan to use, and where that number comes from."""
-        get_logger(__name__).info("memory budget %s", self.memory_budget.describe())
+        self._budget_shared = False
         self.memory_floor_bytes = memory_in_use(device)  # before training: model, data, libraries
         self._interval_peak = None if device is not None and device.type == "cuda" else IntervalPeak()
         self.resources = ResourceSampler(device, background_period_s=self.cfg.advanced.resource_period_s,
@@ -187,6 +191,7 @@ class DynamixController:
             self.core.bounds = BatchBounds(world_size, self.cfg.min_batch, self.cfg.max_batch,
                                            max_passes=self.cfg.max_passes)
         self.core.decisions = len(self.history)  # a new rank 0 numbers on from the shared history
+        self._budget_shared = False  # the ranks that share this one's memory may have changed
         self._spacing = 0  # every rank of the new world starts without it (the cadence must agree)
         self._recheck = False
         self._ceiling = 0
@@ -235,6 +240,8 @@ class DynamixController:
             raise RuntimeError("decide() between the micro-batches of an optimizer step; call it after step()")
         t0 = time.perf_counter()
         self._steps_since = 0
+        if not self._budget_shared:
+            self._share_memory_budget()
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
         # A rank that rejoined after an elastic reset may have recorded fewer steps: lengths may differ.
         rows = self.channel.gather_arrays(mine, CONTROL_REPORTS.within(self.cfg.timeout_s))
@@ -281,6 +288,15 @@ class DynamixController:
         self.history.append(record)
         return record
 
+    def _share_memory_budget(self) -> None:
+        """Every rank, at the first decision of a world: learn which ranks share this one's device or
+        cgroup (one collective) and divide the budget between them."""
+        keys = self.channel.allgather_object(sharing_key(self._device), CONTROL_MEMORY.within(self.cfg.timeout_s))
+        self.memory_budget = memory_budget(self._device, shared_by=keys.count(keys[self.rank]))
+        self.resources.budget_bytes = self.memory_budget.bytes
+        self._budget_shared = True
+        get_logger(__name__).info("memory budget %s", self.memory_budget.describe())
+
     def _recheck_steps(self) -> int:
         """Loader steps to a recheck the last decision asked for (0: none): `min_decision_steps`
         optimizer steps, enough for the paired test, also when each accumulates micro-batches."""
@@ -320,7 +336,7 @@ class DynamixController:
             step_s=mean("step_s"),
             samples_per_s=sum(timed.values("local_batch")) / total_time if total_time > 0 else 0.0,
             peak_memory_bytes=peak, memory_floor_bytes=self.memory_floor_bytes,
-            mem_used_bytes=res.mem_used_bytes, mem_total_bytes=res.mem_total_bytes, cpu_util=res.cpu_util,
+            mem_used_bytes=res.mem_used_bytes, mem_total_bytes=self.memory_budget.bytes, cpu_util=res.cpu_util,
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
             # recorded losses none of which is finite: diverged (inf), which the growth check acts on
             loss_mean=statistics.fmean(finite_losses) if finite_losses else (math.inf if losses else math.nan),
