@@ -240,3 +240,16 @@ def test_misspecified_benchmark_runs_every_contender_and_tables_them(tmp_path) -
     assert misspecified.table(rows, by_world_size=True)[2].startswith("| none | 2 | tuning (1) |")
     with pytest.raises(SystemExit):
         misspecified.main(["--conditions", "storm", "--out", str(tmp_path)])
+
+
+def test_the_follow_speed_study_runs_both_variants_on_the_same_jobs(tmp_path):
+    """bench.lab.follow_speed: every job under each condition with and without the one-interval test
+    and the oracle; a table row per condition and half."""
+    from bench.lab import follow_speed
+
+    assert follow_speed.main(["--jobs", "1", "--conditions", "moving", "--out", str(tmp_path)]) == 0
+    rows = (tmp_path / "runs.csv").read_text().splitlines()
+    assert rows[0].split(",")[-3:] == ["one interval", "two intervals", "oracle"] and len(rows) == 3
+    summary = (tmp_path / "summary.md").read_text().splitlines()
+    assert [line.split(" | ")[0:2] for line in summary if line.startswith("| moving")] == \
+        [["| moving", "tuning (1)"], ["| moving", "held-out (1)"]]

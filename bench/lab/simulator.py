@@ -59,6 +59,7 @@ import torch
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.cadence import CadenceConfig, DecisionCadence, interval_ceiling
 from dynamix_hvd.control.core import DecisionCore, Observation, RankInput, StepSeries
+from dynamix_hvd.control.costmodel import CostConfig
 from dynamix_hvd.control.policy import BatchSizePolicy, DecisionInput
 from dynamix_hvd.control.proposal import ModelPolicy
 from dynamix_hvd.control.refine import refine
@@ -286,7 +287,7 @@ class ClusterSimulator:
 
     def __init__(self, spec: ClusterSpec, reward: Optional[RewardConfig] = None,
                  actions: Optional[ActionSpace] = None, stats: Optional[StatsConfig] = None, seed: int = 0,
-                 log_steps: bool = False) -> None:
+                 log_steps: bool = False, costs: Optional[CostConfig] = None) -> None:
         self.spec = spec
         self.log_steps = log_steps
         self.step_log: list[dict[str, Any]] = []
@@ -294,6 +295,7 @@ class ClusterSimulator:
         self.reward_cfg = reward or RewardConfig()
         self.actions = actions or ActionSpace()
         self.stats_cfg = stats or StatsConfig()
+        self.costs_cfg = costs or CostConfig()
         self.rng = np.random.default_rng(seed)
         self.seed = seed
         s = spec
@@ -394,7 +396,7 @@ class ClusterSimulator:
         self.base_batch = sum(self.sizes)
         self.core = DecisionCore(self.R, self.base_batch, reward=self.reward_cfg, stats=self.stats_cfg,
                                  min_batch=s.min_batch, max_batch=s.max_batch, total_epochs=self.total_epochs,
-                                 max_passes=s.max_passes, fit_warmup=True)  # no one-off costs here
+                                 max_passes=s.max_passes, fit_warmup=True, costs=self.costs_cfg)  # no one-off costs here
         self.wall_s, self.ooms = 0.0, 0
         self.proposer = ModelPolicy()  # the proposal PPO's actions correct (step)
         self._epoch, self._epoch_step = int(self.samples_seen // s.dataset_size), 0
