@@ -53,6 +53,20 @@ def live_config(name: str) -> dict[str, Any]:
             "total_epochs": int(a["--epochs"])}
 
 
+def replay_live(name: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The stored live job `name`'s decisions, and the decision records (``Decision.record()``) a fresh
+    decision core of its config takes on the same inputs, as the live controller decides."""
+    from dynamix_hvd.control.config import ControllerConfig, make_core
+    from dynamix_hvd.control.core import RankInput
+
+    log = read(LOGS / f"live-{name}.json.gz")
+    core = make_core(ControllerConfig(**log["config"]), 2, log["initial_batch"], log["layer_names"])
+    replayed = [core.decide([RankInput.from_dict(i) for i in inputs], stored["previous_sizes"], stored["epoch"],
+                            passes=stored["previous_passes"], done=stored["done"]).record()
+                for inputs, stored in zip(log["inputs"], log["decisions"])]
+    return log["decisions"], replayed
+
+
 def simulated_decisions(seed: int, policy: Any) -> tuple[list[dict[str, Any]], str]:
     """The decisions `policy` takes in the simulated job of `seed` (at most SIMULATED_MAX_DECISIONS)."""
     from bench.lab.scenarios import sample_cluster

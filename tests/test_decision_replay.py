@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 
-from decision_logs import LIVE, LOGS, SIMULATED_MAX_DECISIONS, read, simulated_decisions
-from dynamix_hvd.control.config import ControllerConfig, make_core
-from dynamix_hvd.control.core import RankInput
+from decision_logs import LIVE, LOGS, SIMULATED_MAX_DECISIONS, read, replay_live, simulated_decisions
 from dynamix_hvd.control.phases import PHASES
 from dynamix_hvd.control.proposal import ModelPolicy
 
@@ -47,16 +45,9 @@ def differences(log: str, stored: list[dict[str, Any]], replayed: list[dict[str,
 
 @pytest.mark.parametrize("name", sorted(LIVE))
 def test_a_real_jobs_decisions_replay_unchanged(name: str) -> None:
-    log = read(LOGS / f"live-{name}.json.gz")
-    core = make_core(ControllerConfig(**log["config"]), 2, log["initial_batch"], log["layer_names"])
-    replayed = []
-    for inputs, stored in zip(log["inputs"], log["decisions"]):
-        d = core.decide([RankInput.from_dict(i) for i in inputs], stored["previous_sizes"], stored["epoch"],
-                        passes=stored["previous_passes"], done=stored["done"])
-        replayed.append({"sizes": d.sizes, "passes": d.passes, "recheck": d.recheck, "lr_gain": d.lr_gain,
-                         "phase": d.info.get("phase")})
-    assert not differences(f"live-{name}", log["decisions"], replayed)
-    phases = [d["phase"] for d in replayed]
+    stored, replayed = replay_live(name)
+    assert not differences(f"live-{name}", stored, replayed)
+    phases = [d["info"].get("phase") for d in replayed]
     assert set(phases) <= set(PHASES), phases
     if name == "equal":
         assert set(phases) == {"even"}, phases

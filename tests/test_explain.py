@@ -10,22 +10,13 @@ from typing import Any
 
 import pytest
 
-from decision_logs import LOGS, read
-from dynamix_hvd.control.config import ControllerConfig, make_core
-from dynamix_hvd.control.core import RankInput
+from decision_logs import replay_live
 from dynamix_hvd.control.phases import PHASES
 from dynamix_hvd.runs.explain import explain_lines, phase_counts, phase_spans, steps_of
 
 
 def replayed_history(name: str) -> list[dict[str, Any]]:
-    log = read(LOGS / f"live-{name}.json.gz")
-    core = make_core(ControllerConfig(**log["config"]), 2, log["initial_batch"], log["layer_names"])
-    history = []
-    for inputs, stored in zip(log["inputs"], log["decisions"]):
-        d = core.decide([RankInput.from_dict(i) for i in inputs], stored["previous_sizes"], stored["epoch"],
-                        passes=stored["previous_passes"], done=stored["done"])
-        history.append(d.record())
-    return history
+    return replay_live(name)[1]
 
 
 @pytest.fixture(scope="module")

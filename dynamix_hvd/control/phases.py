@@ -81,10 +81,11 @@ class Alternative:
         return out
 
 
-def transition(measured: str, now: str, after: str, why: Sequence[str], evidence: dict[str, Any],
+def transition(measured: str, now: str, after: str, verdict: str, why: Sequence[str], evidence: dict[str, Any],
                alternatives: Sequence[Alternative]) -> dict[str, Any]:
-    """The record of one decision's step through the phases (plain values)."""
-    return {"measured": measured, "phase": now, "next": after, "why": [w for w in why if w],
+    """The record of one decision's step through the phases (plain values): `verdict` what the
+    interval measured concluded ("" where nothing), `why` the phase's rule and the outcome."""
+    return {"measured": measured, "phase": now, "next": after, "verdict": verdict, "why": [w for w in why if w],
             "evidence": {k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
                          for k, v in evidence.items()},
             "alternatives": [a.to_dict() for a in alternatives]}

@@ -577,8 +577,8 @@ class ModelPolicy:
                                    "margin": self.split_margin, "failures": self.split_check.failures}
         if self.check is not None and self.check.last:
             info["growth_check"] = {**self.check.last, "banned": self.check.banned, "accepted": self.check.accepted}
-        info["transition"] = transition(measured, now, after, [self._verdict(measured, now, ev), plan.why,
-                                                              self._outcome(now, after, inp)],
+        info["transition"] = transition(measured, now, after, self._verdict(measured, now, ev),
+                                        [plan.why, self._outcome(now, after, inp)],
                                         self._evidence_record(ev), self._alternatives(ev, inp))
         return DecisionOutput(self.last.sizes, info, self.last.passes)
 

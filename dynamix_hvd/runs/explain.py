@@ -30,6 +30,8 @@ class Step:
     phase: str | None
     """The phase the decision was made in (None: the policy records none)."""
     next_phase: str | None
+    verdict: str
+    """What the interval the decision measured concluded ("" where nothing)."""
     why: list[str]
     evidence: dict[str, Any]
     alternatives: list[dict[str, Any]]
@@ -42,12 +44,7 @@ class Step:
     def quiet(self) -> bool:
         """Nothing changed and nothing was concluded: the phase, the sizes and the micro-batches stayed."""
         return (self.phase == self.next_phase and self.before == self.after
-                and self.passes_before == self.passes_after and not self.verdicts)
-
-    @property
-    def verdicts(self) -> list[str]:
-        """The reasons that report a measurement's outcome (kept, failed, banned, a recheck)."""
-        return [w for w in self.why if w.startswith(("split ", "growth ", "speed gap"))]
+                and self.passes_before == self.passes_after and not self.verdict)
 
 
 def steps_of(history: Iterable[dict[str, Any]]) -> list[Step]:
@@ -63,7 +60,7 @@ def steps_of(history: Iterable[dict[str, Any]]) -> list[Step]:
         proposed = info.get("proposed_sizes")
         out.append(Step(int(d.get("decision", i)), epoch, before, after, int(d.get("previous_passes", 1) or 1),
                         int(d.get("passes", 1) or 1), t.get("phase", info.get("phase")), t.get("next"),
-                        list(t.get("why", [])), dict(t.get("evidence", {})), list(t.get("alternatives", [])),
+                        str(t.get("verdict", "")), list(t.get("why", [])), dict(t.get("evidence", {})), list(t.get("alternatives", [])),
                         bool(info.get("held")), None if proposed is None or proposed == after else list(proposed)))
     return out
 
@@ -133,14 +130,14 @@ def explain_lines(history: Iterable[dict[str, Any]], *, verbose: bool = False) -
         flush()
         moved = (f"{_sizes(s.before, s.passes_before)} -> {_sizes(s.after, s.passes_after)}"
                  if (s.before, s.passes_before) != (s.after, s.passes_after) else f"stay {_sizes(s.after, s.passes_after)}")
-        if not verbose and s.phase is not None and s.phase == s.next_phase and not s.verdicts and not s.held:
+        if not verbose and s.phase is not None and s.phase == s.next_phase and not s.verdict and not s.held:
             # a move within a phase: the phase's rule, applied again
             lines.append(f"{'#' + str(s.index):>9}  epoch {s.epoch:.2f} in {s.phase}: sizes {moved} "
                          f"({(s.why[-1] if s.why else 'no reason recorded')})")
             continue
         phases = f"  [{s.phase} -> {s.next_phase}]" if s.phase and s.next_phase else (f"  [{s.phase}]" if s.phase else "")
         lines.append(f"{'#' + str(s.index):>9}  epoch {s.epoch:.2f}{phases}  sizes {moved}")
-        for why in s.why:
+        for why in ([s.verdict] if s.verdict else []) + s.why:
             lines.append(f"{'':11}- {why}")
         if s.held:
             lines.append(f"{'':11}- held: the proposal would have returned to the sizes of two decisions ago")
