@@ -290,3 +290,6 @@ def test_a_job_in_a_cgroup_never_plans_past_its_budget(limited, tmp_path: Path, 
         assert r["peak_rss"] <= r["budget"]["bytes"], (r["peak_rss"] / MIB, r["budget"])
     summary = cli_here("summarize", str(out / "run"))
     assert summary.returncode == 0 and "memory budget rank 0: 0.68 GiB (cgroup" in summary.stdout, summary.stdout
+    print(f"cgroup {limit / MIB:.0f} MiB: budget {budget['bytes'] / MIB:.0f} MiB per rank, floor "
+          f"{ranks[0]['floor'] / MIB:.0f} MiB, peaks {[round(r['peak_rss'] / MIB) for r in ranks]} MiB, sizes "
+          f"{[d['sizes'] for d in history]}, bounds {[d['bounds'] for d in history]}")
