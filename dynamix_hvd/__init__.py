@@ -1,4 +1,4 @@
-"""dynamix_hvd: adaptive per-rank batch sizes for Horovod + PyTorch.
+"""dynamix_hvd: adaptive per-rank batch sizes for PyTorch on Horovod or torch.distributed.
 
 Only re-exports. The package is organised by plane, each a subpackage whose docstring says what it
 owns and what it may import:
@@ -8,6 +8,7 @@ owns and what it may import:
 - `stats`: fused squared norms, gradient noise scale, efficiency;
 - `control`: state, reward, actions, policies and rules, the PPO learner, policy files, the live controller;
 - `comm`: every control-plane collective (the only module that imports mpi4py);
+- `engine`: Horovod and torch.distributed, behind the small interface the optimizer and comm use;
 - `logs`: the one logging path (rank-prefixed `logging` under "dynamix_hvd"; imports nothing of ours);
 - `dba`: Dynamic Batch Adaptation; `resilience`: checkpoints and elastic; `runs`: run logs, reports
   and the progress display; `tools`: the CLI, launch and build checks; `examples`: a plain Horovod script.
@@ -15,8 +16,8 @@ owns and what it may import:
 The simulator, pretraining, calibration and benchmarks (the source tree's `bench/`) build on the
 package; the package never imports them.
 
-Importing the package imports neither Horovod nor MPI: `WeightedDistributedOptimizer` (which needs
-`horovod.torch`) is loaded on first use.
+Importing the package imports neither Horovod nor MPI nor torch.distributed's engine: each is loaded
+where a job uses it (`engine` holds both engines, Horovod and torch.distributed).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from .control.rules import (AdaBatchConfig, GoodputConfig, IncreaseBatchConfig, 
 from .data.loader import AdaptiveLoader
 from .data.metrics import StepRecord, StepTracker
 from .data.plan import PlannedStep, epoch_permutation, plan_steps, split_proportional
+from .comm import torch_env_from_mpi
 from .logs import configure_logging
 from .optim.lr_scaling import lr_factor
 from .optim.progress import ProgressScheduler
@@ -50,7 +52,7 @@ __all__ = ["AdaBatchConfig", "AdaptiveLoader", "AdvancedConfig", "CadenceConfig"
            "LinearRampConfig", "NoiseScaleConfig", "PPOConfig", "PPOOverrides", "ProposalConfig", "RewardConfig",
            "SpeedSplitConfig", "SplitConfig", "StatsConfig",
            "PlannedStep", "ProgressScheduler", "StepRecord", "StepTracker", "WeightedDistributedOptimizer", "configure_logging",
-           "epoch_permutation", "lr_factor", "plan_steps", "split_proportional"]
+           "epoch_permutation", "lr_factor", "plan_steps", "split_proportional", "torch_env_from_mpi"]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,8 +17,10 @@ messages rooted at one rank, polled in one loop (`ControlChannel._mpi_poll`) aga
 allgather, tells the others; ranks other than the root wait a grace of ``1 + 0.1 x deadline`` longer
 than the root, so the root's message, which names the silent rank, comes first. Under
 ``horovodrun --gloo`` there is no MPI world: the collectives are Horovod's, of the collective's name,
-under one watchdog (`ControlChannel._hvd_within`) that ends the process at the deadline (Horovod
-collectives cannot be abandoned).
+under one watchdog that ends the process at the deadline (Horovod collectives cannot be abandoned).
+Under ``torchrun`` (a torch.distributed process group and no MPI launcher) the same rooted messages as
+under MPI travel on a Gloo group of their own (`dynamix_hvd.engine.torchdist.GlooMessages`), each
+send and receive with the deadline, so the root names the silent rank there too.
 
 At exit: Horovod, when it initialised MPI, finalises it on every rank as soon as one rank shuts
 down, so a rank must not exit while a peer still waits for its messages. `library_channel()`
@@ -42,7 +44,7 @@ from typing import Any, Callable, NoReturn
 
 import numpy as np
 
-from . import validate
+from . import engine, validate
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 
@@ -108,11 +110,45 @@ def launched_under_mpi() -> bool:
     return any(v in os.environ for v in _MPI_ENV)
 
 
+def torch_env_from_mpi(port: int | None = None) -> dict[str, str]:
+    """Under an MPI launcher (mpirun, srun --mpi=pmix), set what ``torch.distributed.init_process_group()``
+    reads from the environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR (rank 0's
+    host name) and MASTER_PORT (`port`, or a port free on rank 0), learnt with one broadcast over
+    MPI_COMM_WORLD; call it on every rank before ``init_process_group``. Variables already set are
+    kept. Returns the variables it set."""
+    if not launched_under_mpi():
+        raise RuntimeError("torch_env_from_mpi() needs an MPI launcher (mpirun, srun --mpi=pmix); under "
+                           "torchrun the environment is already set")
+    import socket
+
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    if world.Get_rank() == 0:
+        if port is None:
+            with socket.socket() as probe:
+                probe.bind(("", 0))
+                port = probe.getsockname()[1]
+        head = (socket.gethostname(), int(port))
+    else:
+        head = None
+    host, port = world.bcast(head, root=0)
+    values = {"RANK": world.Get_rank(), "WORLD_SIZE": world.Get_size(), "LOCAL_RANK": local.Get_rank(),
+              "LOCAL_WORLD_SIZE": local.Get_size(), "MASTER_ADDR": host, "MASTER_PORT": port}
+    local.Free()
+    set_now = {k: str(v) for k, v in values.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
+
+
 class ControlChannel:
     """The collectives of this module on one communicator (see the module docstring)."""
 
     def __init__(self, poll_s: float = 0.0005, *, _library: bool = False) -> None:
         self.poll_s = poll_s
+        self._p2p: Any = None      # torch.distributed: Gloo messages
+        self._objects: Any = None  # Horovod under Gloo: its object collectives
         if launched_under_mpi():
             from mpi4py import MPI
 
@@ -124,27 +160,33 @@ class ControlChannel:
                 # MPI on every rank) while another still waits in one of this channel's collectives.
                 # Made after this channel's Dup, once, on every rank alike (channels are made collectively).
                 library_channel()
-        else:
+        elif engine.torch_distributed_ready():
+            from .engine.torchdist import GlooMessages
+
             self._comm = None
+            self._p2p = GlooMessages()
+            self._rank, self._size = self._p2p.rank, self._p2p.size
+            self.backend = "torch-gloo"
+        else:
+            from .engine.horovod import HorovodObjects
+
+            self._comm = None
+            self._objects = HorovodObjects()
             self._rank = self._size = -1
             self.backend = "horovod-objects"
 
     @property
     def rank(self) -> int:
         """This rank; under Gloo Horovod's, read live (an elastic reset changes it)."""
-        if self._comm is not None or self._rank >= 0:
+        if self._objects is None:
             return self._rank
-        import horovod.torch as hvd
-
-        return hvd.rank()
+        return self._objects.rank
 
     @property
     def size(self) -> int:
-        if self._comm is not None or self._size >= 0:
+        if self._objects is None:
             return self._size
-        import horovod.torch as hvd
-
-        return hvd.size()
+        return self._objects.size
 
     def close(self) -> None:
         if self._comm is not None:
@@ -154,27 +196,27 @@ class ControlChannel:
     # --- objects -------------------------------------------------------------------------------------
     def allgather_object(self, obj: Any, op: Collective) -> list[Any]:
         """Every rank's object on every rank (a list in rank order)."""
-        if self._comm is None:
-            return self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
+        if self._objects is not None:
+            return self._objects.allgather_object(obj, op.name, op.deadline_s)
         deadline = time.monotonic() + op.deadline_s
-        gathered = self._mpi_gather(obj, op, 0, deadline, tell_others=True)
-        return self._mpi_bcast(gathered, op, 0, deadline + _grace(op), deadline + _grace(op))
+        gathered = self._gather(obj, op, 0, deadline, tell_others=True)
+        return self._bcast(gathered, op, 0, deadline + _grace(op), deadline + _grace(op))
 
     def gather_object(self, obj: Any, op: Collective, root: int = 0) -> list[Any] | None:
         """Every rank's object on `root` (a list in rank order); None on the other ranks."""
         self._check_root(root, op)
-        if self._comm is None:
-            everyone = self._hvd_within(op, lambda h: h.allgather_object(obj, name=op.name))
+        if self._objects is not None:
+            everyone = self._objects.allgather_object(obj, op.name, op.deadline_s)
             return everyone if self.rank == root else None
-        return self._mpi_gather(obj, op, root, time.monotonic() + op.deadline_s, tell_others=False)
+        return self._gather(obj, op, root, time.monotonic() + op.deadline_s, tell_others=False)
 
     def broadcast_object(self, obj: Any, op: Collective, root: int = 0) -> Any:
         """`root`'s object on every rank (`obj` is ignored on the other ranks)."""
         self._check_root(root, op)
-        if self._comm is None:
-            return self._hvd_within(op, lambda h: h.broadcast_object(obj, root_rank=root, name=op.name))
+        if self._objects is not None:
+            return self._objects.broadcast_object(obj, root, op.name, op.deadline_s)
         deadline = time.monotonic() + op.deadline_s
-        return self._mpi_bcast(obj, op, root, deadline, deadline + _grace(op))
+        return self._bcast(obj, op, root, deadline, deadline + _grace(op))
 
     def any_true(self, flag: bool, op: Collective) -> bool:
         """True on every rank if `flag` is true on any rank (e.g. one rank received SIGTERM). An
@@ -184,8 +226,8 @@ class ControlChannel:
     # --- tensors and float64 arrays --------------------------------------------------------------------
     def allgather_tensor(self, tensor: Any, op: Collective) -> Any:
         """Every rank's tensor concatenated along dim 0 in rank order (what ``hvd.allgather`` returns)."""
-        if self._comm is None:
-            return self._hvd_within(op, lambda h: h.allgather(tensor, name=op.name))
+        if self._objects is not None:
+            return self._objects.allgather_tensor(tensor, op.name, op.deadline_s)
         import torch
 
         parts = self.allgather_object(tensor.detach().cpu().numpy(), op)
@@ -223,7 +265,7 @@ class ControlChannel:
     def _gather_ragged(self, values: np.ndarray, op: Collective) -> tuple[list[np.ndarray] | None, list[int] | None]:
         """(rank 0: the arrays in rank order, else None; every length where this rank knows them)."""
         send = _as_vector(values, op)
-        if self._comm is None:  # every rank receives every array, so every rank checks the lengths
+        if self._objects is not None:  # every rank receives every array, so every rank checks the lengths
             everyone = [_as_vector(a, op) for a in self.allgather_object(send, op)]
             return (everyone if self.rank == 0 else None), [len(a) for a in everyone]
         rows = self.gather_object(send, op, root=0)
@@ -239,12 +281,71 @@ class ControlChannel:
                 f"{[odd[r] for r in sorted(odd)]} values where the others sent {expected}. Every rank must "
                 "report the same number of steps per decision (a rank skipped or added a step).")
 
-    # --- mechanics: MPI ------------------------------------------------------------------------------
     def _check_root(self, root: int, op: Collective) -> None:
         size = self.size
         if not (isinstance(root, int) and 0 <= root < size):
             raise ValueError(f"collective '{op.name}': root={root!r} is not a rank of this world of {size}")
 
+    def _gather(self, obj: Any, op: Collective, root: int, deadline: float, tell_others: bool) -> list[Any] | None:
+        if self._p2p is not None:
+            return self._p2p_gather(obj, op, root, deadline, tell_others)
+        return self._mpi_gather(obj, op, root, deadline, tell_others)
+
+    def _bcast(self, obj: Any, op: Collective, root: int, send_deadline: float, receive_deadline: float) -> Any:
+        if self._p2p is not None:
+            return self._p2p_bcast(obj, op, root, send_deadline, receive_deadline)
+        return self._mpi_bcast(obj, op, root, send_deadline, receive_deadline)
+
+    # --- mechanics: Gloo messages (torch.distributed) --------------------------------------------------
+    def _p2p_gather(self, obj: Any, op: Collective, root: int, deadline: float, tell_others: bool) -> list[Any] | None:
+        others = [r for r in range(self.size) if r != root]
+        if self.rank != root:
+            if self._p2p.send(("obj", op.name, obj), [root], _tag(op), deadline):
+                raise self._timeout(op, f"sending {op.carries} to rank {root}", [root])
+            return None
+        got, missing = self._p2p.recv(others, _tag(op), deadline)
+        if missing:
+            if tell_others:  # they wait a grace longer for this note, so their errors name the rank too
+                self._p2p.send(("missing", op.name, missing), [r for r in others if r not in missing], _tag(op),
+                               deadline, wait=False)
+            raise self._timeout(op, f"gathering {op.carries} on rank {root}", missing)
+        rows = {root: obj}
+        for src, (kind, name, value) in got.items():
+            self._check_order(op, src, name)
+            rows[src] = value
+        return [rows[r] for r in range(self.size)]
+
+    def _p2p_bcast(self, obj: Any, op: Collective, root: int, send_deadline: float, receive_deadline: float) -> Any:
+        if self.rank == root:
+            missing = self._p2p.send(("ok", op.name, obj), [r for r in range(self.size) if r != root], _tag(op),
+                                     send_deadline)
+            if missing:
+                raise self._timeout(op, f"sending {op.carries} from rank {root}", missing)
+            return obj
+        got, missing = self._p2p.recv([root], _tag(op), receive_deadline)
+        if missing:
+            raise self._timeout(op, f"receiving {op.carries} from rank {root}", missing)
+        kind, name, value = got[root]
+        self._check_order(op, root, name)
+        if kind == "missing":
+            raise CollectiveTimeout(
+                f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s on rank {root}; "
+                f"rank(s) {value} did not answer. A rank that crashed, hangs, or skipped this point causes this.",
+                missing=value)
+        return value
+
+    def _timeout(self, op: Collective, doing: str, missing: list[int]) -> CollectiveTimeout:
+        return CollectiveTimeout(
+            f"rank {self.rank}: collective '{op.name}' timed out after {op.deadline_s:g} s {doing}; "
+            f"rank(s) {missing} did not answer. A rank that crashed, hangs, or skipped this point "
+            "causes this.", missing=missing)
+
+    def _check_order(self, op: Collective, src: int, name: str) -> None:
+        if name != op.name:
+            raise RuntimeError(f"rank {self.rank}: in collective '{op.name}' rank {src} sent a message "
+                               f"of collective '{name}': the ranks issue collectives in different orders")
+
+    # --- mechanics: MPI ------------------------------------------------------------------------------
     def _mpi_gather(self, obj: Any, op: Collective, root: int, deadline: float, tell_others: bool) -> list[Any] | None:
         others = [r for r in range(self.size) if r != root]
         if self.rank != root:
@@ -320,30 +421,6 @@ class ControlChannel:
             if now > spin_until:
                 time.sleep(self.poll_s)
 
-    # --- mechanics: Horovod (Gloo) -------------------------------------------------------------------
-    @staticmethod
-    def _hvd_within(op: Collective, call: Callable[[Any], Any]) -> Any:
-        import horovod.torch as hvd
-
-        finished, start = threading.Event(), time.monotonic()
-
-        def watchdog() -> None:
-            if not finished.wait(op.deadline_s):
-                sys.stderr.write(
-                    f"[dynamix_hvd] rank {hvd.rank()}: collective '{op.name}' did not complete within "
-                    f"{op.deadline_s:g} s under Gloo ({time.monotonic() - start:.1f} s waited); some rank did not "
-                    "answer. Under Gloo a rank cannot tell which: every rank that waited prints this line, so the "
-                    "silent rank is the one without it. Exiting instead of hanging.\n")
-                sys.stderr.flush()
-                os._exit(3)
-
-        threading.Thread(target=watchdog, name=f"dx-deadline-{op.name}", daemon=True).start()
-        try:
-            return call(hvd)
-        finally:
-            finished.set()
-
-
 def _as_vector(values: Any, op: Collective) -> np.ndarray:
     arr = np.ascontiguousarray(values, dtype=np.float64)
     if arr.ndim != 1:
@@ -374,9 +451,11 @@ CHECKPOINT_CHECKED = Collective("dx.checkpoint.checked", DEFAULT_TIMEOUT_S, "che
                                 "resilience.checkpoint.Checkpointer.restore(): every rank's verdict on a candidate")
 CHECKPOINT_APPLIED = Collective("dx.checkpoint.applied", DEFAULT_TIMEOUT_S, "checkpoint applied",
                                 "resilience.checkpoint.Checkpointer.restore(): every rank's outcome of applying it")
+WATCHDOG_ADDRESSES = Collective("dx.watchdog.addresses", DEFAULT_TIMEOUT_S, "watchdog address",
+                                "comm.StallWatchdog: under torch.distributed, where each rank's watchdog listens")
 CONTROL_COLLECTIVES: tuple[Collective, ...] = (CONTROL_REPORTS, CONTROL_DECISION, CONTROL_MEMORY, PREEMPTION_VOTE,
                                                CHECKPOINT_RANK_STATE, CHECKPOINT_WRITTEN, CHECKPOINT_LIST,
-                                               CHECKPOINT_CHECKED, CHECKPOINT_APPLIED)
+                                               CHECKPOINT_CHECKED, CHECKPOINT_APPLIED, WATCHDOG_ADDRESSES)
 # The rest, on `library_channel()`.
 RUNLOG_CLOCK = Collective("dx.runlog.clock_origin", 600.0, "clock origin",
                           "runs.runlog.RunLog(): the ranks' common clock origin")
@@ -473,6 +552,37 @@ def failed_exit(exc_type: type | None, exc: BaseException | None) -> bool:
     return exc_type is not None and not (isinstance(exc, SystemExit) and exc.code in (0, None))
 
 
+class _MPIProbes:
+    """The watchdog's messages under MPI: ping, pong and closing, each on its own tag from `slot`."""
+
+    def __init__(self, channel: ControlChannel, comm: Any, slot: int) -> None:
+        self.channel, self.comm = channel, comm
+        self.tags = {"ping": slot, "pong": slot + 1, "closing": slot + 2}
+        self._sends: list = []  # touched by the watchdog's thread only
+
+    def alive(self) -> bool:
+        from mpi4py import MPI
+
+        return self.channel._comm is not None and not MPI.Is_finalized()
+
+    def send(self, kind: str, dst: int, message: tuple) -> None:
+        self._sends.append(self.comm.isend(message, dest=dst, tag=self.tags[kind]))
+
+    def poll(self) -> list[tuple[str, int, tuple]]:
+        from mpi4py import MPI
+
+        got, status = [], MPI.Status()
+        for kind, tag in self.tags.items():
+            while (message := self.comm.improbe(tag=tag, status=status)) is not None:
+                got.append((kind, status.Get_source(), message.recv()))
+        self._sends = [r for r in self._sends if not r.Test()]
+        return got
+
+    def abandon(self) -> None:
+        _ABANDONED.extend(self._sends)
+        self._sends = []
+
+
 class StallWatchdog:
     """Ends the job when some rank no longer answers (stopped, dead, or wedged holding the GIL) while
     this rank waits for it: in the gradient allreduce, or anywhere else (a collective of the user's,
@@ -493,38 +603,45 @@ class StallWatchdog:
     closed without an error tells the others, so a rank that finished training is not taken for a
     stopped one outside the allreduce; one closed on an error (``close(failed=True)``: an exception
     leaving the controller's ``with`` block; at exit, an exception that ended the program) does not,
-    so the others name it. MPI only (under Gloo, Horovod's
-    own collective timeout ends the wait); needs MPI_THREAD_MULTIPLE, which Horovod asks for.
+    so the others name it. Under MPI (needs MPI_THREAD_MULTIPLE, which Horovod asks for) and under
+    torch.distributed (probes over TCP, `dynamix_hvd.engine.probes.SocketProbes`); not
+    under Horovod's Gloo, where Horovod's own collective timeout ends the wait.
     """
 
     def __init__(self, channel: ControlChannel, waiting_since: Callable[[], float | None], deadline_s: float,
                  probe_s: float | None = None, poll_s: float = 0.2,
                  progress_at: Callable[[], float] | None = None) -> None:
-        from mpi4py import MPI
-
         self.channel, self.waiting_since, self.deadline_s = channel, waiting_since, deadline_s
         self.progress_at = progress_at
         self.probe_s = probe_s if probe_s is not None else min(10.0, 2.0 + 0.1 * deadline_s)
         self.poll_s = poll_s
         self._stop = threading.Event()
-        self._sends: list = []                 # touched by the thread only
         self._probe = 0
         self._closed: set[int] = set()         # peers whose watchdog closed without an error
         self._silent: dict[int, float] = {}    # peer -> when it first failed an idle probe still unanswered
         self._started = time.perf_counter()
         self._uncaught_before = _uncaught()  # an earlier error of an interactive session is not this one
-        self._comm: Any = None
-        if channel._comm is None or MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            self._thread = None
+        self._probes: Any = None
+        self._thread: threading.Thread | None = None
+        if channel.backend == "torch-gloo":
+            from .engine.probes import SocketProbes
+
+            self._number = next(_WATCHDOG_COUNT)
+            self._probes = SocketProbes(channel.rank, lambda address: channel.allgather_object(
+                address, WATCHDOG_ADDRESSES.within(deadline_s)))
+        elif channel._comm is not None:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+                return
+            # The library channel's exit barrier keeps every rank from shutting Horovod down (which
+            # finalizes MPI on all ranks) while another rank's watchdog may still be polling: that would crash it.
+            self._number = next(_WATCHDOG_COUNT)
+            self._probes = _MPIProbes(channel, library_channel()._comm, _TAG_BASE + 3 * (self._number % _TAG_SLOTS))
+        else:
             return
         import atexit
 
-        # The library channel's exit barrier keeps every rank from shutting Horovod down (which finalizes
-        # MPI on all ranks) while another rank's watchdog may still be polling: that would crash it.
-        self._comm = library_channel()._comm
-        self._number = next(_WATCHDOG_COUNT)
-        slot = _TAG_BASE + 3 * (self._number % _TAG_SLOTS)
-        self._ping, self._pong, self._closing = slot, slot + 1, slot + 2
         self._thread = threading.Thread(target=self._run, name="dynamix-stall-watchdog", daemon=True)
         self._thread.start()
         atexit.register(self._close_at_exit)  # after Horovod's handler (hvd.init()), so it runs first
@@ -542,14 +659,14 @@ class StallWatchdog:
         atexit.unregister(self._close_at_exit)
         if self.active and self._alive() and not failed:
             # Sent while the thread still answers: a peer that probes before the news arrives gets a pong.
-            _ABANDONED.extend(self._comm.isend(self._number, dest=dst, tag=self._closing)
-                              for dst in range(self.channel.size) if dst != self.channel.rank)
+            for dst in range(self.channel.size):
+                if dst != self.channel.rank:
+                    self._probes.send("closing", dst, (self._number, 0, 0.0))
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        if self._thread is None or not self._thread.is_alive():  # else the thread still owns the list
-            _ABANDONED.extend(self._sends)
-            self._sends = []
+        if self._probes is not None and (self._thread is None or not self._thread.is_alive()):
+            self._probes.abandon()  # else the thread still owns its sends
 
     def _close_at_exit(self) -> None:
         uncaught = _uncaught()
@@ -557,31 +674,22 @@ class StallWatchdog:
 
     # --- the thread ---------------------------------------------------------------------------------
     def _alive(self) -> bool:
-        from mpi4py import MPI
-
-        return not self._stop.is_set() and self.channel._comm is not None and not MPI.Is_finalized()
+        return not self._stop.is_set() and self._probes.alive()
 
     def _answer(self) -> dict[int, Any]:
         """Answer every pending probe, note closed peers; return the answers to our own probes that
         arrived ({rank: status})."""
-        from mpi4py import MPI
-
-        comm, pongs, status_ = self._comm, {}, MPI.Status()
-        while (message := comm.improbe(tag=self._ping, status=status_)) is not None:
-            source, (number, probe) = status_.Get_source(), message.recv()
-            if number == self._number:
+        pongs = {}
+        for kind, source, (number, probe, status) in self._probes.poll():
+            if number != self._number:
+                continue  # left over from an earlier watchdog
+            if kind == "ping":
                 since = self.waiting_since()
-                status = None if since is None else time.perf_counter() - since
-                self._sends.append(comm.isend((number, probe, status), dest=source, tag=self._pong))
-        while (message := comm.improbe(tag=self._pong, status=status_)) is not None:
-            source, (number, probe, status) = status_.Get_source(), message.recv()
-            if number == self._number and probe == self._probe:
+                self._probes.send("pong", source, (number, probe, None if since is None else time.perf_counter() - since))
+            elif kind == "pong" and probe == self._probe:
                 pongs[source] = status
-        while (message := comm.improbe(tag=self._closing, status=status_)) is not None:
-            source, number = status_.Get_source(), message.recv()
-            if number == self._number:
+            elif kind == "closing":
                 self._closed.add(source)
-        self._sends = [r for r in self._sends if not r.Test()]
         return pongs
 
     def _idle_since(self) -> float | None:
@@ -611,7 +719,7 @@ class StallWatchdog:
         """Probe `peers`; their answers within `probe_s` ({rank: seconds waited in the allreduce or None})."""
         self._probe += 1
         for dst in peers:
-            self._sends.append(self._comm.isend((self._number, self._probe), dest=dst, tag=self._ping))
+            self._probes.send("ping", dst, (self._number, self._probe, None))
         answers: dict[int, Any] = {}
         end = time.perf_counter() + self.probe_s
         while self._alive() and len(answers) < len(peers) and time.perf_counter() < end:

@@ -114,9 +114,10 @@ def test_a_collective_without_a_name_or_deadline_is_refused(name, deadline):
 
 
 def test_only_comm_issues_horovod_object_collectives():
+    """comm's object collectives run on the Horovod engine's (under horovodrun --gloo); nothing else issues any."""
     pattern = re.compile(r"hvd\.(allgather_object|broadcast_object|allgather|broadcast)\(")
     hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "dynamix_hvd").rglob("*.py"))
-            if p.name != "comm.py"
+            if p.relative_to(REPO).as_posix() not in ("dynamix_hvd/comm.py", "dynamix_hvd/engine/horovod.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == [], hits
 

@@ -123,6 +123,45 @@ def test_only_optim_writes_grad():
     assert writes == [], "only dynamix_hvd/optim may write p.grad; found:\n" + "\n".join(writes)
 
 
+def _imports_of(source: str, prefix: str) -> list[int]:
+    """Lines of `source` that import `prefix` or a module under it (``import x.y``, ``from x.y import``,
+    ``from x import y`` where x.y starts with `prefix`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        if any(n == prefix or n.startswith(prefix + ".") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("line, found", [("import torch.distributed as dist", True),
+                                         ("from torch import distributed", True),
+                                         ("from torch.distributed import ReduceOp", True),
+                                         ("import torch.distributed.elastic", True),
+                                         ("import torch", False), ("from torch import nn", False)])
+def test_the_import_check_sees_every_form(line, found):
+    assert bool(_imports_of(line, "torch.distributed")) is found
+
+
+def test_only_the_torch_engine_imports_torch_distributed():
+    """import-linter sees only top-level external packages, so this rule is an AST check."""
+    found = [f"{path.relative_to(REPO)}:{n}" for path in sorted(PACKAGE.rglob("*.py"))
+             if path != PACKAGE / "engine" / "torchdist.py"
+             for n in _imports_of(path.read_text(), "torch.distributed")]
+    assert found == [], "only dynamix_hvd/engine/torchdist.py may import torch.distributed; found:\n" + "\n".join(found)
+
+
+def test_the_horovod_optimizer_module_is_horovods():
+    import horovod.torch as hvd
+    from dynamix_hvd import engine
+
+    assert hvd.DistributedOptimizer.__module__ == engine.HOROVOD_OPTIMIZER_MODULE
+
+
 # --- the lab (bench) uses the library's public API only ----------------------------------------------
 BENCH = REPO / "bench"
 LIBRARY = "dynamix_hvd"

@@ -164,13 +164,13 @@ class DynamixController:
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
-        # Under MPI: a rank that waits in the gradient allreduce, or makes no progress at all, for longer
-        # than timeout_s probes the others and ends the job naming any that no longer answer (a stopped
-        # or dead rank would hang it).
+        # Under MPI and torch.distributed: a rank that waits in the gradient allreduce, or makes no
+        # progress at all, for longer than timeout_s probes the others and ends the job naming any that
+        # no longer answer (a stopped or dead rank would hang it).
         tracker = self.loader.tracker
         self.watchdog = (StallWatchdog(self.channel, tracker.sync_wait_started, self.cfg.timeout_s,
                                        progress_at=tracker.progress_at)
-                         if self.channel.backend == "mpi4py" else None)
+                         if self.channel.backend in ("mpi4py", "torch-gloo") else None)
 
     @property
     def policy(self) -> BatchSizePolicy:
@@ -225,7 +225,7 @@ class DynamixController:
             try:
                 self.decide()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
-                if self.channel.backend != "mpi4py":
+                if self.channel.backend == "horovod-objects":
                     raise
                 abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
 

@@ -253,6 +253,7 @@ class StepTracker:
         self._t_batch = 0.0
         self._t_step = 0.0
         self._t_sync = 0.0
+        self._t_ready = 0.0
         self._events: tuple | None = None
         self._sq_group = 0
         # (request, ready) times of the batches handed out since the last closed step (its micro-batches)
@@ -300,16 +301,24 @@ class StepTracker:
     def synchronized(self) -> None:
         self._t_sync = time.perf_counter()
 
+    def gradients_ready(self) -> None:
+        """The step's last gradients were just handed to an allreduce that backward itself waits for
+        (DistributedDataParallel): the time from here to ``step()`` is allreduce wait, not compute."""
+        self._t_ready = time.perf_counter()
+
     def sync_wait_started(self) -> float | None:
         """When (``time.perf_counter()``) the current wait in the gradient allreduce began; None when
         this rank is not waiting there (read by the stall watchdog's thread)."""
-        t_step, t_sync = self._t_step, self._t_sync
-        return t_step if t_step > t_sync else None
+        t_step, t_sync, t_ready = self._t_step, self._t_sync, self._t_ready
+        if t_step > t_sync:
+            return t_step
+        # DistributedDataParallel: backward itself waits, from its last gradient handed over
+        return t_ready if t_ready > t_sync else None
 
     def progress_at(self) -> float:
         """The last time (``time.perf_counter()``) this rank asked for or got a batch, or entered or
         left the gradient allreduce; 0 before its first batch (read by the stall watchdog's thread)."""
-        return max(self._t_request, self._t_batch, self._t_step, self._t_sync)
+        return max(self._t_request, self._t_batch, self._t_step, self._t_sync, self._t_ready)
 
     def step_finished(self, **extra: Any) -> None:
         """Close the open step (it becomes ``records[-1]``); `extra` fills optional fields (lr, grad
@@ -332,6 +341,9 @@ class StepTracker:
             row[_DATA_WAIT] = sum(waits)
         span = self._t_step - t_first - later_waits
         compute = span
+        t_ready, self._t_ready = self._t_ready, 0.0
+        if t_first < t_ready < self._t_step:  # backward waited for the allreduce after this point
+            compute = t_ready - t_first - later_waits
         if self._events is not None:
             # the allreduce has finished, so the backward kernels before the end event have too
             start, end = self._events

@@ -1,12 +1,14 @@
-"""Exact mean gradients over unequal per-rank batches, on top of ``hvd.DistributedOptimizer``.
+"""Exact mean gradients over unequal per-rank batches, on Horovod or torch.distributed.
 
-The only module that touches gradients and Horovod's allreduce.
+The only module that touches gradients. The reduction itself is the engine's (`dynamix_hvd.engine`):
+``hvd.DistributedOptimizer``, a DistributedDataParallel communication hook, or one allreduce per
+flat buffer.
 
-Horovod refuses per-rank prescale factors, so the weighting happens before Horovod sends a gradient:
-with one backward pass per step, in the compression object Horovod calls on ``p.grad`` right before
-it starts that gradient's allreduce (in place: no extra autograd hook, no copy); with accumulation, in a
+The weighting happens before a gradient is sent: with one backward pass per step, as the engine takes
+it (inside the compression object Horovod calls on ``p.grad`` right before it starts that gradient's
+allreduce, or in DDP's hook on each bucket; in place: no extra autograd hook); with accumulation, in a
 tensor hook on every parameter (each micro-batch is weighted before autograd adds it to ``p.grad``).
-Either multiplies the local gradient by b_i / B, and Horovod then allreduces with ``op=Sum``. With a
+Either multiplies the local gradient by b_i / B, and the engine then sums over the ranks. With a
 loss that is the mean over the local batch this gives
 sum_i (b_i / B) * (1 / b_i) * sum_{j in batch i} grad_j = the mean over all B samples, exactly.
 Where the factor is the same on every rank (equal sizes, or a summed loss: 1 / B) and gradients travel
@@ -38,9 +40,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
-import horovod.torch as hvd
 import torch
 
+from .. import engine as engines
 from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, LRCoupling
 from .progress import ProgressAccounting
@@ -137,7 +139,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             the workload zoo's Adam jobs the full gain trained faster and ended better.
         base_batch_size: the base batch, the global batch the learning rate was tuned for (default:
             the initial batch, the loader's first global micro-batch times ``backward_passes_per_step``).
-        compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``).
+        compression: Horovod compression (``hvd.Compression.none`` or ``.fp16``); None under torch.distributed.
+        engine: "auto" (DDP when `named_parameters` is a DistributedDataParallel model, torch.distributed
+            when a process group is initialised and Horovod is not, Horovod otherwise), "horovod" or "torch".
         track_grad_norms: record local and global gradient squared norms per step (cheap; the
             gradient-noise statistics need them).
         backward_passes_per_step: micro-batches accumulated per optimizer step.
@@ -150,18 +154,20 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}")
         base = type(optimizer)
-        if isinstance(optimizer, WeightedDistributedOptimizer) or base.__module__ == hvd.DistributedOptimizer.__module__:
+        if isinstance(optimizer, WeightedDistributedOptimizer) or base.__module__ == engines.HOROVOD_OPTIMIZER_MODULE:
             raise TypeError(f"optimizer is already distributed ({base.__name__} from {base.__module__}); "
                             "pass the plain torch optimizer, not hvd.DistributedOptimizer(...)")
-        if base not in _CLASSES:
+        kind = engines.choose(kwargs.get("engine", "auto"), args[0] if args else kwargs.get("named_parameters"))
+        if (base, kind) not in _CLASSES:
             body = {k: v for k, v in WeightedDistributedOptimizer.__dict__.items()
                     if k not in ("__dict__", "__weakref__", "__new__")}
-            # Horovod's broadcast_optimizer_state recognises its own wrappers by module and then steps
-            # only the inner optimizer (super(cls, opt).step()) to create state without an allreduce.
-            body["__module__"] = hvd.DistributedOptimizer.__module__
+            if kind == "horovod":
+                # Horovod's broadcast_optimizer_state recognises its own wrappers by module and then steps
+                # only the inner optimizer (super(cls, opt).step()) to create state without an allreduce.
+                body["__module__"] = engines.HOROVOD_OPTIMIZER_MODULE
             body["__qualname__"] = f"WeightedDistributed{base.__name__}"
-            _CLASSES[base] = type(f"WeightedDistributed{base.__name__}", (base, WeightedDistributedOptimizer), body)
-        return torch.optim.Optimizer.__new__(_CLASSES[base])
+            _CLASSES[base, kind] = type(f"WeightedDistributed{base.__name__}", (base, WeightedDistributedOptimizer), body)
+        return torch.optim.Optimizer.__new__(_CLASSES[base, kind])
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]], loader: AdaptiveLoader, *,
@@ -170,7 +176,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                  lr_rule: str = "adascale", lr_warmup_steps: int | None = None, adaptive: bool = False,
                  base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
-                 backward_passes_per_step: int = 1, grad_scaler: Any = None) -> None:
+                 backward_passes_per_step: int = 1, grad_scaler: Any = None, engine: str = "auto") -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
         if loss_unit is None:
@@ -187,12 +193,17 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         _check_passes(backward_passes_per_step)
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise ValueError(f"grad_scaler={grad_scaler!r}; pass a torch.amp.GradScaler or None")
+        kind = engines.choose(engine, named_parameters)
+        ddp_model = named_parameters if engines._is_ddp(named_parameters) else None
+        if ddp_model is not None:
+            named_parameters = ddp_model.named_parameters()
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("named_parameters has no parameter that requires grad")
-        if loader.world_size != hvd.size():
+        self._plane = engines.data_plane(kind)
+        if loader.world_size != self._plane.size():
             raise ValueError(f"loader plans {loader.world_size} ranks (batch_sizes={list(loader.batch_sizes)}) "
-                             f"but Horovod runs {hvd.size()}")
+                             f"but {'Horovod' if kind == 'horovod' else 'torch.distributed'} runs {self._plane.size()}")
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.state = optimizer.state
         for key, value in vars(optimizer).items():  # class-specific extras (e.g. LBFGS's _params)
@@ -245,18 +256,18 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.skipped_steps = {"nonfinite": 0, "oom": 0}
         self._synced: dict[str, Any] | None = None  # what synchronize() found, until step() uses it
         self._should_synchronize = True
-        self._compression = compression if compression is not None else hvd.Compression.none
+        self._compression = compression if compression is not None else self._plane.default_compression()
+        self._uncompressed = self._plane.uncompressed(self._compression)
         # gradients travel uncompressed and in a range where a sum of unweighted ones cannot overflow
-        self._exact_wire = (self._compression is hvd.Compression.none
-                            and all(buf.dtype != torch.float16 for buf in self.flat.buffers))
+        self._exact_wire = self._uncompressed and all(buf.dtype != torch.float16 for buf in self.flat.buffers)
         self._allreduce_bytes: int | None = None
-        # Horovod's optimizer is only the allreduce engine (hooks, fusion, compression); it never steps.
-        self._engine = hvd.DistributedOptimizer(
-            optimizer, named_parameters=named, op=hvd.Sum, backward_passes_per_step=backward_passes_per_step,
-            compression=_WeighThenCompress(self, self._compression))
-        # Without hooks (one process outside elastic mode) Horovod never calls compress(): synchronize()
-        # weighs every gradient itself.
-        self._engine_hooked = bool(self._engine._requires_update)
+        self.engine = kind
+        """"horovod" or "torch": which engine reduces the gradients."""
+        self._reducer = self._plane.gradient_reducer(optimizer, named, backward_passes_per_step, self._compression,
+                                                     self, model=ddp_model)
+        # An unhooked reducer (one Horovod process outside elastic mode; torch.distributed without DDP)
+        # never hands gradients over one by one: synchronize() weighs every gradient itself.
+        self._engine_hooked = self._reducer.hooked
         self._inner_step = _inner(self, "step")
         self._update_hooks()
         self.last_grad_norm = float("nan")
@@ -280,6 +291,27 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             self.flat.put_sq_norm(index)
         if not after:
             grad.mul_(scale)
+
+    def _weigh_bucket(self, buffer: torch.Tensor, indices: list[int], grads: list[torch.Tensor]) -> bool:
+        """DDP's hook, once per bucket: weigh the bucket (a copy of these parameters' local gradients)
+        in place. Returns whether the bucket travels now (False: a micro-batch before its step's last,
+        whose gradients the per-parameter hooks weighed and autograd accumulates)."""
+        if self.backward_passes_per_step != 1 or self._preweighted:
+            travels = self.should_step()
+            if travels:
+                self.loader.tracker.gradients_ready()
+            return travels
+        planned, scale, _, after = self._step_scale
+        step = self.loader.current_step
+        if step is not planned:
+            planned, scale, _, after = self._start_micro_step(step)
+        if self.track_grad_norms:
+            for index, grad in zip(indices, grads):
+                self.flat.put_sq_norm(index, grad)
+        if not after and scale != 1.0:
+            buffer.mul_(scale)
+        self.loader.tracker.gradients_ready()  # DDP waits for this bucket's sum inside backward
+        return True
 
     def _update_hooks(self) -> None:
         """Per-parameter hooks exist only while accumulating (micro-batches must be weighted one by one)."""
@@ -360,7 +392,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if self._tokens_given is not None:
             raise RuntimeError("set_local_tokens() called twice before backward()")
         count = torch.tensor([float(tokens)], dtype=torch.float64)
-        handle = hvd.allreduce_async(count, name=f"dx.tokens.{self._token_seq}", op=hvd.Sum)
+        handle = self._plane.allreduce_sum_async(count, f"dx.tokens.{self._token_seq}")
         self._token_seq += 1
         self._tokens_given = (int(tokens), _PendingCount(handle))
 
@@ -378,15 +410,14 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         global_ = 0
         for i, (n, g) in enumerate(self._micro_n):
             if isinstance(g, _PendingCount):
-                g = int(hvd.synchronize(g.handle).item())
+                g = int(self._plane.wait(g.handle).item())
                 self._micro_n[i] = (n, g)
             global_ += g
         return local, global_
 
     def _unsent(self) -> list[int]:
-        """Parameters whose gradient Horovod has not started to allreduce in this step."""
-        handles = self._engine._handles
-        return [i for i, p in enumerate(self._params) if handles.get(p, (None,))[0] is None]
+        """Parameters whose gradient the engine has not started to reduce in this step."""
+        return self._reducer.unsent()
 
     def _agree_on_failures(self) -> list[int]:
         """The rare collective, run by every rank once the allreduced norm is not finite: per rank the
@@ -394,7 +425,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         status = torch.zeros(self.loader.world_size, dtype=torch.float64)
         status[self.loader.rank] = self._oom_samples
         self._oom_samples = 0
-        return [int(v) for v in hvd.allreduce(status, name="dx.step_status", op=hvd.Sum).tolist()]
+        return [int(v) for v in self._plane.allreduce_sum(status, "dx.step_status").tolist()]
 
     def _local_sq(self) -> torch.Tensor:
         """This step's local squared norms per parameter, in ``_pair[0]`` (float64; 0 where no gradient
@@ -425,10 +456,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         own = state_dict.pop("dynamix", None)  # absent in a plain torch optimizer's state
-        engine = self._engine
-        engine._handles = {}
-        engine._synchronized = False
-        engine.set_backward_passes_per_step(self.backward_passes_per_step)
+        self._reducer.reset(self.backward_passes_per_step)
         self._synced, self._micro, self._micro_n = None, [], []
         self._tokens_given = None
         self._clear_local()
@@ -457,7 +485,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero all gradients in one kernel. `set_to_none` is ignored: gradients stay flat views."""
-        if self._engine._handles:
+        if self._reducer.in_flight():
             raise RuntimeError("zero_grad() called after backward() but before step(): the gradient "
                                "allreduce is still running (or micro-batches are being accumulated); "
                                "call step() (or synchronize()) first")
@@ -471,7 +499,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if self._micro:
             raise RuntimeError("set_backward_passes_per_step() between micro-batches; call it after step()")
         self.backward_passes_per_step = passes
-        self._engine.set_backward_passes_per_step(passes)
+        self._reducer.set_backward_passes_per_step(passes)
         self._update_hooks()
 
     @property
@@ -481,7 +509,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
 
     def should_step(self) -> bool:
         """True once this step's micro-batches are all in: k of them, or the epoch's last ones."""
-        return len(self._micro) >= self.backward_passes_per_step or self.loader.steps_left == 0
+        # One pass per step: always (an engine without per-gradient hooks counts the micro-batch only
+        # in synchronize(), after this is asked)
+        return (self.backward_passes_per_step == 1 or len(self._micro) >= self.backward_passes_per_step
+                or self.loader.steps_left == 0)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -493,7 +524,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            unsent = self._unsent()
+            unsent = self._unsent() if self._reducer.recovers_oom else []
             if not unsent:
                 raise
             # NaN in what Horovod has yet to take (later micro-batches accumulate into NaN, too): every
@@ -527,10 +558,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         tracker.step_started()
         if not self._engine_hooked:
             self._weigh_all()
-        self._engine.synchronize()
+        self._reducer.synchronize()
         # Horovod ends with p.grad.set_(decompressed): a compression that returns a new tensor moves
         # the views off the buffer (without one, each is set to itself)
-        self.flat.attach(moved=self._compression is not hvd.Compression.none)
+        self.flat.attach(moved=not self._uncompressed)
         step, scale, _, after = self._step_scale
         if after and step is not None and scale != 1.0:  # the factor every rank shares, once, on the sum
             for buf in self.flat.buffers:
@@ -588,7 +619,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if not user_synced:
             if not self._should_synchronize:
                 raise RuntimeError("step() inside skip_synchronize() needs optimizer.synchronize() first")
-            if "found_inf" in vars(self):
+            if "found_inf" in vars(self) and not self._reducer.reduced_in_backward:
                 raise RuntimeError("the GradScaler looked at the gradients before the allreduce finished: "
                                    "call optimizer.synchronize() before scaler.unscale_/scaler.step, then "
                                    "scaler.step(optimizer) inside optimizer.skip_synchronize()")
@@ -719,14 +750,16 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         (``hvd.Compression.fp16`` halves float32 gradients). The same on every rank."""
         if self._allreduce_bytes is None:
             self._allreduce_bytes = sum(
-                p.numel() * self._compression.compress(torch.zeros(1, dtype=p.dtype))[0].element_size() for p in self._params)
+                p.numel() * (p.element_size() if self._uncompressed else
+                             self._compression.compress(torch.zeros(1, dtype=p.dtype))[0].element_size())
+                for p in self._params)
         return self._allreduce_bytes
 
     def time_small_allreduce(self) -> float:
         """Seconds one single-value allreduce takes on this rank: the collective's latency, Horovod's
         negotiation cycle included. A collective: every rank calls it at the same point, between steps."""
         t0 = time.perf_counter()
-        hvd.allreduce(torch.zeros(1), name="dx.latency_probe", op=hvd.Sum)
+        self._plane.allreduce_sum(torch.zeros(1), "dx.latency_probe")
         return time.perf_counter() - t0
 
     def remove_hooks(self) -> None:
@@ -740,21 +773,6 @@ class _PendingCount:
     """The handle of the allreduce that sums the ranks' counts given to set_local_tokens()."""
 
     handle: int
-
-
-class _WeighThenCompress:
-    """The compression Horovod's engine is given: weigh the gradient in place, then the user's
-    compression (``hvd.Compression.none`` or ``.fp16``) as usual."""
-
-    def __init__(self, owner: WeightedDistributedOptimizer, inner: Any) -> None:
-        self.owner, self.inner = owner, inner
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        self.owner._weigh(tensor)
-        return self.inner.compress(tensor)
-
-    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return self.inner.decompress(tensor, ctx)
 
 
 def _check_passes(passes: Any) -> None:

@@ -207,10 +207,10 @@ class Checkpointer:
         self._passes = getattr(optimizer, "backward_passes_per_step", 1)
         self._previous_handlers: dict[int, Any] = {}
         loader.step_end_callbacks.append(self._on_step_end)
-        # Without a controller nobody else watches for a stopped rank (MPI only).
+        # Without a controller nobody else watches for a stopped rank (MPI and torch.distributed).
         self.watchdog = (StallWatchdog(self.channel, loader.tracker.sync_wait_started, self.timeout_s,
                                        progress_at=loader.tracker.progress_at)
-                         if controller is None and self.channel.backend == "mpi4py" else None)
+                         if controller is None and self.channel.backend in ("mpi4py", "torch-gloo") else None)
 
     # --- signals -----------------------------------------------------------------------------------
     def install_signal_handlers(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1),
@@ -257,8 +257,8 @@ class Checkpointer:
         try:
             stop = self._vote()
             path = self.save() if stop else None
-        except Exception as exc:  # inside the loop: under MPI the other ranks would wait for this one
-            if self.channel.backend != "mpi4py":
+        except Exception as exc:  # inside the loop: the other ranks would wait for this one
+            if self.channel.backend == "horovod-objects":
                 raise
             abort_world(f"rank {self.channel.rank}: preemption check at step {self.loader.step} of epoch "
                         f"{self.loader.epoch} failed: {type(exc).__name__}: {exc}")

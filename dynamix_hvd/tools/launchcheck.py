@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-LAUNCHERS = ("mpirun", "horovodrun", "horovodrun-gloo")
+LAUNCHERS = ("mpirun", "horovodrun", "horovodrun-gloo", "torchrun")
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
@@ -126,6 +126,10 @@ def check(launcher: str, np: int, *, hostfile: str | None = None, hosts: str | N
     plan = LaunchPlan(launcher, np, hostfile=hostfile, oversubscribe=oversubscribe)
     uses_mpi = launcher in ("mpirun", "horovodrun")
 
+    if launcher == "torchrun" and (hostfile or hosts):
+        problems.append("LAUNCHER=torchrun starts the ranks of this host only: run torchrun on every node "
+                        "(--nnodes, --rdzv-backend c10d, --rdzv-endpoint HOST:PORT), or under Slurm "
+                        "launch/slurm_torchrun.sh")
     if launcher.startswith("horovodrun") and not find_executable("horovodrun", env):
         problems.append("horovodrun not found on PATH: activate the venv (. launch/setup_env.sh) "
                         "or use LAUNCHER=mpirun")
@@ -175,7 +179,7 @@ def check(launcher: str, np: int, *, hostfile: str | None = None, hosts: str | N
         if np > cores and oversubscribe:
             plan.notes.append(f"{np} ranks share {cores} cores")
 
-    if check_build:
+    if check_build and launcher != "torchrun":
         from .buildcheck import missing_horovod_features
 
         need = {"mpirun": "MPI controller", "horovodrun": "MPI controller", "horovodrun-gloo": "Gloo controller"}
@@ -205,6 +209,9 @@ def command(plan: LaunchPlan, argv: Sequence[str], mpirun: str = "mpirun",
     """
     if plan.launcher == "mpirun":
         return [*_mpirun_options(plan, mpirun, env, forward, options, np=plan.np), *argv]
+    if plan.launcher == "torchrun":  # this interpreter's torchrun; argv is a whole command (--no-python)
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.np),
+                *options, "--no-python", *argv]
     cmd = ["horovodrun", "--gloo" if plan.launcher == "horovodrun-gloo" else "--mpi", "-np", str(plan.np)]
     if plan.hostfile:
         cmd += ["-hostfile", plan.hostfile]

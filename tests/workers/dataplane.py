@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import horovod.torch as hvd
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -72,6 +71,8 @@ def runs(argv: list[str]) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import horovod.torch as hvd  # here, so that the torch.distributed worker can share this module's data
+
     argvs = runs(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     hvd.init()
@@ -90,6 +91,8 @@ def run(argv: list[str]) -> None:
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-s", type=float, default=0.0)
     args = ap.parse_args(argv)
+    import horovod.torch as hvd
+
     rank, world = hvd.rank(), hvd.size()
     schedule = size_schedule(world, args.epochs, seed=11)
     if args.sizes:
