@@ -197,6 +197,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         ddp_model = named_parameters if engines._is_ddp(named_parameters) else None
         if ddp_model is not None:
             named_parameters = ddp_model.named_parameters()
+        elif isinstance(named_parameters, torch.nn.Module):
+            raise TypeError(f"named_parameters is a {type(named_parameters).__name__} module: pass "
+                            "model.named_parameters(), or the DistributedDataParallel model itself")
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("named_parameters has no parameter that requires grad")
