@@ -5,7 +5,8 @@ train   a few epochs, rank `--slow-rank` sleeping longer per sample; dumps every
 silent  rank `--silent` never takes part in the control plane; the others must time out with an
         error naming it (a line "TIMEOUT-OK rank R: <message>" when they do).
 With --stop-rank R (train), rank R stops itself (SIGSTOP) mid-training: the others must end the job
-naming it.
+naming it. With --crash-rank R, rank R exits mid-training once; under torchrun --max-restarts the
+restarted ranks continue from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ def main() -> None:
     ap.add_argument("--checkpoints", default="", help="a folder: write a checkpoint at every epoch's end")
     ap.add_argument("--stop-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) ...")
     ap.add_argument("--stop-at-step", type=int, default=30, help="... before this step of the job")
+    ap.add_argument("--policy", default="model")
+    ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits (code 1) ...")
+    ap.add_argument("--crash-at-step", type=int, default=150, help="... before this step of the job ...")
+    ap.add_argument("--crash-marker", default="", help="... once: unless this file exists (it is created)")
     ap.add_argument("--no-horovod", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -70,8 +75,8 @@ def main() -> None:
     train, _ = teacher_classification(args.samples, seed=0)
     loader = dx.AdaptiveLoader(train, [16] * world, rank, seed=1)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), ddp, loader)
-    cfg = dx.ControllerConfig(decide_every_steps=None if args.every < 0 else args.every, min_batch=2, max_batch=64,
-                              timeout_s=args.timeout, total_epochs=args.epochs)
+    cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
+                              min_batch=2, max_batch=64, timeout_s=args.timeout, total_epochs=args.epochs)
     controller = dx.DynamixController(loader, opt, cfg, model=ddp)
     if args.mode == "silent":
         if rank == args.silent:
@@ -84,13 +89,21 @@ def main() -> None:
             time.sleep(2 + 0.1 * args.timeout)  # the other waiting ranks reach their own deadlines
         return
     ckpt = dx.Checkpointer(args.checkpoints, ddp, opt, loader, controller) if args.checkpoints else None
+    restored = ckpt.restore() if ckpt is not None else None
+    if restored is not None:
+        print(f"rank {rank}: RESUMED-FROM {restored.name} epoch {loader.epoch} step {loader.step}", flush=True)
     t0 = time.perf_counter()
-    steps = 0
+    steps = loader.epoch * len(loader) + loader.step
     with controller:
-        for epoch in range(args.epochs):
+        for epoch in range(loader.epoch, args.epochs):
             loader.set_epoch(epoch)
             for x, y in loader:
                 steps += 1
+                if (rank == args.crash_rank and steps == args.crash_at_step and args.crash_marker
+                        and not Path(args.crash_marker).exists()):
+                    Path(args.crash_marker).touch()
+                    print(f"rank {rank}: crashing at step {steps}", flush=True)
+                    os._exit(1)
                 if rank == args.stop_rank and steps == args.stop_at_step:
                     print(f"rank {rank}: stopping itself at step {steps}", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
