@@ -63,7 +63,7 @@ MODULE_TIER = {
     "test_model_mpi.py": "mpi", "test_preemption_mpi.py": "mpi", "test_progress_mpi.py": "mpi",
     "test_slow_rank_mpi.py": "mpi", "test_stall_mpi.py": "mpi", "test_tokens_mpi.py": "mpi",
     "test_integration_horovod.py": "mpi",
-    "test_slurm.py": "system", "test_chaos.py": "system", "test_packaging.py": "system",
+    "test_slurm.py": "system", "test_slurm_torchrun.py": "system", "test_chaos.py": "system", "test_packaging.py": "system",
     "test_setup_env.py": "system", "test_bench_overhead.py": "system",
     # mixed: unit by default, the tests that launch jobs say so themselves
     "test_bad_input.py": "unit", "test_bench_suite.py": "unit", "test_cli.py": "unit",

@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--stop-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) ...")
     ap.add_argument("--stop-at-step", type=int, default=30, help="... before this step of the job")
     ap.add_argument("--policy", default="model")
+    ap.add_argument("--sigterm-checkpoint", action="store_true", help="SIGTERM writes a checkpoint and ends the job")
+    ap.add_argument("--started", default="", help="rank 0 creates this file after its first step")
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits (code 1) ...")
     ap.add_argument("--crash-at-step", type=int, default=150, help="... before this step of the job ...")
     ap.add_argument("--crash-marker", default="", help="... once: unless this file exists (it is created)")
@@ -90,6 +92,8 @@ def main() -> None:
         return
     ckpt = dx.Checkpointer(args.checkpoints, ddp, opt, loader, controller) if args.checkpoints else None
     restored = ckpt.restore() if ckpt is not None else None
+    if ckpt is not None and args.sigterm_checkpoint:
+        ckpt.install_signal_handlers()
     if restored is not None:
         print(f"rank {rank}: RESUMED-FROM {restored.name} epoch {loader.epoch} step {loader.step}", flush=True)
     t0 = time.perf_counter()
@@ -99,6 +103,8 @@ def main() -> None:
             loader.set_epoch(epoch)
             for x, y in loader:
                 steps += 1
+                if args.started and rank == 0 and not Path(args.started).exists():
+                    Path(args.started).touch()
                 if (rank == args.crash_rank and steps == args.crash_at_step and args.crash_marker
                         and not Path(args.crash_marker).exists()):
                     Path(args.crash_marker).touch()
