@@ -15,12 +15,14 @@ Files under --out (the orchestrator reads them):
 Faults asked for by the orchestrator: the file trigger-oom or trigger-nan makes rank 1 inject one at
 its next step; --replay FILE (a JSON list of injections) injects them at the same steps instead. The
 job ends after --epochs epochs, or at the first epoch end after the file ``stop`` appears.
+Several runs in one job (mpirun only): their arguments separated by --then, each with its own --out.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -174,6 +176,21 @@ def run_elastic(args, out: Path) -> None:
 
 
 def main() -> None:
+    argvs = [[]]
+    for arg in sys.argv[1:]:  # one start of the ranks for several runs
+        if arg == "--then":
+            argvs.append([])
+        else:
+            argvs[-1].append(arg)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    hvd.init()
+    dx.configure_logging()
+    for argv in argvs:
+        run(argv)
+
+
+def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", default="")
@@ -185,11 +202,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--replay", default="")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    hvd.init()
-    dx.configure_logging()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     (out / "pids").mkdir(parents=True, exist_ok=True)
     run_elastic(args, out) if args.elastic else run_mpirun(args, out)

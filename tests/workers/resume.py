@@ -1,6 +1,9 @@
 """Worker: float64 training with a Checkpointer; optionally SIGTERM one rank at a given step.
 
-Prints RESUMED-FROM <path> when it restarted from a checkpoint; writes rank<R>.json at the end.
+Prints RESUMED-FROM <path> when it restarted from a checkpoint; writes rank<R>.json at the end, and rank 0
+writes stats.json (steps, preemption votes, training seconds), also when a stop request ends the run.
+Several runs in one job: their arguments separated by --then (each with its own --out and --ckpt; a run
+that is stopped ends the job, so it goes last).
 """
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +28,21 @@ EPOCHS = 3
 
 
 def main() -> None:
+    argvs = [[]]
+    for arg in sys.argv[1:]:  # one start of the ranks for several runs
+        if arg == "--then":
+            argvs.append([])
+        else:
+            argvs[-1].append(arg)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    hvd.init()
+    dx.configure_logging()
+    for argv in argvs:
+        run(argv)
+
+
+def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt", required=True)
@@ -32,11 +51,7 @@ def main() -> None:
     ap.add_argument("--started", default="", help="file rank 0 writes after its first step")
     ap.add_argument("--check-every", type=int, default=1, help="preemption vote every k steps (0: by time)")
     ap.add_argument("--check-interval", type=float, default=1.0, help="seconds between votes by time")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    hvd.init()
-    dx.configure_logging()
+    args = ap.parse_args(argv)
     rank, world = hvd.rank(), hvd.size()
     train, _ = teacher_classification(500, seed=0)
     data = WithIndex(torch.utils.data.TensorDataset(train.tensors[0].double(), train.tensors[1]))
@@ -77,11 +92,16 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGTERM)
     finally:
         if rank == 0:
-            print(f"STEPS {len(served)} VOTES {ckpt.votes} CHANNEL-VOTES {votes.count('dx.checkpoint.vote')} "
-                  f"TRAIN-S {time.perf_counter() - t0:.3f}", flush=True)
+            stats = {"steps": len(served), "votes": ckpt.votes, "channel_votes": votes.count("dx.checkpoint.vote"),
+                     "train_s": time.perf_counter() - t0}
+            Path(args.out, "stats.json").write_text(json.dumps(stats))
+            print(f"STEPS {stats['steps']} VOTES {stats['votes']} CHANNEL-VOTES {stats['channel_votes']} "
+                  f"TRAIN-S {stats['train_s']:.3f}", flush=True)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "params": [p.detach().flatten().tolist() for p in model.parameters()], "served": served,
         "decisions": len(controller.history)}))
+    ckpt.close()
+    controller.close()
 
 
 if __name__ == "__main__":
