@@ -39,6 +39,8 @@ mean ms per step in the data wait, forward+backward, ``step()`` (allreduce wait 
 controller's per-step calls; decisions fall in the data wait of the step after an epoch's end; and
 the CPU time of the training thread). Time it on a quiet machine, one rank per core.
 
+``--engine torch`` runs the same under torchrun on the torch.distributed engine (``DDP_VARIANTS``).
+
 ``--profile`` instead runs one process (``hvd.init()`` alone): per variant, the calls per step that
 read a tensor back to the host (``.item()``, ``.tolist()``, ``float()``, ``int()``, ``bool()``), by
 call site (these counts do not depend on load), and a cProfile of the weighted step.
@@ -62,6 +64,10 @@ from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("horovod", "weighted", "controller", "default", "user")
+DDP_VARIANTS = ("ddp", "ddp-again", "weighted", "default", "user")
+"""With ``--engine torch`` (under torchrun): ``ddp`` is the plain DDP script (DistributedSampler +
+DataLoader + ``DistributedDataParallel``), ``ddp-again`` a second one (A/A), and the dynamix_hvd
+variants wrap the same DDP model (the optimizer's communication hook)."""
 ABLATIONS = {  # --variants may add these, to find where a difference comes from
     "horovod-again": "a second plain Horovod set-up (A/A: the noise floor of the paired ratio)",
     "weighted-nostats": "weighted without the local/global squared norms (track_grad_norms=False)",
@@ -82,11 +88,40 @@ def make_net() -> Any:
                          nn.Linear(50, 10), nn.LogSoftmax(dim=1))
 
 
+class World:
+    """Rank, size and a barrier of the engine the benchmark runs on (Horovod or torch.distributed)."""
+
+    def __init__(self, engine: str) -> None:
+        import torch
+
+        self.engine = engine
+        self._zero = torch.zeros(1)
+        if engine == "torch":
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        else:
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.rank, self.size = hvd.rank(), hvd.size()
+
+    def barrier(self) -> None:
+        if self.engine == "torch":
+            import torch.distributed as dist
+
+            dist.all_reduce(self._zero)
+        else:
+            import horovod.torch as hvd
+
+            hvd.allreduce(self._zero, name="bench.barrier")
+
+
 class Setup:
     """One variant: its own model, loader and optimizer; `epoch(e)` trains one epoch."""
 
-    def __init__(self, variant: str, dataset: Any, batch: int, job: Any = None) -> None:
-        import horovod.torch as hvd
+    def __init__(self, variant: str, dataset: Any, batch: int, world: World, job: Any = None) -> None:
         import torch
 
         import dynamix_hvd as dx
@@ -95,18 +130,29 @@ class Setup:
         self.job = job
         if job is None:
             self.model = make_net()
-            opt = torch.optim.SGD(self.model.parameters(), lr=0.01 * hvd.size(), momentum=0.5)
+            opt = torch.optim.SGD(self.model.parameters(), lr=0.01 * world.size, momentum=0.5)
         else:
             from bench.zoo_train import build
 
-            self.model, opt, _ = build(job, max(1, len(dataset) // (batch * hvd.size())))
+            self.model, opt, _ = build(job, max(1, len(dataset) // (batch * world.size)))
+        self.net = self.model  # what the forward pass goes through (the DDP module under torch.distributed)
+        if world.engine == "torch":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(self.model)
         self.clip = job.clip if job is not None else 0.0
         self.controller = None
         self.flat = None
         self.checkpointer = self.runlog = self.tmp = None
-        if variant.startswith("horovod"):
-            self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
+        if variant.startswith("ddp"):
+            self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, world.size, world.rank)
             self.loader: Any = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler)
+            self.opt = opt
+        elif variant.startswith("horovod"):
+            import horovod.torch as hvd
+
+            self.sampler = torch.utils.data.distributed.DistributedSampler(dataset, hvd.size(), hvd.rank())
+            self.loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=self.sampler)
             op = hvd.Average
             if variant == "horovod-sum":
                 op = hvd.Sum
@@ -119,8 +165,9 @@ class Setup:
                 self.flat = FlatGradients([p for p in self.model.parameters() if p.requires_grad])
         else:
             self.sampler = None
-            self.loader = dx.AdaptiveLoader(dataset, [batch] * hvd.size(), hvd.rank(), seed=0)
-            self.opt = dx.WeightedDistributedOptimizer(opt, self.model.named_parameters(), self.loader,
+            self.loader = dx.AdaptiveLoader(dataset, [batch] * world.size, world.rank, seed=0)
+            params = self.net if world.engine == "torch" else self.model.named_parameters()
+            self.opt = dx.WeightedDistributedOptimizer(opt, params, self.loader,
                                                        max_grad_norm=self.clip or None,
                                                        track_grad_norms=variant != "weighted-nostats")
             if variant.startswith("controller"):
@@ -128,14 +175,14 @@ class Setup:
                 self.controller = dx.DynamixController(self.loader, self.opt,
                                                        dx.ControllerConfig(policy="static", advanced=dx.AdvancedConfig(resource_period_s=period),
                                                                            decide_every_steps=0),
-                                                       model=self.model)
+                                                       model=self.net)
             elif variant in ("default", "user"):  # as bench.zoo_train's default arm builds it
                 cfg = dx.ControllerConfig(total_epochs=job.epochs if job is not None else 10)
-                self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.model)
+                self.controller = dx.DynamixController(self.loader, self.opt, cfg, model=self.net)
             if variant == "user":
                 from dynamix_hvd.runs.runlog import RunLog
 
-                self.tmp = tempfile.mkdtemp(prefix=f"dx-bench-overhead-r{hvd.rank()}-")
+                self.tmp = tempfile.mkdtemp(prefix=f"dx-bench-overhead-r{world.rank}-")
                 self.checkpointer = dx.Checkpointer(Path(self.tmp, "ckpt"), self.model, self.opt, self.loader,
                                                     self.controller).install_signal_handlers()
                 self.runlog = RunLog(Path(self.tmp, "run"), self.loader, controller=self.controller)
@@ -148,14 +195,19 @@ class Setup:
         import torch.nn.functional as F
 
         if self.job is None:
-            return F.nll_loss(self.model(x), y)
+            return F.nll_loss(self.net(x), y)
         from bench.zoo_train import loss_and_metric
 
-        return loss_and_metric(self.job, self.model, x, y, train=True)[0]
+        return loss_and_metric(self.job, self.net, x, y, train=True)[0]
 
     def update(self) -> None:
         """The optimizer step as the plain script or the weighted optimizer does it (clipping included)."""
-        if self.clip and self.sampler is not None:  # Horovod's documented way to clip
+        if self.clip and self.sampler is not None and not hasattr(self.opt, "synchronize"):  # plain DDP
+            import torch
+
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.opt.step()
+        elif self.clip and self.sampler is not None:  # Horovod's documented way to clip
             import torch
 
             self.opt.synchronize()
@@ -239,33 +291,32 @@ def dataset(steps: int, batch: int, world: int, job: Any = None) -> Any:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import horovod.torch as hvd
     import torch
 
-    hvd.init()
+    world = World(args.engine)
     torch.set_num_threads(1)
     job = zoo_job(args.job)
-    data = dataset(args.steps, args.batch, hvd.size(), job)
+    data = dataset(args.steps, args.batch, world.size, job)
     variants = args.variants
-    setups = {v: Setup(v, data, args.batch, job) for v in variants}
+    base = variants[0]
+    setups = {v: Setup(v, data, args.batch, world, job) for v in variants}
     runs = {v: setups[v].run() for v in variants}
-    barrier = torch.zeros(1)
 
     cpu: dict[str, list[float]] = {v: [] for v in variants}  # training-thread CPU seconds per timed chunk
 
     def timed(v: str, steps: int) -> float:
-        hvd.allreduce(barrier, name="bench.barrier")
+        world.barrier()
         t, c = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             next(runs[v])
         c = time.thread_time() - c
-        hvd.allreduce(barrier, name="bench.barrier")
+        world.barrier()
         cpu[v].append(c)
         return time.perf_counter() - t
 
     # Process warm-up (MPI connections, Horovod's first negotiations, allocator, thread pools) belongs to
     # no variant: a throw-away plain set-up absorbs it, or the first variant timed would carry it all.
-    warm = Setup("horovod", data, args.batch, job).run()
+    warm = Setup(base, data, args.batch, world, job).run()
     for _ in range(args.chunk):
         next(warm)
     first = {v: timed(v, args.steps) for v in variants}  # the first epoch: compilation, caches
@@ -280,15 +331,15 @@ def worker(args: argparse.Namespace) -> None:
             times[v].append(timed(v, args.chunk))
     for s in setups.values():
         s.close()
-    if hvd.rank() != 0:
+    if world.rank != 0:
         return
     per_step = {v: statistics.median(t) / args.chunk for v, t in times.items()}
     extra = {v: first[v] - args.steps * per_step[v] for v in variants}
-    paired = {v: [a / b for a, b in zip(times[v], times["horovod"])] for v in variants}
-    paired_cpu = {v: [a / b for a, b in zip(cpu[v], cpu["horovod"])] for v in variants}
+    paired = {v: [a / b for a, b in zip(times[v], times[base])] for v in variants}
+    paired_cpu = {v: [a / b for a, b in zip(cpu[v], cpu[base])] for v in variants}
     phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
     samples = {v: setups[v].samples / max(setups[v].steps, 1) for v in variants}
-    result = {"np": hvd.size(), "job": args.job, "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+    result = {"np": world.size, "engine": args.engine, "job": args.job, "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
               "rank0_samples_per_step": samples,
               "rounds": args.repeats, "first_epoch_s": first, "chunk_s": times,
               "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
@@ -296,11 +347,11 @@ def worker(args: argparse.Namespace) -> None:
               "paired_ratio_90ci": {v: bootstrap_median_ci(r) for v, r in paired.items()},
               "paired_cpu_ratio": {v: statistics.median(r) for v, r in paired_cpu.items()},
               "paired_cpu_ratio_90ci": {v: bootstrap_median_ci(r) for v, r in paired_cpu.items()},
-              "ratio_of_totals": {v: sum(times[v]) / sum(times["horovod"]) for v in variants},
-              "first_epoch_extra_s": {v: extra[v] - extra["horovod"] for v in variants},
+              "ratio_of_totals": {v: sum(times[v]) / sum(times[base]) for v in variants},
+              "first_epoch_extra_s": {v: extra[v] - extra[base] for v in variants},
               "rank0_ms_per_step": phases}
     print(f"{args.job or 'pytorch_mnist CNN'}: "
-          f"{hvd.size()} ranks, {args.batch} samples per rank and step, epochs of {args.steps} steps; "
+          f"{world.size} ranks ({args.engine}), {args.batch} samples per rank and step, epochs of {args.steps} steps; "
           f"{args.repeats} rounds of {args.chunk} steps of every variant")
     print(f"{'variant':<22}{'ms/step':>9}{'paired ratio [90% CI]':>24}{'CPU ratio [90% CI]':>24}{'ratio of totals':>17}"
           f"{'1st-epoch extra_s':>19}{'rank-0 samples/step':>21}")
@@ -371,15 +422,14 @@ def count_host_reads(fn: Callable[[], None]) -> collections.Counter:
 
 
 def profile(args: argparse.Namespace) -> None:
-    import horovod.torch as hvd
     import torch
 
-    hvd.init()
+    world = World("horovod")  # one process: hvd.init() alone
     torch.set_num_threads(1)
     job = zoo_job(args.job)
     data = dataset(args.steps, args.batch, 1, job)
     for v in args.variants:
-        s = Setup(v, data, args.batch, job)
+        s = Setup(v, data, args.batch, world, job)
         s.epoch(0, False)  # compile and warm up
         counts = count_host_reads(lambda: s.epoch(1, False))
         print(f"\n{v}: host reads per step (over {args.steps} steps, one epoch incl. its decision)")
@@ -410,13 +460,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated, horovod first (default %(default)s); ablations: "
                     + "; ".join(f"{k}: {v}" for k, v in ABLATIONS.items()))
     ap.add_argument("--json", default=None, help="also write the results to this JSON file (rank 0)")
+    ap.add_argument("--engine", choices=["horovod", "torch"], default="horovod",
+                    help="horovod (an mpirun job) or torch (a torchrun job: DDP; variants "
+                         f"{','.join(DDP_VARIANTS)}, ddp first)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.engine == "torch" and args.variants == ",".join(VARIANTS):
+        args.variants = ",".join(DDP_VARIANTS)
     args.variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    unknown = [v for v in args.variants if v not in VARIANTS and v not in ABLATIONS]
-    if unknown or args.variants[:1] != ("horovod",):
-        ap.error(f"--variants={','.join(args.variants)!r}: start with horovod; known: "
-                 f"{', '.join(VARIANTS + tuple(ABLATIONS))}")
+    known = DDP_VARIANTS if args.engine == "torch" else VARIANTS + tuple(ABLATIONS)
+    base = "ddp" if args.engine == "torch" else "horovod"
+    unknown = [v for v in args.variants if v not in known]
+    if unknown or args.variants[:1] != (base,):
+        ap.error(f"--variants={','.join(args.variants)!r} with --engine {args.engine}: start with {base}; known: "
+                 f"{', '.join(known)}")
     if args.job is not None and zoo_job_names().count(args.job) == 0:
         ap.error(f"--job={args.job!r}; choose one of {', '.join(zoo_job_names())}")
     args.batch = args.batch or (zoo_job(args.job).batch if args.job else 64)
@@ -432,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv_ = [sys.executable, "-m", "bench.bench_overhead", "--worker", "--steps", str(args.steps), "--chunk", str(args.chunk),
              "--repeats", str(args.repeats), "--batch", str(args.batch), "--variants", ",".join(args.variants),
+             "--engine", args.engine,
              *(["--job", args.job] if args.job else []), *(["--json", args.json] if args.json else [])]
-    cmd = command(local_plan("mpirun", args.np), argv_, forward=())
+    cmd = command(local_plan("torchrun" if args.engine == "torch" else "mpirun", args.np), argv_, forward=())
     return subprocess.run(cmd, cwd=REPO, env=local_env(pythonpath=REPO)).returncode
 
 
