@@ -36,15 +36,15 @@ def test_a_silent_rank_is_named_under_torchrun():
 
 def test_a_stopped_rank_ends_the_job_naming_it_under_torchrun():
     """Rank 1 stops (SIGSTOP) mid-training: the others wait for it inside DDP's backward, their
-    watchdogs probe it over Gloo and end the job within the deadline, naming rank 1; torchrun then
-    ends the stopped process."""
+    watchdogs probe it and end the job within the deadline, naming rank 1; torchrun then ends the
+    stopped process (SIGKILL after its 30 s grace: a stopped process does not take SIGTERM)."""
     t0 = time.monotonic()
     out = launch("torchrun", 3, "ddp_controller.py", "--no-horovod", "--stop-rank", "1", "--timeout", "3",
                  expect_success=False, timeout=150)
     assert out.returncode != 0, out.stdout[-3000:]
     assert "rank(s) [1] did not answer a liveness probe" in out.stdout, out.stdout[-3000:]
     assert "rank 1: stopping itself" in out.stdout
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 90
 
 
 def test_torchrun_restarts_from_the_last_checkpoint_with_nothing_lost(tmp_path, monkeypatch):

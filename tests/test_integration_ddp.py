@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 
 import pytest
 
-from launching import REPO, launch
+from launching import REPO, Job, launch_side_by_side
 
 INTEGRATION = REPO / "docs" / "integration"
 CHANCE = 10.0
@@ -30,10 +31,23 @@ def test_documented_diff_is_the_real_diff():
     assert proc.stdout in blocks, "docs/integration.md does not show ddp_mnist.diff"
 
 
-@pytest.mark.parametrize("mode", [[], ["--use-mixed-precision"]], ids=["fp32", "fp16-gradscaler"])
-def test_ddp_mnist_trains(mode):
-    out = launch("torchrun", 2, str(INTEGRATION / "dynamix" / "ddp_mnist.py"), "--epochs", "1", "--lr", "0.05",
-                 "--log-interval", "3", *mode, timeout=400).stdout
+MODES = {"fp32": [], "fp16-gradscaler": ["--use-mixed-precision"]}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Job]:
+    """Both modes side by side (correctness only: nothing here is timed)."""
+    script = str(INTEGRATION / "dynamix" / "ddp_mnist.py")
+    return launch_side_by_side({name: ("torchrun", 2, [sys.executable, script, "--epochs", "1", "--lr", "0.05",
+                                                       "--log-interval", "3", *mode])
+                                for name, mode in MODES.items()}, timeout=400)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ddp_mnist_trains(runs, mode):
+    job = runs[mode].proc
+    out = job.stdout
+    assert job.returncode == 0, out[-3000:]
     losses = [float(v) for v in re.findall(r"Train Epoch: 1 \[\d+/\d+\]\tLoss: ([0-9.]+)", out)]
     assert len(losses) >= 5, out[-3000:]
     assert losses[-1] < losses[0], f"training loss did not fall: {losses}"
