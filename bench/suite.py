@@ -7,7 +7,9 @@ Every configuration answers one question BENCHMARKS.md asks, and each of its tab
 command that produced it (`CONFIGS`). Every arm trains the same model with the same optimizer, LR
 rule and data order (see `bench.jobs.common`); only the batch-size policy differs. The reference arm
 is the script a Horovod user would otherwise run (``--plain-horovod``: DistributedSampler +
-``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms run interleaved: for seed s the arm
+``hvd.DistributedOptimizer(op=Average)``, equal batches). Arms on the torch.distributed engine
+(``--engine torch``: zoo jobs, whose plain script is then DistributedSampler + ``DDP(model)``) are
+launched with torchrun, the others with mpirun. Arms run interleaved: for seed s the arm
 order is rotated by s, so no arm always runs first (cold caches) or last (a warmer machine); within
 a seed a workload's conditions run side by side, so runs read against each other are minutes apart.
 
@@ -41,7 +43,7 @@ import pandas as pd
 
 from bench.conditions import Condition, NetworkNamespaces, RateSchedule, cleanup_stale, physical_limit, plain_mpirun, slow_args
 from bench.suite_report import measure, plot_cells, summarize, summary_markdown
-from dynamix_hvd.tools.launchcheck import local_env
+from dynamix_hvd.tools.launchcheck import command, local_env, local_plan
 
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 8.0  # starting Python, torch, Horovod and MPI on 2 ranks, per job (idle machine)
@@ -143,8 +145,15 @@ class Arm:
     flags: tuple[str, ...]
     batch: int | None = None
 
+    @property
+    def engine(self) -> str:
+        """The engine its jobs run on: "torch" when its flags say ``--engine torch`` (launched with
+        torchrun), else "horovod" (launched with mpirun)."""
+        f = self.flags
+        return f[f.index("--engine") + 1] if "--engine" in f[:-1] else "horovod"
 
-ARMS = ("plain", "split", "model", "ppo-progress", "speed-split", "static-N")
+
+ARMS = ("plain", "split", "model", "ppo-progress", "speed-split", "static-N", "plain-ddp", "model-ddp")
 """The arm names `arms` knows (static-N: any N)."""
 
 
@@ -153,7 +162,10 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
     speeds, through the loader and the weighted optimizer alone, no controller), "model" (the default
     controller), "static-N" (the controller deciding "static" at N samples per rank, so the LR rule
     and the gradient statistics run), "speed-split" (the controller's speed-proportional rule) and
-    "ppo-progress" (the shipped PPO policy, ending on training progress)."""
+    "ppo-progress" (the shipped PPO policy, ending on training progress); on the torch.distributed
+    engine, launched with torchrun (zoo jobs only): "plain-ddp" (the plain DDP script:
+    DistributedSampler + ``DDP(model)`` + the plain optimizer) and "model-ddp" (the default
+    controller over DDP and the weighted optimizer)."""
     out: list[Arm] = []
     for name in names:
         if name == "plain":
@@ -166,6 +178,10 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
             out.append(Arm("model", ("--policy", "model")))
         elif name == "speed-split":
             out.append(Arm(name, ("--policy", "speed-split")))
+        elif name == "plain-ddp":
+            out.append(Arm(name, ("--engine", "torch", "--plain-horovod")))
+        elif name == "model-ddp":
+            out.append(Arm(name, ("--engine", "torch", "--policy", "model")))
         elif name == "ppo-progress":  # zoo jobs: --budget progress
             out.append(Arm(name, ("--policy", "ppo", "--policy-file", "default", "--learn", "0",
                                   "--budget", "progress")))
@@ -214,6 +230,12 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "zoo-network": [{"workloads": ["zoo:mnist-cnn", "zoo:gru-charlm"],
                      "conditions": ["net10", "net100", "net-changing"],
                      "arms": ["plain", "ppo-progress"], "seeds": 3}],
+    # Does the torch.distributed engine help and cost as the Horovod one does, against plain DDP?
+    # The headline's jobs without a slow rank and with rank 1 3x slower: plain DDP and the default
+    # on DDP (torchrun) beside plain Horovod and the default on Horovod (mpirun), interleaved, so
+    # each engine's ratio to its own plain script is read on the same machine state (~50 min)
+    "zoo-ddp": [{"workloads": ZOO_HEADLINE, "conditions": ["none", "slow3x"],
+                 "arms": ["plain", "model", "plain-ddp", "model-ddp"], "seeds": 3}],
 }
 
 
@@ -223,6 +245,15 @@ class Job:
     condition: Condition
     arm: Arm
     seed: int
+
+    def __post_init__(self) -> None:
+        if self.arm.engine == "torch" and self.condition.networked:
+            raise ValueError(f"arm {self.arm.label!r} runs on torch.distributed (torchrun); condition "
+                             f"{self.condition.name!r} puts the ranks in network namespaces, which only "
+                             "mpirun lines start: give that condition Horovod arms only")
+        if self.arm.engine == "torch" and self.workload.module != "bench.zoo_train":
+            raise ValueError(f"arm {self.arm.label!r} runs on torch.distributed, which workload "
+                             f"{self.workload.name!r} ({self.workload.module}) does not support: zoo jobs only")
 
     @property
     def batch(self) -> int:
@@ -293,8 +324,18 @@ def job_argv(job: Job, out: Path) -> list[str]:
             "--eval-samples", str(w.eval_samples), "--target", str(w.target), *slow_args(c), *job.arm.flags]
 
 
+def launch_command(job: Job, argv: list[str], env_keys: tuple[str, ...] = ()) -> list[str]:
+    """The line that starts `argv` on the job's ranks on this host: torchrun for an arm on the torch
+    engine, else mpirun with shared memory between ranks (a network condition's mpirun line comes
+    from its namespaces instead, see `run_job`). `env_keys`: variables mpirun passes on to every rank
+    (torchrun's ranks inherit its environment)."""
+    if job.arm.engine == "torch":
+        return command(local_plan("torchrun", job.condition.ranks), argv)
+    return plain_mpirun(job.condition.ranks, argv, env_keys)
+
+
 def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
-    """Start one mpirun job, wait for it (killing its process group at `timeout`), measure it."""
+    """Start one job (torchrun or mpirun), wait for it (killing its process group at `timeout`), measure it."""
     out = runs_dir / job.key
     out.mkdir(parents=True, exist_ok=True)
     row: dict[str, Any] = {"workload": job.workload.name, "condition": job.condition.name, "arm": job.arm.label,
@@ -306,7 +347,7 @@ def run_job(job: Job, runs_dir: Path, timeout: float) -> dict[str, Any]:
     keys = ("OMP_NUM_THREADS", "PYTHONPATH", "DYNAMIX_PROGRESS")
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        cmd = plain_mpirun(job.condition.ranks, argv, keys)
+        cmd = launch_command(job, argv, keys)
         net = None
         if job.condition.networked:
             try:

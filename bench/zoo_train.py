@@ -1,15 +1,24 @@
-"""Train one job of the workload zoo (`bench.zoo`) the way a Horovod user would, plain or with dynamix_hvd.
+"""Train one job of the workload zoo (`bench.zoo`) the way a Horovod or a DDP user would, plain or with dynamix_hvd.
 
     mpirun -np 2 python -m bench.zoo_train --job mnist-cnn --plain-horovod       # the reference script
     mpirun -np 2 python -m bench.zoo_train --job mnist-cnn                       # dynamix_hvd, default
     mpirun -np 2 python -m bench.zoo_train --job mnist-cnn --batch-sizes 96,32 --no-controller   # a fixed split
+    torchrun --standalone --nproc-per-node 2 -m bench.zoo_train --job mnist-cnn --engine torch --plain-horovod
+    torchrun --standalone --nproc-per-node 2 -m bench.zoo_train --job mnist-cnn --engine torch
 
 The loop is the same for every arm; the dynamix_hvd lines are marked ``# dx``. The plain script
 uses DistributedSampler + ``hvd.DistributedOptimizer(op=Average)`` and steps its LR scheduler per
 optimizer step; with dynamix_hvd, ``dx.ProgressScheduler`` steps it by training progress, so a
 schedule written for the plain script's step count stays right when the batch changes. Clipping
 follows Horovod's documented pattern (synchronize, clip, step under skip_synchronize) in the plain
-script and the weighted optimizer's ``max_grad_norm`` with dynamix_hvd. Records for the suite come
+script and the weighted optimizer's ``max_grad_norm`` with dynamix_hvd.
+
+``--engine torch`` runs the job on torch.distributed (a Gloo process group, launched by torchrun):
+the plain script is then what a DDP user writes, DistributedSampler + ``DDP(model)`` + the plain
+optimizer, clipping with ``clip_grad_norm_`` before ``step()`` (DDP has averaged the gradients in
+backward); with dynamix_hvd, ``DDP(model)`` + ``dx.WeightedDistributedOptimizer(optimizer,
+ddp_model, loader, ...)`` and the controller given the DDP model. Both forward through the DDP
+module, and neither broadcasts parameters (DDP does at construction). Records for the suite come
 from `bench.jobs.records.SuiteRecorder`.
 """
 from __future__ import annotations
@@ -68,12 +77,10 @@ def loss_and_metric(job: ZooJob, model: nn.Module, x: torch.Tensor, y: torch.Ten
 
 
 def main(argv: list[str] | None = None) -> None:
-    import horovod.torch as hvd
-
     import dynamix_hvd as dx
-    from bench.jobs.common import (PlainHorovodLoader, add_bench_flags, add_common_flags,
-                                             controller_config, local_batches, make_slowdown, parser,
-                                             start, step_due)
+    from bench.jobs.common import (ENGINES, PlainHorovodLoader, add_bench_flags, add_common_flags,
+                                   controller_config, local_batches, make_slowdown, parser, start, step_due,
+                                   world)
     from bench.jobs.records import SuiteRecorder, sharded_sum
 
     ap = parser(__doc__)
@@ -89,27 +96,41 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
                     help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
                          "epochs of training progress, the loop docs/usage.md recommends (plain Horovod: the same)")
+    ap.add_argument("--engine", choices=ENGINES, default="horovod",
+                    help="horovod (mpirun or horovodrun; the default) or torch (torchrun: a Gloo process group "
+                         "and DistributedDataParallel; --plain-horovod is then the plain DDP script)")
     args = ap.parse_args(argv)
     job = JOBS[args.job]
     epochs = args.epochs = args.epochs or job.epochs
     sizes = start(args, default_batch=job.batch)
-    slow = make_slowdown(args, hvd.rank())
+    torch_engine = args.engine == "torch"
+    slow = make_slowdown(args, world.rank)
     metric = "accuracy" if job.higher_is_better else "loss"  # the recorder's direction
     rec = SuiteRecorder(args.out, args.eval_samples or job.eval_every, args.target if math.isfinite(args.target)
                         else job.target, metric, {"example": f"zoo:{job.name}", **vars(args)})
 
     train, test = job.data()
-    steps_per_epoch = math.ceil(len(train) / (job.batch * hvd.size()))  # the plain script's schedule length
+    steps_per_epoch = math.ceil(len(train) / (job.batch * world.size))  # the plain script's schedule length
     model, optimizer, scheduler = build(job, steps_per_epoch)
+    if torch_engine:  # DDP broadcasts rank 0's parameters here; every forward pass goes through it
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
     controller = None
-    if args.plain_horovod:  # the reference: what a Horovod user runs, equal batches
-        loader: Any = PlainHorovodLoader(train, sizes[0], hvd.rank(), hvd.size(), args.seed)
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(), op=hvd.Average)
+    if args.plain_horovod:  # the reference: what a Horovod (DDP) user runs, equal batches
+        loader: Any = PlainHorovodLoader(train, sizes[0], world.rank, world.size, args.seed)
+        if not torch_engine:  # DDP averages the gradients in backward: the plain optimizer steps
+            import horovod.torch as hvd
+
+            optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                 op=hvd.Average)
     else:
-        loader = dx.AdaptiveLoader(train, sizes, hvd.rank(), seed=args.seed)                       # dx
-        optimizer = dx.WeightedDistributedOptimizer(optimizer, model.named_parameters(), loader,  # dx
+        loader = dx.AdaptiveLoader(train, sizes, world.rank, seed=args.seed)                        # dx
+        # dx: Horovod takes the named parameters, torch.distributed the DDP model (its comm hook)
+        params = model if torch_engine else model.named_parameters()
+        optimizer = dx.WeightedDistributedOptimizer(optimizer, params, loader,                   # dx
                                                     max_grad_norm=job.clip or None,             # dx
-                                                    base_batch_size=job.batch * hvd.size(),    # dx: the LR's batch
+                                                    base_batch_size=job.batch * world.size,    # dx: the LR's batch
                                                     adaptive=args.adaptive == "1")              # dx
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
@@ -119,8 +140,11 @@ def main(argv: list[str] | None = None) -> None:
                 config = dataclasses.replace(config, advanced=dataclasses.replace(
                     config.advanced, batchnorm_min_batch=args.batchnorm_floor))
             controller = dx.DynamixController(loader, optimizer, config, model=model)              # dx
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if not torch_engine:
+        import horovod.torch as hvd
+
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def evaluate() -> float:
         return _evaluate(job, model, *test.tensors, sharded_sum)
@@ -150,7 +174,10 @@ def main(argv: list[str] | None = None) -> None:
             slow.after_compute(len(y))
             rec.compute_end()
             if args.plain_horovod:
-                if job.clip:  # Horovod's documented way to clip: synchronize, clip, step
+                if job.clip and torch_engine:  # DDP has averaged the gradients in backward: clip, step
+                    nn.utils.clip_grad_norm_(model.parameters(), job.clip)
+                    optimizer.step()
+                elif job.clip:  # Horovod's documented way to clip: synchronize, clip, step
                     optimizer.synchronize()
                     nn.utils.clip_grad_norm_(model.parameters(), job.clip)
                     with optimizer.skip_synchronize():
@@ -173,8 +200,12 @@ def main(argv: list[str] | None = None) -> None:
                 break                                                                               # dx
         epoch += 1
     rec.finish(evaluate, extra={"stalls": slow.stalls, "thread_cpu_s": thread_cpu_seconds()})     # collective
-    if controller is not None and hvd.rank() == 0:
+    if controller is not None and world.rank == 0:
         write_decisions(controller.history, args.out)
+    if torch_engine:
+        if controller is not None:
+            controller.close()                                                                      # dx
+        world.close()
 
 
 def thread_cpu_seconds() -> dict[str, float]:

@@ -559,3 +559,69 @@ def test_summarize_only_reads_an_archived_results_folder(tmp_path):
         assert merged[f"{column}_now"].to_numpy() == pytest.approx(merged[f"{column}_then"].to_numpy()), column
     assert "# Benchmark suite: calibration-logs" in (out / "summary.md").read_text()
     assert "## charlm / slow3x" in (out / "summary.md").read_text()
+
+
+# --- arms on the torch.distributed engine: launched with torchrun ----------------------------------
+def test_ddp_arms_are_launched_with_torchrun_and_horovod_arms_with_mpirun(tmp_path, monkeypatch):
+    """zoo-ddp's DDP arms start through torchrun (standalone, one process per rank, the job's argv
+    after --no-python), its Horovod arms through mpirun; the slowdown flags are the same on both.
+    run_job writes the line it starts (checked with a Popen that starts nothing)."""
+    jobs = suite.expand(suite.CONFIGS["zoo-ddp"])
+    labels = {j.arm.label for j in jobs}
+    assert {"plain-ddp", "model-ddp"} <= labels and PLAIN in labels
+    assert {j.condition.name for j in jobs} == {"none", "slow3x"} and {j.seed for j in jobs} == {0, 1, 2}
+    assert {j.workload.name for j in jobs} == set(suite.ZOO_HEADLINE)
+    flags = {a.label: a.flags for a in suite.arms(suite.WORKLOADS["zoo:mnist-cnn"], ["plain-ddp", "model-ddp"])}
+    assert flags == {"plain-ddp": ("--engine", "torch", "--plain-horovod"),
+                     "model-ddp": ("--engine", "torch", "--policy", "model")}
+    keys = ("OMP_NUM_THREADS", "PYTHONPATH", "DYNAMIX_PROGRESS")
+    for job in jobs:
+        argv = suite.job_argv(job, Path("/x"))
+        cmd = suite.launch_command(job, argv, keys)
+        assert cmd[-len(argv):] == argv, job.key
+        if job.arm.label.endswith("-ddp"):
+            assert job.arm.engine == "torch"
+            assert cmd[:len(cmd) - len(argv)] == [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc-per-node", "2", "--no-python"], job.key
+            assert argv[argv.index("--engine") + 1] == "torch"
+        else:
+            assert job.arm.engine == "horovod" and "--engine" not in argv
+            assert cmd[0] == "mpirun" and cmd[cmd.index("-np") + 1] == "2", job.key
+            assert "torch.distributed.run" not in cmd
+        if job.condition.name == "slow3x":
+            assert argv[argv.index("--slow-factor") + 1] == "3.0" and argv[argv.index("--slow-rank") + 1] == "1"
+
+    started: list[list[str]] = []
+
+    class NoJob:  # what run_job would start, started nowhere
+        def __init__(self, cmd, **kwargs):
+            started.append(list(cmd))
+            self.pid, self.returncode = -1, 3
+
+        def communicate(self, timeout=None):
+            return "", None
+
+    monkeypatch.setattr(suite.subprocess, "Popen", NoJob)
+    ddp = next(j for j in jobs if j.arm.label == "model-ddp")
+    hvd = next(j for j in jobs if j.arm.label == PLAIN)
+    for job in (ddp, hvd):
+        row = suite.run_job(job, tmp_path, 10.0)
+        assert row["status"].startswith("failed (exit 3)")
+        assert (tmp_path / job.key / "command.txt").read_text().split() == started[-1]
+    assert started[0][1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert started[1][0] == "mpirun"
+
+
+def test_a_ddp_arm_under_a_network_condition_or_outside_the_zoo_is_refused():
+    """Network conditions start their ranks through mpirun in namespaces, and only the zoo jobs have
+    --engine: either combination fails when the job is made, naming the arm and the condition or workload."""
+    zoo = suite.WORKLOADS["zoo:mnist-cnn"]
+    ddp = suite.arms(zoo, ["plain-ddp"])[0]
+    with pytest.raises(ValueError, match="'plain-ddp'.*'net10'"):
+        suite.Job(zoo, suite.CONDITIONS["net10"], ddp, 0)
+    with pytest.raises(ValueError, match="'model-ddp'.*'net-changing'"):
+        suite.expand([{"workloads": ["zoo:mnist-cnn"], "conditions": ["net-changing"],
+                       "arms": ["plain", "model-ddp"], "seeds": 1}])
+    with pytest.raises(ValueError, match="'plain-ddp'.*'cnn-quick'"):
+        suite.Job(suite.WORKLOADS["cnn-quick"], suite.CONDITIONS["none"], ddp, 0)
+    assert suite.Job(zoo, suite.CONDITIONS["net10"], suite.arms(zoo, ["plain"])[0], 0).arm.engine == "horovod"

@@ -70,15 +70,90 @@ def make_slowdown(args: argparse.Namespace, rank: int) -> "Slowdown":
                     clock_kind=args.slow_clock)
 
 
-def start(args: argparse.Namespace, default_batch: int) -> list[int]:
-    """Threads from OMP_NUM_THREADS, `hvd.init()`, the seed; returns this job's per-rank batch sizes."""
-    import horovod.torch as hvd
+ENGINES = ("horovod", "torch")
+"""The engines a job can run on: Horovod (mpirun, horovodrun) or torch.distributed (torchrun, Gloo)."""
 
+
+class World:
+    """The job's ranks on its engine: rank, size and the sum over the ranks, the same calls under
+    Horovod and under torch.distributed (a Gloo process group from torchrun's environment). Until
+    `init` is called the engine is Horovod, already initialised by the script."""
+
+    def __init__(self) -> None:
+        self.engine = "horovod"
+
+    def init(self, engine: str = "horovod") -> None:
+        """``hvd.init()``, or ``dist.init_process_group("gloo")`` for "torch"."""
+        if engine not in ENGINES:
+            raise ValueError(f"engine {engine!r}: choose {' or '.join(ENGINES)}")
+        self.engine = engine
+        if engine == "torch":
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+        else:
+            import horovod.torch as hvd
+
+            hvd.init()
+
+    @property
+    def rank(self) -> int:
+        if self.engine == "torch":
+            import torch.distributed as dist
+
+            return dist.get_rank()
+        import horovod.torch as hvd
+
+        return hvd.rank()
+
+    @property
+    def size(self) -> int:
+        if self.engine == "torch":
+            import torch.distributed as dist
+
+            return dist.get_world_size()
+        import horovod.torch as hvd
+
+        return hvd.size()
+
+    def allreduce_sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The sum of a CPU tensor over the ranks (a collective: every rank calls it with the same name)."""
+        if self.engine == "torch":
+            import torch.distributed as dist
+
+            out = tensor.clone()
+            dist.all_reduce(out)
+            return out
+        import horovod.torch as hvd
+
+        return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+    def barrier(self, name: str) -> None:
+        """Line the ranks up (one small allreduce)."""
+        self.allreduce_sum(torch.zeros(1), name)
+
+    def close(self) -> None:
+        """torch: ``dist.destroy_process_group()`` (Horovod needs nothing)."""
+        if self.engine == "torch":
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+world = World()
+"""This process's ranks (`start` initialises it)."""
+
+
+def start(args: argparse.Namespace, default_batch: int) -> list[int]:
+    """Threads from OMP_NUM_THREADS, the engine (``hvd.init()``, or a Gloo process group with
+    ``--engine torch``), the seed; returns this job's per-rank batch sizes."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    hvd.init()
+    world.init(getattr(args, "engine", "horovod"))
     dx.configure_logging()  # the library's messages (checkpoints, run logs) on stderr, rank-prefixed
     torch.manual_seed(args.seed)
-    return [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [default_batch] * hvd.size()
+    return [int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else [default_batch] * world.size
 
 
 def step_due(optimizer: Any) -> bool:
@@ -116,8 +191,9 @@ def add_bench_flags(ap: argparse.ArgumentParser) -> None:
                          "phase; examples that report their budget)")
     ap.add_argument("--plain-horovod", action="store_true",
                     help="the reference a user would otherwise run: DistributedSampler + "
-                         "hvd.DistributedOptimizer(op=Average), equal batches (the first of --batch-sizes on "
-                         "every rank); no AdaptiveLoader, weighted optimizer or controller")
+                         "hvd.DistributedOptimizer(op=Average) (bench.zoo_train --engine torch: "
+                         "DistributedDataParallel and the plain optimizer), equal batches (the first of "
+                         "--batch-sizes on every rank); no AdaptiveLoader, weighted optimizer or controller")
     ap.add_argument("--no-controller", action="store_true",
                     help="data plane only: AdaptiveLoader + weighted optimizer at fixed sizes, no controller")
     ap.add_argument("--slow-mode", default="spin", choices=["spin", "sleep"],

@@ -1,9 +1,12 @@
-"""The benchmark suite's records of one example job, the same for every arm (plain Horovod included).
+"""The benchmark suite's records of one example job, the same for every arm (plain Horovod included)
+and on either engine (Horovod or torch.distributed, through `bench.jobs.common.world`).
 
 `SuiteRecorder` times each step on every rank (compute = forward + backward, slowdown included; the
-rest of the step is idle: waiting for the gradient allreduce, data, the controller), evaluates every
-``--eval-samples`` training samples, and keeps evaluation time out of the training clock. At the end
-rank 0 writes, into the job's OUT directory:
+rest of the step is idle: waiting for the gradient allreduce, data, the controller; under DDP the
+gradient allreduce ends inside backward, and a model's buffers are broadcast at the start of
+forward, so there those waits count as compute and the idle fraction reads lower than under
+Horovod), evaluates every ``--eval-samples`` training samples, and keeps evaluation time out of the
+training clock. At the end rank 0 writes, into the job's OUT directory:
 
 * ``suite_evals.csv``: one row per evaluation (train_s: training wall seconds before it, evaluation
   excluded; eval_s; samples; steps; value; progress: base-batch-equivalent epochs of training
@@ -23,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from bench.jobs.common import world
 from dynamix_hvd.comm import Collective, library_channel
 
 SUITE_FINISH = Collective("bench.suite_finish", 600.0, "bench.jobs.records: every rank's step rows to rank 0")
@@ -32,16 +36,14 @@ def sharded_sum(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                 score: Callable[[torch.Tensor, torch.Tensor], float]) -> float:
     """Every rank scores its share of (x, y); one allreduce adds the scores and the counts up
     (a collective). Returns the sum of `score` over all samples divided by their number."""
-    import horovod.torch as hvd
-
-    xs, ys = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
+    rank, size = world.rank, world.size
+    xs, ys = x[rank::size], y[rank::size]
     was_training = model.training
     model.eval()
     with torch.no_grad():
         value = score(model(xs), ys)
     model.train(was_training)
-    total, n = hvd.allreduce(torch.tensor([value, len(ys)], dtype=torch.float64), op=hvd.Sum,
-                             name="suite_eval").tolist()
+    total, n = world.allreduce_sum(torch.tensor([value, len(ys)], dtype=torch.float64), "suite_eval").tolist()
     return total / n
 
 
@@ -52,15 +54,13 @@ class SuiteRecorder:
     times the evaluations the script makes (so its clock stays honest)."""
 
     def __init__(self, out: str | Path, eval_samples: int, target: float, metric: str, meta: dict[str, Any]) -> None:
-        import horovod.torch as hvd
-
         if eval_samples < 0:
             raise ValueError(f"--eval-samples {eval_samples}: need >= 0")
         if metric not in ("accuracy", "loss"):
             raise ValueError(f"metric {metric!r}: choose accuracy or loss")
         self.out, self.eval_samples, self.target, self.metric = Path(out), eval_samples, target, metric
         self.meta = meta
-        self.rank, self.size = hvd.rank(), hvd.size()
+        self.rank, self.size = world.rank, world.size
         self.samples = self.steps = 0
         self.eval_total = 0.0
         self.evals: list[dict[str, float]] = []
@@ -71,9 +71,7 @@ class SuiteRecorder:
 
     def start(self) -> None:
         """Line the ranks up (one allreduce) and start the training clock."""
-        import horovod.torch as hvd
-
-        hvd.allreduce(torch.zeros(1), name="suite_start")
+        world.barrier("suite_start")
         self._t0 = time.perf_counter()
         self._last = 0.0
 
