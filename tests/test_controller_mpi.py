@@ -1,7 +1,15 @@
-"""The controller in real multi-process jobs: decisions reach every rank, stay in bounds, time out."""
+"""The controller in real multi-process jobs: decisions reach every rank, stay in bounds, time out.
+
+The runs of tests/workers/controller.py of one launcher and world size share one job (--then between them,
+each in its own folder), so that its ranks start, import torch and Horovod and join once; the first test
+that needs a job starts it. The jobs whose runs depend on timing (sleeps, measured step times) run alone;
+the ones that only wait for a silent rank, and the Gloo job beside them, run side by side.
+"""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,16 +17,72 @@ import pytest
 from dynamix_hvd.control.config import ControllerConfig
 from dynamix_hvd.control.controller import NO_MODEL_WARNING
 from dynamix_hvd.control.proposal import ProposalConfig
-from launching import launch
+from launching import WORKERS, launch_side_by_side
+
+# job -> (launcher, ranks, {run: the worker's arguments}); tests/test_model_mpi.py adds a run of its own
+JOBS: dict[str, tuple[str, int, dict[str, list[str]]]] = {
+    "mpirun-3": ("mpirun", 3, {
+        "decisions": ["--epochs", "2", "--every", "5", "--max-batch", "40"],
+        **{f"fit-fp16-{fp16}": ["--epochs", "1", "--every", "8", "--policy", "static", *(["--fp16"] if fp16 else [])]
+           for fp16 in (False, True)},
+    }),
+    "mpirun-2": ("mpirun", 2, {
+        **{f"cadence-{policy}": ["--epochs", "4", "--every", "-1", "--policy", policy, "--max-batch", "40",
+                                 "--decision-budget", "0", "--with-model",
+                                 *(["--sleep-per-sample", "0.0005", "--slow-rank", "1", "--slow-factor", "3"]
+                                   if policy == "model" else [])]
+           for policy in ("static", "model")},
+        "budget": ["--epochs", "4", "--every", "-1", "--policy", "static"],
+        "ramp": ["--epochs", "2", "--every", "-1", "--policy", "static", "--target-decisions", "4",
+                 "--decision-budget", "0"],
+        "ceiling": ["--epochs", "2", "--every", "-1", "--policy", "static", "--target-decisions", "4",
+                    "--decision-budget", "0", "--sleep-per-sample", "0.001", "--max-interval", "0.12"],
+        "recheck": ["--epochs", "3", "--every", "-1", "--policy", "model", "--target-decisions", "6",
+                    "--sizes", "16,16", "--samples", "3200", "--max-batch", "64", "--sleep-per-sample", "0.001",
+                    "--slow-rank", "1", "--slow-factor", "3", "--slow-from-step", "100", "--decision-budget", "0"],
+    }),
+    "horovodrun-gloo-2": ("horovodrun-gloo", 2, {"decisions": ["--epochs", "2", "--every", "5", "--max-batch", "40"]}),
+    "silent-mpirun-3": ("mpirun", 3, {"silent": ["--mode", "silent", "--silent", "2", "--timeout", "3"]}),
+    "silent-gloo-2": ("horovodrun-gloo", 2, {"silent": ["--mode", "silent", "--silent", "1", "--timeout", "3"]}),
+}
+# jobs started together (side by side): only the last group's spend their time waiting
+GROUPS = (("mpirun-3",), ("mpirun-2",), ("horovodrun-gloo-2", "silent-mpirun-3", "silent-gloo-2"))
+_DONE: dict[str, tuple[subprocess.CompletedProcess, dict[str, Path]]] = {}
+
+
+def controller_job(job: str, factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Path]]:
+    """Job `job`'s CompletedProcess and each run's folder; the first call runs the job (and its group)."""
+    if job not in _DONE:
+        group = next(g for g in GROUPS if job in g)
+        specs, folders = {}, {}
+        for name in group:
+            launcher, ranks, runs = JOBS[name]
+            root = factory.mktemp(name)
+            folders[name], argv = {}, []
+            for run, args in runs.items():
+                folders[name][run] = root / run
+                folders[name][run].mkdir()
+                argv += [*(["--then"] if argv else []), "--out", str(root / run), *args]
+            specs[name] = (launcher, ranks, [sys.executable, str(WORKERS / "controller.py"), *argv])
+        for name, done in launch_side_by_side(specs, timeout=300).items():
+            _DONE[name] = (done.proc, folders[name])
+    return _DONE[job]
+
+
+def controller_run(job: str, run: str, factory: pytest.TempPathFactory) -> tuple[list[dict], str]:
+    """Every rank's results of run `run` of job `job` (which must have succeeded), and the job's output."""
+    proc, folders = controller_job(job, factory)
+    assert proc.returncode == 0, f"{job}: exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    ranks = JOBS[job][1]
+    return [json.loads(Path(folders[run], f"rank{r}.json").read_text()) for r in range(ranks)], proc.stdout
 
 
 @pytest.mark.parametrize("launcher, ranks", [("mpirun", 3), ("horovodrun-gloo", 2)])
-def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ranks):
-    out = launch(launcher, ranks, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "5",
-                 "--max-batch", "40").stdout
+def test_every_rank_receives_every_decision_within_bounds(tmp_path_factory, launcher, ranks):
+    results, out = controller_run(f"{launcher}-{ranks}", "decisions", tmp_path_factory)
     # no model= given: rank 0 alone says the BatchNorm floor cannot apply
-    assert out.count(NO_MODEL_WARNING[:60]) == 1, out[-3000:]
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(ranks)]
+    assert [[w[:60] for w in r["warnings"]] for r in results] == [[NO_MODEL_WARNING[:60]]] + [[]] * (ranks - 1)
+    assert NO_MODEL_WARNING[:60] in out, out[-3000:]
     assert results[0]["backend"] == ("mpi4py" if launcher == "mpirun" else "horovod-objects")
     histories = [r["history"] for r in results]
     assert len(histories[0]) >= 4
@@ -33,13 +97,11 @@ def test_every_rank_receives_every_decision_within_bounds(tmp_path, launcher, ra
 
 
 @pytest.mark.parametrize("fp16", [False, True])
-def test_the_network_fit_knows_the_gradient_bytes_and_the_allreduce_latency(tmp_path, fp16):
+def test_the_network_fit_knows_the_gradient_bytes_and_the_allreduce_latency(tmp_path_factory, fp16):
     """Every decision's network fit carries the bytes each rank sends in the gradient allreduce (the
     model's 1,386 float32 parameters, halved by fp16 compression, times 2 (R - 1) / R) and, from the
     second decision on, the latency probed with a single-value allreduce after each decision."""
-    launch("mpirun", 3, "controller.py", "--out", str(tmp_path), "--epochs", "1", "--every", "8",
-           "--policy", "static", *(["--fp16"] if fp16 else []))
-    result = json.loads(Path(tmp_path, "rank0.json").read_text())
+    result = controller_run("mpirun-3", f"fit-fp16-{fp16}", tmp_path_factory)[0][0]
     payload = 1386 * (2 if fp16 else 4)
     assert result["allreduce_bytes"] == payload
     fitted = [d["net"] for d in result["history"] if d["net"] is not None]
@@ -49,16 +111,13 @@ def test_the_network_fit_knows_the_gradient_bytes_and_the_allreduce_latency(tmp_
 
 
 @pytest.mark.parametrize("policy", ["static", "model"])
-def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, policy):
+def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path_factory, policy):
     """decide_every_steps=None: every epoch end, and inside epochs so that the job gets about
     target_decisions (32) decisions, never closer than min_decision_steps (8) nor in an epoch's last
     half-interval; the same steps on every rank, also when decisions change the sizes (model: rank 1
     sleeps 3x longer per sample, so the model moves samples to rank 0 whatever the machine's noise)."""
-    straggler = ["--sleep-per-sample", "0.0005", "--slow-rank", "1", "--slow-factor", "3"] if policy == "model" else []
-    out = launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
-                 "--policy", policy, "--max-batch", "40", "--decision-budget", "0", "--with-model", *straggler).stdout
-    assert NO_MODEL_WARNING[:60] not in out, "model= given: nothing to warn about"
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    results, _ = controller_run("mpirun-2", f"cadence-{policy}", tmp_path_factory)
+    assert not any(r["warnings"] for r in results), "model= given: nothing to warn about"
     when = results[0]["when"]
     assert results[1]["when"] == when, when
     assert [d["sizes"] for d in results[1]["history"]] == [d["sizes"] for d in results[0]["history"]]
@@ -74,13 +133,11 @@ def test_automatic_cadence_decides_at_epoch_ends_and_inside_epochs(tmp_path, pol
         assert min(gaps[:-1], default=8) >= 8, (epoch, when)
 
 
-def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path):
+def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path_factory):
     """With the default budget (1% of training time) on steps of about a millisecond, a decision costs
     many steps: after the first four, rank 0 sends a spacing with each decision and no rank decides
     sooner, epoch ends included; every rank decides at the same steps and records the same spacing."""
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "4", "--every", "-1",
-           "--policy", "static")
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    results, _ = controller_run("mpirun-2", "budget", tmp_path_factory)
     when, history = results[0]["when"], results[0]["history"]
     assert results[1]["when"] == when
     assert [d["spacing"] for d in results[1]["history"]] == [d["spacing"] for d in history]
@@ -94,26 +151,21 @@ def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path):
     assert len(when) < 32  # without the budget: 32 (see above)
 
 
-def test_automatic_cadence_ramps_up_to_its_interval(tmp_path):
+def test_automatic_cadence_ramps_up_to_its_interval(tmp_path_factory):
     """The first two decisions come min_decision_steps (8) apart, then twice that, until the interval that
     spreads target_decisions over the job (4 over 2 epochs of 60 steps: every 30) is reached."""
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "-1",
-           "--policy", "static", "--target-decisions", "4", "--decision-budget", "0")
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    results, _ = controller_run("mpirun-2", "ramp", tmp_path_factory)
     assert results[1]["when"] == results[0]["when"]
     # epoch 0: 8, 16, 16 + 16; the next at 32 + 30 = 62 is past the epoch: the end decides
     assert results[0]["when"] == [[0, 8, 60], [0, 16, 60], [0, 32, 60], [0, 60, 60], [1, 30, 60], [1, 60, 60]]
 
 
-def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(tmp_path):
+def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(tmp_path_factory):
     """4 decisions over 2 epochs of 60 steps would come every 30 steps once ramped up (above); steps
     of about 12 ms (rank 1 sleeps 12 x 1 ms) and at most 0.12 s an interval cap it near 10 steps:
     rank 0 sends the ceiling with every decision, every rank records the same and decides at the same
     steps, and no interval inside an epoch is longer than the ceiling the last decision sent."""
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "2", "--every", "-1",
-           "--policy", "static", "--target-decisions", "4", "--decision-budget", "0",
-           "--sleep-per-sample", "0.001", "--max-interval", "0.12")
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    results, _ = controller_run("mpirun-2", "ceiling", tmp_path_factory)
     when, history = results[0]["when"], results[0]["history"]
     assert results[1]["when"] == when
     ceilings = [d["ceiling"] for d in history]
@@ -135,16 +187,12 @@ def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(
         assert (config.advanced.cadence.decision_budget, config.advanced.cadence.target_decisions) == (0, 4)
 
 
-def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path):
+def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path_factory):
     """Rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every 50 steps once ramped up,
     no decision budget, so the next interval is all slow): the decision whose interval shows the gap
     asks for a recheck, the next comes min_decision_steps (8) later on every rank and leaves the
     neutral split. (That a recheck comes ahead of the budget's spacing: tests/test_cadence.py.)"""
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--epochs", "3", "--every", "-1",
-           "--policy", "model", "--target-decisions", "6", "--sizes", "16,16", "--samples", "3200",
-           "--max-batch", "64", "--sleep-per-sample", "0.001", "--slow-rank", "1", "--slow-factor", "3",
-           "--slow-from-step", "100", "--decision-budget", "0")
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    results, _ = controller_run("mpirun-2", "recheck", tmp_path_factory)
     history, at = results[0]["history"], results[0]["at_step"]
     assert results[1]["at_step"] == at and [d["recheck"] for d in results[1]["history"]] == [d["recheck"] for d in history]
     asked = [i for i, d in enumerate(history) if d["recheck"] and at[i] > 100 and i + 1 < len(history)]
@@ -159,8 +207,10 @@ def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_r
     assert all(b - a >= 8 for a, b in zip(at, at[1:])), at
 
 
-def test_silent_rank_triggers_timeout_naming_it():
-    out = launch("mpirun", 3, "controller.py", "--mode", "silent", "--silent", "2", "--timeout", "3").stdout
+def test_silent_rank_triggers_timeout_naming_it(tmp_path_factory):
+    proc, _ = controller_job("silent-mpirun-3", tmp_path_factory)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}"
     lines = {r: next((line for line in out.splitlines() if line.startswith(f"TIMEOUT-OK rank {r}")), "")
              for r in (0, 1)}
     assert "rank(s) [2] did not answer" in lines[0], out
@@ -170,8 +220,7 @@ def test_silent_rank_triggers_timeout_naming_it():
     assert "rank(s) [2] did not answer" in lines[1] or "receiving batch-size decision from rank 0" in lines[1], out
 
 
-def test_silent_rank_under_gloo_exits_with_a_clear_message(tmp_path):
-    with pytest.raises(AssertionError) as err:
-        launch("horovodrun-gloo", 2, "controller.py", "--mode", "silent", "--silent", "1", "--timeout", "3",
-               timeout=120)
-    assert "did not complete within 3 s under Gloo" in str(err.value)
+def test_silent_rank_under_gloo_exits_with_a_clear_message(tmp_path_factory):
+    proc, _ = controller_job("silent-gloo-2", tmp_path_factory)
+    assert proc.returncode != 0 and "killed: still running" not in proc.stdout, proc.stdout[-6000:]
+    assert "did not complete within 3 s under Gloo" in proc.stdout, proc.stdout[-6000:]

@@ -2,18 +2,18 @@
 batch and neither rank starves (their compute times meet)."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from test_controller_mpi import JOBS, controller_run
 
-from launching import launch
+# Every rank sleeps 1 ms + 0.5 ms per sample in forward/backward; rank 1 three times as long. A run of the
+# controller job on 2 ranks under mpirun (tests/test_controller_mpi.py): the same job, one start, alone.
+JOBS["mpirun-2"][2]["model-balance"] = ["--policy", "model", "--sizes", "32,32", "--samples", "3840", "--epochs", "2",
+                                        "--every", "8", "--max-batch", "256", "--timeout", "30",
+                                        "--sleep-per-sample", "0.0005", "--sleep-fixed", "0.001", "--slow-rank", "1",
+                                        "--slow-factor", "3"]
 
 
-def test_model_policy_balances_a_three_times_slower_rank(tmp_path):
-    # Every rank sleeps 1 ms + 0.5 ms per sample in forward/backward; rank 1 three times as long.
-    launch("mpirun", 2, "controller.py", "--out", str(tmp_path), "--policy", "model", "--sizes", "32,32",
-           "--samples", "3840", "--epochs", "2", "--every", "8", "--max-batch", "256", "--timeout", "30",
-           "--sleep-per-sample", "0.0005", "--sleep-fixed", "0.001", "--slow-rank", "1", "--slow-factor", "3")
-    history = json.loads(Path(tmp_path, "rank0.json").read_text())["history"]
+def test_model_policy_balances_a_three_times_slower_rank(tmp_path_factory):
+    history = controller_run("mpirun-2", "model-balance", tmp_path_factory)[0][0]["history"]
     assert len(history) >= 5
     for d in history:
         assert sum(d["sizes"]) >= 64, "never below the initial global batch"

@@ -3,6 +3,10 @@
 train   train a few epochs with decisions every k steps; dump every rank's decision history.
 silent  rank `--silent` never takes part in the control plane; the others must time out with an
         error naming it (exit code 0 and a line "TIMEOUT-OK: <message>" when they do).
+
+Several runs in one job: their arguments separated by --then (each train run with its own --out; a silent
+run leaves the control plane unusable, so it goes last). Every rank records the warnings its controller's
+construction issued (shown as usual too) in its results.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -22,6 +27,19 @@ from dynamix_hvd.data.synthetic import teacher_classification
 
 
 def main() -> None:
+    argvs = [[]]
+    for arg in sys.argv[1:]:  # one start of the ranks for several runs
+        if arg == "--then":
+            argvs.append([])
+        else:
+            argvs[-1].append(arg)
+    torch.set_num_threads(1)
+    hvd.init()
+    for argv in argvs:
+        run(argv)
+
+
+def run(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["train", "silent"], default="train")
     ap.add_argument("--out", default=".")
@@ -46,9 +64,7 @@ def main() -> None:
     ap.add_argument("--slow-from-step", type=int, default=0, help="the slow rank is slow from this step of the job on")
     ap.add_argument("--fp16", action="store_true", help="Horovod's fp16 compression of the gradients")
     ap.add_argument("--with-model", action="store_true", help="give the controller model=")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    hvd.init()
+    args = ap.parse_args(argv)
     rank, world = hvd.rank(), hvd.size()
     train, _ = teacher_classification(args.samples, seed=0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -66,7 +82,11 @@ def main() -> None:
                                   decision_budget=args.decision_budget, target_decisions=args.target_decisions,
                                   **({} if args.max_interval is None else
                                      {"max_decision_interval_s": args.max_interval}))))
-    controller = dx.DynamixController(loader, opt, cfg, model=model if args.with_model else None)
+    with warnings.catch_warnings(record=True) as caught:  # every run's, not only the process's first
+        warnings.simplefilter("always")
+        controller = dx.DynamixController(loader, opt, cfg, model=model if args.with_model else None)
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     if args.mode == "silent":
         if rank == args.silent:
             time.sleep(args.timeout + 4)  # alive but never answers
@@ -118,12 +138,14 @@ def main() -> None:
         "history": history, "backend": controller.channel.backend, "when": when, "at_step": at_step,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
         "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes,
-        "config": controller.config_dict(), "checkpointed_config": controller.state_dict()["config"]}))
+        "config": controller.config_dict(), "checkpointed_config": controller.state_dict()["config"],
+        "warnings": [str(w.message) for w in caught]}))
     if rank == 0 and args.keep_inputs:  # the typed reports each decision was made on, and the decisions
         Path(args.out, "inputs.json").write_text(json.dumps({
             "inputs": [[i.to_dict() for i in inputs] for inputs in controller.inputs],
             "decisions": controller.history, "initial_batch": sum(8 + 4 * r for r in range(world)),
             "layer_names": opt.param_names}))
+    controller.close()
 
 
 if __name__ == "__main__":
