@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynamix_hvd.comm import ABORT_CODE
-from launching import WORKERS, command, job_env, launch_side_by_side
+from launching import WORKERS, launch_side_by_side
 
 TIMEOUT_S = 4.0
 # docs/faults.md "A rank that stops answering": the probe (min(10, 2 + 0.1 timeout_s)) plus a few seconds for
@@ -45,16 +45,32 @@ STOPPED = [  # case, ranks, extra arguments, where the message says the others w
 ]
 
 
+# Jobs in which no rank may be taken for a stopped one: case -> ranks, timeout_s, extra arguments
+FINISHING = {
+    # The victim "evaluates" 5 s after the last step, then stops for 7 s: rank 0, idle since that
+    # step, probes it from 8 s and gets no answer until 12 s. 7 s of silence is under timeout_s (8 s):
+    # the job carries on (a watchdog that named a peer failing one probe would end it at ~10.8 s).
+    "stop-shorter-than-timeout": (2, 8.0, ["--epoch-vote", "--busy", "5", "--stop-for", "7"]),
+    # Rank 1 finishes and exits (its watchdog closes and says so) while rank 0 stays in the job for
+    # 5 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop (without
+    # the closing message it would name rank 1 after about 8 s).
+    "finished-rank": (2, 3.0, ["--victim", "-1", "--linger", "15"]),
+}
+
+
 @pytest.fixture(scope="module")
-def stopped_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
-    """Every case's job, side by side (each spends most of its time waiting for its stopped rank, so together
-    they take about as long as one): case -> (its folder, the finished job, when it ended, time.time())."""
+def stall_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
+    """Every case's job, of STOPPED and of FINISHING, side by side (each spends most of its time waiting for
+    a stopped, sleeping or finished rank, so together they take about as long as the longest): case -> (its
+    folder, the finished job, when it ended, time.time())."""
+    cases = {case: (ranks, TIMEOUT_S, extra) for case, ranks, extra, _ in STOPPED}
+    cases.update(FINISHING)
     jobs, folders = {}, {}
-    for case, ranks, extra, _ in STOPPED:
+    for case, (ranks, timeout_s, extra) in cases.items():
         folders[case] = out = tmp_path_factory.mktemp(case)
         extra = [str(out / "ck") if a == "CKPT" else a for a in extra]
         jobs[case] = ("mpirun", ranks, [sys.executable, str(WORKERS / "stall.py"), "--out", str(out),
-                                        "--timeout", str(TIMEOUT_S), *extra])
+                                        "--timeout", str(timeout_s), *extra])
     try:
         done = launch_side_by_side(jobs, timeout=300)
     finally:
@@ -64,8 +80,8 @@ def stopped_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.Completed
 
 
 @pytest.mark.parametrize("case, ranks, extra, names", STOPPED)
-def test_stopped_rank_ends_the_job_naming_it(stopped_jobs, case, ranks, extra, names):
-    tmp_path, proc, ended = stopped_jobs[case]
+def test_stopped_rank_ends_the_job_naming_it(stall_jobs, case, ranks, extra, names):
+    tmp_path, proc, ended = stall_jobs[case]
     out = proc.stdout
     assert "killed: still running" not in out, f"{case}: the job hung (killed after 300 s):\n{out[-4000:]}"
     assert (tmp_path / "victim.json").exists(), f"the victim never stopped: the test proved nothing\n{out[-3000:]}"
@@ -93,31 +109,22 @@ def _bound(case: str) -> float:
     return TIMEOUT_S + MARGIN_S + extra.get(case, 0.0)
 
 
-def _finishes(tmp_path: Path, ranks: int, timeout_s: float, *extra: str) -> str:
-    argv = [sys.executable, str(WORKERS / "stall.py"), "--out", str(tmp_path), "--timeout", str(timeout_s), *extra]
-    try:
-        done = subprocess.run(command("mpirun", ranks, argv), env=job_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=240, start_new_session=True)
-    finally:
-        _kill_victim(tmp_path)
+def _finishes(stall_jobs, case: str) -> str:
+    tmp_path, done, _ = stall_jobs[case]
+    ranks = FINISHING[case][0]
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-4000:]}"
     for r in range(ranks):
         assert f"rank {r}: FINISHED" in done.stdout, done.stdout[-4000:]
     return done.stdout
 
 
-def test_stop_shorter_than_timeout_outside_the_allreduce_is_waited_for(tmp_path):
-    # The victim "evaluates" 5 s after the last step, then stops for 7 s: rank 0, idle since that
-    # step, probes it from 8 s and gets no answer until 12 s. 7 s of silence is under timeout_s (8 s):
-    # the job carries on (a watchdog that named a peer failing one probe would end it at ~10.8 s).
-    out = _finishes(tmp_path, 2, 8.0, "--epoch-vote", "--busy", "5", "--stop-for", "7")
-    assert (tmp_path / "victim.json").exists(), "the victim never stopped: the test proved nothing"
+def test_stop_shorter_than_timeout_outside_the_allreduce_is_waited_for(stall_jobs):
+    out = _finishes(stall_jobs, "stop-shorter-than-timeout")
+    assert (stall_jobs["stop-shorter-than-timeout"][0] / "victim.json").exists(), \
+        "the victim never stopped: the test proved nothing"
     assert "did not answer" not in out, out[-4000:]
 
 
-def test_rank_that_finished_is_not_taken_for_a_stopped_one(tmp_path):
-    # Rank 1 finishes and exits (its watchdog closes and says so) while rank 0 stays in the job for
-    # 5 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop (without
-    # the closing message it would name rank 1 after about 8 s).
-    out = _finishes(tmp_path, 2, 3.0, "--victim", "-1", "--linger", "15")
+def test_rank_that_finished_is_not_taken_for_a_stopped_one(stall_jobs):
+    out = _finishes(stall_jobs, "finished-rank")
     assert "did not answer" not in out, out[-4000:]
