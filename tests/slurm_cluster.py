@@ -6,7 +6,8 @@ through ``SLURM_CONF`` in `SlurmCluster.env`. Daemons run in the foreground as o
 stopped by pid at teardown, so none is left running.
 
 Partitions: ``debug`` (the default), ``low`` and ``high``; a job in ``high`` preempts (cancels) jobs of
-the other two that hold the CPUs it needs, after sending them SIGTERM and waiting ``GraceTime``.
+``low`` that hold the CPUs it needs, after sending them SIGTERM and waiting ``GraceTime``; jobs of
+``debug`` are never preempted (they may run beside a preemption).
 
 Requires root (apt, daemons as root) and the Debian packages ``slurm-wlm munge``, which
 `ensure_installed` installs with apt-get when they are missing.
@@ -122,7 +123,7 @@ MinJobAge=600
 PreemptType=preempt/partition_prio
 PreemptMode=CANCEL
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
+PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=OFF
 PartitionName=low Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={self.grace_s}
 PartitionName=high Nodes={self.node} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """)
