@@ -11,9 +11,11 @@
 #                  default: the machine's cores, at most 4; 1 runs it in one process. (-n N says the same.)
 #
 # Two pytest sessions: the unit tier spread over the workers, then the mpi and system tiers one test at a
-# time (their jobs use every core, and some of them measure time). With `-m EXPR` of your own, one
-# session runs it, in one process. At the end: the time per tier and the 15 slowest set-ups/tests of
-# both sessions together. The exit code is pytest's (the worse of the two sessions').
+# time (their jobs use every core, and some of them measure time). When the unit and system tiers both run
+# on the whole of tests/, the chaos soak (tests/test_chaos.py, a system test that spends its time in timed
+# fault injections rather than on the cores, and measures no time) runs in a third session beside the unit
+# tier. With `-m EXPR` of your own, one session runs it, in one process. At the end: the time per tier and
+# the 15 slowest set-ups/tests of all sessions together. The exit code is pytest's (the worst session's).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -82,6 +84,30 @@ if [ "$_own_m" = 1 ]; then  # the caller's own marker expression: one session, a
   exit "$_rc"
 fi
 
+# Beside the unit tier: system tests that wait on timed events and measure no time (see above).
+_beside=()
+_beside_pid=""
+_beside_rc=5
+if [ "$_want_unit" = 1 ] && [[ " $_want_jobs " == *" system "* ]] && [ "${_paths[*]}" = tests ]; then
+  _beside=(tests/test_chaos.py)
+  _beside_log=$(mktemp "${TMPDIR:-/tmp}/dynamix-tests-beside.XXXXXX")  # its records, added to the others' after
+  _beside_out=$(mktemp "${TMPDIR:-/tmp}/dynamix-tests-beside-out.XXXXXX")
+  trap '[ -z "$_beside_pid" ] || kill "$_beside_pid" 2>/dev/null; rm -f "$DYNAMIX_TEST_LOG" "$_beside_log" "$_beside_out"' EXIT
+  echo "run_tests.sh: ${_beside[*]} runs beside the unit tier; its output follows the unit tier's"
+  DYNAMIX_TEST_LOG=$_beside_log DYNAMIX_TEST_SUMMARY=0 python -m pytest "${_beside[@]}" -m system \
+    ${_args[@]+"${_args[@]}"} >"$_beside_out" 2>&1 &
+  _beside_pid=$!
+fi
+_beside_wait() {  # wait for the session beside the unit tier; show its output; add its records to the log
+  [ -n "$_beside_pid" ] || return 0
+  _beside_rc=0
+  wait "$_beside_pid" || _beside_rc=$?
+  _beside_pid=""
+  echo "=== run_tests.sh: ${_beside[*]} (beside the unit tier) ==="
+  cat "$_beside_out"
+  cat "$_beside_log" >>"$DYNAMIX_TEST_LOG"
+}
+
 _rc_unit=5 _rc_jobs=5
 if [ "$_want_unit" = 1 ]; then
   _parallel=()
@@ -97,17 +123,22 @@ if [ "$_want_unit" = 1 ]; then
   _session "$([ -z "$_want_jobs" ] && echo 1 || echo 0)" "${_paths[@]}" -m unit ${_parallel[@]+"${_parallel[@]}"} \
     ${_args[@]+"${_args[@]}"} || _rc_unit=$?
 fi
+_beside_wait
 if [ -n "$_want_jobs" ]; then
-  if [ "$_exitfirst" = 1 ] && [ "$_rc_unit" != 0 ] && [ "$_rc_unit" != 5 ]; then
-    echo "run_tests.sh: the unit tier failed and -x/--maxfail was given: the $_want_jobs tiers are not run" >&2
-    exit "$_rc_unit"
+  if [ "$_exitfirst" = 1 ] && { { [ "$_rc_unit" != 0 ] && [ "$_rc_unit" != 5 ]; } ||
+                                { [ "$_beside_rc" != 0 ] && [ "$_beside_rc" != 5 ]; }; }; then
+    echo "run_tests.sh: the unit tier or ${_beside[*]} failed and -x/--maxfail was given: the $_want_jobs" \
+         "tiers are not run" >&2
+    exit "$([ "$_rc_unit" != 0 ] && [ "$_rc_unit" != 5 ] && echo "$_rc_unit" || echo "$_beside_rc")"
   fi
+  _ignore=()
+  for _f in ${_beside[@]+"${_beside[@]}"}; do _ignore+=("--ignore=$_f"); done
   _rc_jobs=0
-  _session 1 "${_paths[@]}" -m "$_want_jobs" ${_args[@]+"${_args[@]}"} || _rc_jobs=$?
+  _session 1 "${_paths[@]}" -m "$_want_jobs" ${_ignore[@]+"${_ignore[@]}"} ${_args[@]+"${_args[@]}"} || _rc_jobs=$?
 fi
 # pytest's codes: 0 passed, 1 failures, 2 interrupted, 3 internal error, 4 usage error, 5 nothing collected
 _rc=5
-for _c in "$_rc_unit" "$_rc_jobs"; do
+for _c in "$_rc_unit" "$_beside_rc" "$_rc_jobs"; do
   case $_c in
     5) ;;
     0) [ "$_rc" != 5 ] || _rc=0 ;;
