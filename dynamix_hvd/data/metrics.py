@@ -254,6 +254,9 @@ class StepTracker:
         self._t_step = 0.0
         self._t_sync = 0.0
         self._t_ready = 0.0
+        self._t_reduced = 0.0
+        self._t_forward_sync = 0.0  # > 0: waiting in a forward pass's collective since then
+        self._forward_waits = 0.0   # seconds waited in forward passes' collectives in the open step
         self._events: tuple | None = None
         self._sq_group = 0
         # (request, ready) times of the batches handed out since the last closed step (its micro-batches)
@@ -303,22 +306,41 @@ class StepTracker:
 
     def gradients_ready(self) -> None:
         """The step's last gradients were just handed to an allreduce that backward itself waits for
-        (DistributedDataParallel): the time from here to ``step()`` is allreduce wait, not compute."""
+        (DistributedDataParallel): from here to `gradients_reduced` this rank waits, not computes."""
         self._t_ready = time.perf_counter()
+        self._t_reduced = 0.0
+
+    def gradients_reduced(self) -> None:
+        """An allreduce that backward waits for has completed (called from the communication thread;
+        the last call of a step ends its wait)."""
+        self._t_reduced = time.perf_counter()
+
+    def forward_sync_started(self) -> None:
+        """A forward pass is about to wait in a collective (DistributedDataParallel's broadcast of
+        buffers): until `forward_sync_ended`, this rank waits for the others, it does not compute."""
+        self._t_forward_sync = time.perf_counter()
+
+    def forward_sync_ended(self) -> None:
+        if self._t_forward_sync:
+            if self._open is not None:  # in a training step (not an evaluation between steps)
+                self._forward_waits += time.perf_counter() - self._t_forward_sync
+            self._t_forward_sync = 0.0
 
     def sync_wait_started(self) -> float | None:
         """When (``time.perf_counter()``) the current wait in the gradient allreduce began; None when
         this rank is not waiting there (read by the stall watchdog's thread)."""
-        t_step, t_sync, t_ready = self._t_step, self._t_sync, self._t_ready
+        t_step, t_sync, t_ready, t_forward = self._t_step, self._t_sync, self._t_ready, self._t_forward_sync
+        if t_forward:
+            return t_forward
         if t_step > t_sync:
             return t_step
         # DistributedDataParallel: backward itself waits, from its last gradient handed over
-        return t_ready if t_ready > t_sync else None
+        return t_ready if t_ready > t_sync and self._t_reduced < t_ready else None
 
     def progress_at(self) -> float:
         """The last time (``time.perf_counter()``) this rank asked for or got a batch, or entered or
         left the gradient allreduce; 0 before its first batch (read by the stall watchdog's thread)."""
-        return max(self._t_request, self._t_batch, self._t_step, self._t_sync, self._t_ready)
+        return max(self._t_request, self._t_batch, self._t_step, self._t_sync, self._t_ready, self._t_forward_sync)
 
     def step_finished(self, **extra: Any) -> None:
         """Close the open step (it becomes ``records[-1]``); `extra` fills optional fields (lr, grad
@@ -341,9 +363,11 @@ class StepTracker:
             row[_DATA_WAIT] = sum(waits)
         span = self._t_step - t_first - later_waits
         compute = span
-        t_ready, self._t_ready = self._t_ready, 0.0
-        if t_first < t_ready < self._t_step:  # backward waited for the allreduce after this point
-            compute = t_ready - t_first - later_waits
+        t_ready, t_reduced, self._t_ready, self._t_reduced = self._t_ready, self._t_reduced, 0.0, 0.0
+        if t_first < t_ready < self._t_step:  # backward waited for the allreduce from t_ready to t_reduced
+            compute -= (t_reduced if t_ready <= t_reduced <= self._t_step else self._t_step) - t_ready
+        forward_waits, self._forward_waits = self._forward_waits, 0.0
+        compute = max(0.0, compute - forward_waits)  # forward passes waited for the others
         if self._events is not None:
             # the allreduce has finished, so the backward kernels before the end event have too
             start, end = self._events

@@ -100,6 +100,12 @@ class DDPReducer:
         except RuntimeError as exc:
             raise ValueError(f"the DistributedDataParallel model already has a communication hook ({exc}); the "
                              "weighted optimizer must be the one that reduces its gradients") from exc
+        # DDP broadcasts the module's buffers (BatchNorm statistics) at the start of every forward pass
+        # (broadcast_buffers=True): a rank that waits there waits for the others. The wrapper's pre-hook
+        # runs before that broadcast, the wrapped module's after it.
+        if getattr(model, "broadcast_buffers", False) and any(True for _ in model.module.buffers()):
+            model.register_forward_pre_hook(lambda module, args: owner._forward_sync(started=True))
+            model.module.register_forward_pre_hook(lambda module, args: owner._forward_sync(started=False))
 
     def _reduce(self, bucket: Any) -> torch.futures.Future:
         buffer = bucket.buffer()
@@ -110,7 +116,11 @@ class DDPReducer:
             done.set_result(buffer)                              # nothing travels, gradients accumulate
             return done
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(self._reduced)
+
+    def _reduced(self, fut: torch.futures.Future) -> torch.Tensor:
+        self._owner._gradients_reduced()  # the wait inside backward ends with the last bucket's sum
+        return fut.value()[0]
 
     def synchronize(self) -> None:
         self._pending = False  # DDP waited for every bucket at the end of backward

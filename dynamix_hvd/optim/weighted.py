@@ -316,6 +316,19 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self.loader.tracker.gradients_ready()  # DDP waits for this bucket's sum inside backward
         return True
 
+    def _gradients_reduced(self) -> None:
+        """DDP's hook: a bucket's sum has arrived (on the communication thread)."""
+        self.loader.tracker.gradients_reduced()
+
+    def _forward_sync(self, started: bool) -> None:
+        """DDP's hooks around its broadcast of buffers at the start of a forward pass: time waited there
+        is waiting for the other ranks, not compute."""
+        tracker = self.loader.tracker
+        if started:
+            tracker.forward_sync_started()
+        else:
+            tracker.forward_sync_ended()
+
     def _update_hooks(self) -> None:
         """Per-parameter hooks exist only while accumulating (micro-batches must be weighted one by one)."""
         if self.backward_passes_per_step > 1 and not self._hooks:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,9 +35,10 @@ from dynamix_hvd.data.synthetic import teacher_classification
 class SleepyNet(nn.Module):
     """A small classifier whose forward sleeps per sample: a rank's speed is set by its sleep."""
 
-    def __init__(self, per_sample_s: float) -> None:
+    def __init__(self, per_sample_s: float, batchnorm: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+        norm = [nn.BatchNorm1d(32)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(32, 32), *norm, nn.ReLU(), nn.Linear(32, 10))
         self.per_sample_s = per_sample_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,6 +62,10 @@ def main() -> None:
     ap.add_argument("--stop-rank", type=int, default=-1, help="this rank stops itself (SIGSTOP) ...")
     ap.add_argument("--stop-at-step", type=int, default=30, help="... before this step of the job")
     ap.add_argument("--policy", default="model")
+    ap.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer (DDP broadcasts its buffers)")
+    ap.add_argument("--batch", type=int, default=16, help="every rank's first batch size")
+    ap.add_argument("--sleep-after-backward", action="store_true",
+                    help="sleep after backward instead of in forward (the others then wait in the next forward)")
     ap.add_argument("--sigterm-checkpoint", action="store_true", help="SIGTERM writes a checkpoint and ends the job")
     ap.add_argument("--started", default="", help="rank 0 creates this file after its first step")
     ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits (code 1) ...")
@@ -72,10 +78,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     slow = args.slow_factor if rank == args.slow_rank else 1.0
-    model = SleepyNet(args.per_sample * slow)
+    model = SleepyNet(0.0 if args.sleep_after_backward else args.per_sample * slow, args.batchnorm)
     ddp = DDP(model)
     train, _ = teacher_classification(args.samples, seed=0)
-    loader = dx.AdaptiveLoader(train, [16] * world, rank, seed=1)
+    loader = dx.AdaptiveLoader(train, [args.batch] * world, rank, seed=1)
     opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), ddp, loader)
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               min_batch=2, max_batch=64, timeout_s=args.timeout, total_epochs=args.epochs)
@@ -115,6 +121,8 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGSTOP)
                 loss = nn.functional.cross_entropy(ddp(x), y)
                 loss.backward()
+                if args.sleep_after_backward:
+                    time.sleep(args.per_sample * slow * len(y))
                 opt.step()
                 opt.zero_grad()
                 controller.record_loss(loss)
@@ -122,8 +130,10 @@ def main() -> None:
                 ckpt.save()
     out = {"rank": rank, "engine": opt.engine, "backend": controller.channel.backend,
            "seconds": time.perf_counter() - t0, "horovod_imported": "horovod.torch" in sys.modules,
-           "decisions": [{"sizes": list(h["sizes"]), "epoch": h["epoch"]} for h in controller.history],
-           "params": [p.detach().flatten().tolist() for p in model.parameters()]}
+           "decisions": [{"sizes": list(h["sizes"]), "epoch": h["epoch"], "transition": str((h.get("info") or {}).get("transition"))[:1500]} for h in controller.history],
+           "params": [p.detach().flatten().tolist() for p in model.parameters()],
+           "median_compute_s": statistics.median(r["compute_s"] for r in loader.tracker.to_dicts()),
+           "median_sync_wait_s": statistics.median(r["sync_wait_s"] for r in loader.tracker.to_dicts())}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
