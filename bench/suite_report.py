@@ -15,7 +15,8 @@ evaluation time excluded and reported separately):
 * idle fraction of a rank: 1 - (its forward+backward time, slowdown included) / its training time;
   "idle" is the mean over ranks, and the per-rank values are in runs.csv.
 * throughput: training samples of all ranks / training time. Optimizer steps: steps taken.
-* Per cell (workload x condition) the ratios are paired: each job's time over plain Horovod's and
+* Per cell (workload x condition) the ratios are paired: each job's time over plain Horovod's (plain
+  DDP's for the torch.distributed engine's arms, `plain_of`) and
   over the best static's time *of the same seed*; the table gives their median and interquartile
   range (IQR) over seeds. The best static is chosen in hindsight: the static size with the lowest
   median time to target in that cell. A row is *noisy* when its IQR exceeds 10% of its median.
@@ -33,6 +34,12 @@ import numpy as np
 import pandas as pd
 
 PLAIN = "plain-horovod"
+PLAIN_DDP = "plain-ddp"
+
+
+def plain_of(arm: str) -> str:
+    """The plain script an arm is read against: plain DDP for the torch.distributed engine's arms."""
+    return PLAIN_DDP if arm.endswith("-ddp") else PLAIN
 
 
 def measure(run_dir: Path, wall_budget_s: float) -> dict[str, Any]:
@@ -151,11 +158,15 @@ def summarize(runs: pd.DataFrame, metrics: Mapping[str, str]) -> pd.DataFrame:
     rows = []
     for (w, c), cell in ok.groupby(["workload", "condition"], sort=False):
         best = best_static(cell, metrics.get(w, "accuracy"))
-        ref = {name: cell[cell.arm == name].set_index("seed").time_to_target_s for name in (PLAIN, best) if name}
-        plain_sustained = cell[cell.arm == PLAIN].set_index("seed").get("sustained_s")
+        ref = {name: cell[cell.arm == name].set_index("seed").time_to_target_s
+               for name in (PLAIN, PLAIN_DDP, best) if name}
         for arm, group in cell.groupby("arm", sort=False):
             g = group.set_index("seed")
+            base = plain_of(arm)
+            plain_sustained = cell[cell.arm == base].set_index("seed").get("sustained_s")
             ratio = {k: (g.time_to_target_s / v).dropna() for k, v in ref.items()}
+            if base != PLAIN:
+                ratio[PLAIN] = ratio.pop(base, pd.Series(dtype=float))  # "vs_plain": its own engine's plain
             sustained = (g.sustained_s / plain_sustained).dropna() if plain_sustained is not None \
                 and "sustained_s" in g else pd.Series(dtype=float)
             t = g.time_to_target_s
@@ -184,7 +195,7 @@ def _f(v: Any, digits: int = 3) -> str:
 
 
 def cell_table(cell: pd.DataFrame) -> str:
-    head = ["arm", "time to target s (median [IQR])", "/ plain Horovod [IQR]", "/ best static",
+    head = ["arm", "time to target s (median [IQR])", "/ plain (its engine's) [IQR]", "/ best static",
             "sustained / plain [IQR]", "final", "final@T", "idle", "samples/s", "optimizer steps", "eval s",
             "missed", "noisy"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -21,7 +21,7 @@ import pytest
 from bench import suite, suite_report
 from bench.conditions import (Condition, NetworkNamespaces, cleanup_stale, netem_available, parse_pairs,
                               physical_limit, slow_args, split_limit)
-from bench.suite_report import PLAIN, measure, summarize, summary_markdown
+from bench.suite_report import PLAIN, measure, plain_of, summarize, summary_markdown
 from bench.jobs.common import Slowdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -255,11 +255,14 @@ def test_arms_are_interleaved_across_seeds():
 
 
 def test_every_configuration_expands_and_plain_horovod_is_in_every_cell():
+    """Every cell holds the plain script of each engine it runs: plain Horovod, or plain DDP for the
+    torch.distributed engine's arms."""
     for name, groups in suite.CONFIGS.items():
         jobs = suite.expand(groups)
         assert jobs, name
-        cells = {(j.workload.name, j.condition.name) for j in jobs}
-        assert all(any(j.arm.label == PLAIN and (j.workload.name, j.condition.name) == c for j in jobs) for c in cells)
+        cells = {(j.workload.name, j.condition.name, plain_of(j.arm.label)) for j in jobs}
+        assert all(any(j.arm.label == base and (j.workload.name, j.condition.name) == (w, c) for j in jobs)
+                   for w, c, base in cells), name
         assert all(j.condition.ranks <= 2 or j.condition.slow_mode == "sleep" for j in jobs), name
     argv = suite.job_argv(suite.Job(suite.WORKLOADS["cnn"], SCALE4,
                                     suite.arms(suite.WORKLOADS["cnn"], ["plain"])[0], 2), Path("/x"))
@@ -563,10 +566,12 @@ def test_summarize_only_reads_an_archived_results_folder(tmp_path):
 
 # --- arms on the torch.distributed engine: launched with torchrun ----------------------------------
 def test_ddp_arms_are_launched_with_torchrun_and_horovod_arms_with_mpirun(tmp_path, monkeypatch):
-    """zoo-ddp's DDP arms start through torchrun (standalone, one process per rank, the job's argv
-    after --no-python), its Horovod arms through mpirun; the slowdown flags are the same on both.
-    run_job writes the line it starts (checked with a Popen that starts nothing)."""
+    """DDP arms start through torchrun (standalone, one process per rank, the job's argv after
+    --no-python), Horovod arms through mpirun; the slowdown flags are the same on both. run_job writes
+    the line it starts (checked with a Popen that starts nothing)."""
     jobs = suite.expand(suite.CONFIGS["zoo-ddp"])
+    assert {j.arm.label for j in jobs} == {"plain-ddp", "model-ddp"}
+    jobs += suite.expand([{**group, "arms": ["plain", "model"]} for group in suite.CONFIGS["zoo-ddp"]])
     labels = {j.arm.label for j in jobs}
     assert {"plain-ddp", "model-ddp"} <= labels and PLAIN in labels
     assert {j.condition.name for j in jobs} == {"none", "slow3x"} and {j.seed for j in jobs} == {0, 1, 2}
