@@ -24,11 +24,12 @@ EPOCHS = 3
 TOLERANCE = 1e-6
 RANKS = 3
 
-CASES = {  # name: worker arguments
+CASES = {  # name: worker arguments (a name with "tokens": the loss is the mean over tokens)
     "ddp-3.7.12": ["--wrap", "ddp", "--sizes", "3,7,12"],
     "ddp-equal": ["--wrap", "ddp", "--sizes", "6,6,6"],
     "flat-3.7.12": ["--wrap", "none", "--sizes", "3,7,12"],
     "ddp-accumulate3": ["--wrap", "ddp", "--sizes", "2,5,3", "--passes", "3", "--configs", "sgd,adamw_clip,sgd_sum"],
+    "ddp-tokens": ["--wrap", "ddp", "--sizes", "3,7,12", "--tokens", "--configs", "sgd,adamw_clip"],
     "flat-accumulate2": ["--wrap", "none", "--sizes", "4,1,6", "--passes", "2", "--change-at", "3", "--configs", "sgd,adamw_clip"],
 }
 
@@ -54,7 +55,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     return out
 
 
-def reference_params(config: str, steps: list[list[dict]]) -> dict[str, torch.Tensor]:
+def reference_params(config: str, steps: list[list[dict]], tokens: bool = False) -> dict[str, torch.Tensor]:
     """Single-process full-batch replay: each optimizer step's batch is the union of the samples of all
     ranks and all its micro-batches."""
     make_opt, kwargs = CONFIGS[config]
@@ -69,7 +70,12 @@ def reference_params(config: str, steps: list[list[dict]]) -> dict[str, torch.Te
     for micro in groups.values():
         idx = torch.tensor([i for per_rank in micro for s in per_rank for i in s["indices"]])
         opt.zero_grad()
-        nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+        if tokens:  # the mean over every token of the step: sample i stands for 1 + i % 4 of them
+            weights = (1 + idx % 4).to(torch.float64)
+            per_sample = nn.functional.cross_entropy(model(data.x[idx]), data.y[idx], reduction="none")
+            ((weights * per_sample).sum() / weights.sum()).backward()
+        else:
+            nn.functional.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
         if "max_grad_norm" in kwargs:
             nn.utils.clip_grad_norm_(model.parameters(), kwargs["max_grad_norm"])
         factor = 1.0
@@ -120,7 +126,7 @@ def test_parameters_equal_single_process_full_batch(results, case):
         if "accumulate" in case:
             groups = [s["group"] for s in steps[0]]
             assert max(groups.count(g) for g in set(groups)) > 1, "no optimizer step accumulated micro-batches"
-        ref = reference_params(config, steps)
+        ref = reference_params(config, steps, tokens="tokens" in case)
         worst = max((torch.tensor(values, dtype=torch.float64) - ref[name]).abs().max().item()
                     for r in results[case] for name, values in r["configs"][config]["params"].items())
         print(f"{case} {config}: max |param - reference| = {worst:.3e}")

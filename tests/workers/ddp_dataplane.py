@@ -49,6 +49,9 @@ def run(argv: list[str]) -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--wrap", choices=("ddp", "none"), default="ddp")
     ap.add_argument("--passes", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--tokens", action="store_true",
+                    help="loss_unit='tokens': sample i stands for 1 + i % 4 tokens, each rank's loss is the mean "
+                         "over its tokens and its count goes to optimizer.set_local_tokens()")
     args = ap.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
     schedule = size_schedule(world, args.epochs, seed=11)
@@ -61,15 +64,22 @@ def run(argv: list[str]) -> None:
         model = make_model()
         net = DDP(model) if args.wrap == "ddp" else model
         loader = dx.AdaptiveLoader(data, schedule[0][0], rank, seed=5)
+        extra = {"loss_unit": "tokens"} if args.tokens else {}
         opt = dx.WeightedDistributedOptimizer(make_opt(model.parameters()),
                                               net if args.wrap == "ddp" else model.named_parameters(), loader,
-                                              backward_passes_per_step=args.passes, **kwargs)
+                                              backward_passes_per_step=args.passes, **kwargs, **extra)
         steps, group = [], 0
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             loader.set_batch_sizes(schedule[epoch][0])
             for step, (idx, x, y) in enumerate(loader):
-                loss = nn.functional.cross_entropy(net(x), y, reduction=kwargs.get("loss_reduction", "mean"))
+                if args.tokens:
+                    weights = (1 + idx % 4).to(torch.float64)
+                    per_sample = nn.functional.cross_entropy(net(x), y, reduction="none")
+                    loss = (weights * per_sample).sum() / weights.sum()
+                    opt.set_local_tokens(int(weights.sum()))
+                else:
+                    loss = nn.functional.cross_entropy(net(x), y, reduction=kwargs.get("loss_reduction", "mean"))
                 loss.backward()
                 steps.append({"epoch": epoch, "step": step, "indices": idx.tolist(), "group": group,
                               "counts": list(loader.current_step.counts), "sizes": list(loader.batch_sizes)})
