@@ -1,4 +1,4 @@
-"""Start real multi-process jobs the way users do: mpirun, horovodrun (MPI) and horovodrun --gloo."""
+"""Start real multi-process jobs the way users do: mpirun, horovodrun (MPI), horovodrun --gloo and torchrun."""
 from __future__ import annotations
 
 import os
@@ -8,6 +8,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from dynamix_hvd.tools.launchcheck import ROOT_ENV, local_plan
 from dynamix_hvd.tools.launchcheck import command as launch_command
@@ -28,6 +30,25 @@ def job_env() -> dict[str, str]:
 def command(launcher: str, np: int, argv: list[str]) -> list[str]:
     """The launcher line `dynamix-hvd run` and the benchmarks use, on this host, oversubscribed."""
     return launch_command(local_plan(launcher, np), argv, forward=())
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL a launched job: the launcher's process group and every process it started, wherever
+    they are (torchrun starts each rank in a session of its own, so killing torchrun's group alone
+    would leave its ranks running, holding the output pipe open)."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 class Job:
@@ -58,7 +79,7 @@ def launch_side_by_side(jobs: dict[str, tuple[str, int, list[str]]], timeout: fl
         if time.monotonic() > end:
             for name, (proc, _) in started.items():
                 if name not in ended:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_job(proc)
                     proc.wait()
                     ended[name] = time.time()
                     killed.add(name)
@@ -83,7 +104,7 @@ def launch(launcher: str, np: int, script: str, *args: str, timeout: float = 300
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         out, _ = proc.communicate()
         raise AssertionError(f"{launcher} -np {np} {script} did not finish in {timeout} s:\n{out[-4000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
