@@ -339,7 +339,7 @@ def worker(args: argparse.Namespace) -> None:
     paired_cpu = {v: [a / b for a, b in zip(cpu[v], cpu[base])] for v in variants}
     phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
     samples = {v: setups[v].samples / max(setups[v].steps, 1) for v in variants}
-    result = {"np": world.size, "engine": args.engine, "job": args.job, "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+    result = {"np": world.size, "engine": args.engine, "job": args.job, "cpu": cpu_model(), "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
               "rank0_samples_per_step": samples,
               "rounds": args.repeats, "first_epoch_s": first, "chunk_s": times,
               "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
@@ -367,6 +367,19 @@ def worker(args: argparse.Namespace) -> None:
         print(f"{v:<22}" + "".join(f"{phases[v][k]:>18.3f}" for k in PHASES))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def cpu_model() -> str:
+    """The processor's model name (from /proc/cpuinfo), so that a result says which machine it is from."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
 
 
 def zoo_job_names() -> list[str]:
