@@ -5,8 +5,7 @@ train   a few epochs, rank `--slow-rank` sleeping longer per sample; dumps every
 silent  rank `--silent` never takes part in the control plane; the others must time out with an
         error naming it (a line "TIMEOUT-OK rank R: <message>" when they do).
 With --stop-rank R (train), rank R stops itself (SIGSTOP) mid-training: the others must end the job
-naming it. With --crash-rank R, rank R exits mid-training once; under torchrun --max-restarts the
-restarted ranks continue from the last checkpoint.
+naming it.
 """
 from __future__ import annotations
 
@@ -68,9 +67,6 @@ def main() -> None:
                     help="sleep after backward instead of in forward (the others then wait in the next forward)")
     ap.add_argument("--sigterm-checkpoint", action="store_true", help="SIGTERM writes a checkpoint and ends the job")
     ap.add_argument("--started", default="", help="rank 0 creates this file after its first step")
-    ap.add_argument("--crash-rank", type=int, default=-1, help="this rank exits (code 1) ...")
-    ap.add_argument("--crash-at-step", type=int, default=150, help="... before this step of the job ...")
-    ap.add_argument("--crash-marker", default="", help="... once: unless this file exists (it is created)")
     ap.add_argument("--no-horovod", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -111,11 +107,6 @@ def main() -> None:
                 steps += 1
                 if args.started and rank == 0 and not Path(args.started).exists():
                     Path(args.started).touch()
-                if (rank == args.crash_rank and steps == args.crash_at_step and args.crash_marker
-                        and not Path(args.crash_marker).exists()):
-                    Path(args.crash_marker).touch()
-                    print(f"rank {rank}: crashing at step {steps}", flush=True)
-                    os._exit(1)
                 if rank == args.stop_rank and steps == args.stop_at_step:
                     print(f"rank {rank}: stopping itself at step {steps}", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
