@@ -88,40 +88,11 @@ def make_net() -> Any:
                          nn.Linear(50, 10), nn.LogSoftmax(dim=1))
 
 
-class World:
-    """Rank, size and a barrier of the engine the benchmark runs on (Horovod or torch.distributed)."""
-
-    def __init__(self, engine: str) -> None:
-        import torch
-
-        self.engine = engine
-        self._zero = torch.zeros(1)
-        if engine == "torch":
-            import torch.distributed as dist
-
-            dist.init_process_group("gloo")
-            self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        else:
-            import horovod.torch as hvd
-
-            hvd.init()
-            self.rank, self.size = hvd.rank(), hvd.size()
-
-    def barrier(self) -> None:
-        if self.engine == "torch":
-            import torch.distributed as dist
-
-            dist.all_reduce(self._zero)
-        else:
-            import horovod.torch as hvd
-
-            hvd.allreduce(self._zero, name="bench.barrier")
-
-
 class Setup:
     """One variant: its own model, loader and optimizer; `epoch(e)` trains one epoch."""
 
-    def __init__(self, variant: str, dataset: Any, batch: int, world: World, job: Any = None) -> None:
+    def __init__(self, variant: str, dataset: Any, batch: int, world: Any, job: Any = None) -> None:
+        """`world`: `bench.jobs.common.world`, initialised on the benchmark's engine."""
         import torch
 
         import dynamix_hvd as dx
@@ -293,7 +264,9 @@ def dataset(steps: int, batch: int, world: int, job: Any = None) -> Any:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    world = World(args.engine)
+    from bench.jobs.common import world
+
+    world.init(args.engine)
     torch.set_num_threads(1)
     job = zoo_job(args.job)
     data = dataset(args.steps, args.batch, world.size, job)
@@ -305,12 +278,12 @@ def worker(args: argparse.Namespace) -> None:
     cpu: dict[str, list[float]] = {v: [] for v in variants}  # training-thread CPU seconds per timed chunk
 
     def timed(v: str, steps: int) -> float:
-        world.barrier()
+        world.barrier("bench.barrier")
         t, c = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             next(runs[v])
         c = time.thread_time() - c
-        world.barrier()
+        world.barrier("bench.barrier")
         cpu[v].append(c)
         return time.perf_counter() - t
 
@@ -339,7 +312,8 @@ def worker(args: argparse.Namespace) -> None:
     paired_cpu = {v: [a / b for a, b in zip(cpu[v], cpu[base])] for v in variants}
     phases = {v: {k: 1e3 * t / max(setups[v].steps, 1) for k, t in setups[v].phases.items()} for v in variants}
     samples = {v: setups[v].samples / max(setups[v].steps, 1) for v in variants}
-    result = {"np": world.size, "engine": args.engine, "job": args.job, "cpu": cpu_model(), "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
+    result = {"np": world.size, "engine": args.engine, "job": args.job, "cpu": cpu_model(),
+              "steps_per_epoch": args.steps, "chunk": args.chunk, "batch": args.batch,
               "rank0_samples_per_step": samples,
               "rounds": args.repeats, "first_epoch_s": first, "chunk_s": times,
               "median_step_ms": {v: 1e3 * t for v, t in per_step.items()},
@@ -437,7 +411,9 @@ def count_host_reads(fn: Callable[[], None]) -> collections.Counter:
 def profile(args: argparse.Namespace) -> None:
     import torch
 
-    world = World("horovod")  # one process: hvd.init() alone
+    from bench.jobs.common import world
+
+    world.init("horovod")  # one process: hvd.init() alone
     torch.set_num_threads(1)
     job = zoo_job(args.job)
     data = dataset(args.steps, args.batch, 1, job)

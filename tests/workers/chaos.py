@@ -34,6 +34,11 @@ import dynamix_hvd as dx
 from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 from dynamix_hvd.resilience.checkpoint import CheckpointError, Checkpointer
 
+try:
+    from workers.dataplane import runs
+except ImportError:  # run as a script: tests/workers/ itself is on sys.path
+    from dataplane import runs  # type: ignore[no-redef]
+
 SAMPLES, GLOBAL_BATCH = 480, 24
 
 
@@ -176,12 +181,7 @@ def run_elastic(args, out: Path) -> None:
 
 
 def main() -> None:
-    argvs = [[]]
-    for arg in sys.argv[1:]:  # one start of the ranks for several runs
-        if arg == "--then":
-            argvs.append([])
-        else:
-            argvs[-1].append(arg)
+    argvs = runs(sys.argv[1:])  # one start of the ranks for several runs (--then between them)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     hvd.init()

@@ -25,14 +25,14 @@ import dynamix_hvd as dx
 from dynamix_hvd.comm import ControlPlaneTimeout
 from dynamix_hvd.data.synthetic import teacher_classification
 
+try:
+    from workers.dataplane import runs
+except ImportError:  # run as a script: tests/workers/ itself is on sys.path
+    from dataplane import runs  # type: ignore[no-redef]
+
 
 def main() -> None:
-    argvs = [[]]
-    for arg in sys.argv[1:]:  # one start of the ranks for several runs
-        if arg == "--then":
-            argvs.append([])
-        else:
-            argvs[-1].append(arg)
+    argvs = runs(sys.argv[1:])  # one start of the ranks for several runs (--then between them)
     torch.set_num_threads(1)
     hvd.init()
     for argv in argvs:

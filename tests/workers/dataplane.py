@@ -70,6 +70,25 @@ def runs(argv: list[str]) -> list[list[str]]:
     return out
 
 
+def run_parser() -> argparse.ArgumentParser:
+    """The arguments of one run that every data-plane worker takes."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sizes", default="", help="first epoch's sizes, e.g. 3,7,12 (default random)")
+    ap.add_argument("--samples", type=int, default=101)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--change-at", type=int, default=2, help="step of each epoch after which sizes change")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    return ap
+
+
+def first_sizes(schedule: list[tuple[list[int], list[int]]], sizes: str) -> list[tuple[list[int], list[int]]]:
+    """`schedule` with its first epoch starting at `sizes` ("3,7,12"; empty: as drawn)."""
+    if sizes:
+        schedule[0] = ([int(s) for s in sizes.split(",")], schedule[0][1])
+    return schedule
+
+
 def main(argv: list[str] | None = None) -> None:
     import horovod.torch as hvd  # here, so that the torch.distributed worker can share this module's data
 
@@ -81,22 +100,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sizes", default="", help="first epoch's sizes, e.g. 3,7,12 (default random)")
-    ap.add_argument("--samples", type=int, default=101)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--change-at", type=int, default=2, help="step of each epoch after which sizes change")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap = run_parser()
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--slow-s", type=float, default=0.0)
     args = ap.parse_args(argv)
     import horovod.torch as hvd
 
     rank, world = hvd.rank(), hvd.size()
-    schedule = size_schedule(world, args.epochs, seed=11)
-    if args.sizes:
-        schedule[0] = ([int(s) for s in args.sizes.split(",")], schedule[0][1])
+    schedule = first_sizes(size_schedule(world, args.epochs, seed=11), args.sizes)
     data = IndexedData(args.samples)
     result = {"world": world, "launcher_rank": rank, "schedule": schedule, "configs": {}}
     for name in args.configs.split(","):

@@ -8,7 +8,6 @@ With --no-horovod, importing Horovod fails in this process: the engine must not 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,9 +22,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import dynamix_hvd as dx
 try:
-    from workers.dataplane import CONFIGS, IndexedData, make_model, runs, size_schedule
+    from workers.dataplane import CONFIGS, IndexedData, first_sizes, make_model, run_parser, runs, size_schedule
 except ImportError:  # run as a script: tests/workers/ itself is on sys.path
-    from dataplane import CONFIGS, IndexedData, make_model, runs, size_schedule  # type: ignore[no-redef]
+    from dataplane import (CONFIGS, IndexedData, first_sizes, make_model, run_parser,  # type: ignore[no-redef]
+                           runs, size_schedule)
 
 
 def main() -> None:
@@ -40,13 +40,7 @@ def main() -> None:
 
 
 def run(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sizes", default="")
-    ap.add_argument("--samples", type=int, default=101)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--change-at", type=int, default=2)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap = run_parser()
     ap.add_argument("--wrap", choices=("ddp", "none"), default="ddp")
     ap.add_argument("--passes", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--tokens", action="store_true",
@@ -54,9 +48,7 @@ def run(argv: list[str]) -> None:
                          "over its tokens and its count goes to optimizer.set_local_tokens()")
     args = ap.parse_args(argv)
     rank, world = dist.get_rank(), dist.get_world_size()
-    schedule = size_schedule(world, args.epochs, seed=11)
-    if args.sizes:
-        schedule[0] = ([int(s) for s in args.sizes.split(",")], schedule[0][1])
+    schedule = first_sizes(size_schedule(world, args.epochs, seed=11), args.sizes)
     data = IndexedData(args.samples)
     result = {"world": world, "launcher_rank": rank, "schedule": schedule, "configs": {}}
     for name in args.configs.split(","):

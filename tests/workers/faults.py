@@ -21,17 +21,17 @@ from torch import nn
 import dynamix_hvd as dx
 from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 
+try:
+    from workers.dataplane import runs
+except ImportError:  # run as a script: tests/workers/ itself is on sys.path
+    from dataplane import runs  # type: ignore[no-redef]
+
 
 
 def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
-    argvs = [[]]
-    for arg in sys.argv[1:]:  # one start of the ranks for several runs
-        if arg == "--then":
-            argvs.append([])
-        else:
-            argvs[-1].append(arg)
+    argvs = runs(sys.argv[1:])  # one start of the ranks for several runs (--then between them)
     for argv in argvs:
         run(argv)
 

@@ -23,17 +23,17 @@ import dynamix_hvd as dx
 from dynamix_hvd.resilience.checkpoint import Checkpointer
 from dynamix_hvd.data.synthetic import WithIndex, teacher_classification
 
+try:
+    from workers.dataplane import runs
+except ImportError:  # run as a script: tests/workers/ itself is on sys.path
+    from dataplane import runs  # type: ignore[no-redef]
+
 EPOCHS = 3
 
 
 
 def main() -> None:
-    argvs = [[]]
-    for arg in sys.argv[1:]:  # one start of the ranks for several runs
-        if arg == "--then":
-            argvs.append([])
-        else:
-            argvs[-1].append(arg)
+    argvs = runs(sys.argv[1:])  # one start of the ranks for several runs (--then between them)
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     hvd.init()
