@@ -128,6 +128,11 @@ CONDITIONS = {
     # budget's samples, 1.5x from 35% (a seconds schedule would give the faster arm fewer slow seconds)
     "slow-phases": Condition("slow-phases", 2, slow_rank=1, slow_factor=1.0, slow_schedule="0.1:3,0.35:1.5",
                              slow_clock="budget"),
+    # a slowdown that changes every tenth of the budget (every 2-6 s on the headline's jobs): 3x, 1x,
+    # 1.5x, 3x, 1x, 2x, 1x, 3x, 1.5x
+    "slow-fast-phases": Condition("slow-fast-phases", 2, slow_rank=1, slow_factor=1.0,
+                                  slow_schedule="0.1:3,0.2:1,0.3:1.5,0.4:3,0.5:1,0.6:2,0.7:1,0.8:3,0.9:1.5",
+                                  slow_clock="budget"),
     # slow links: every rank in its own network namespace, tbf-shaped
     "net10": Condition("net10", 2, rate_mbit=10.0),
     "net100": Condition("net100", 2, rate_mbit=100.0),
@@ -206,6 +211,12 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
     "zoo-headline": [{"workloads": ZOO_HEADLINE, "conditions": ["none"], "arms": ["plain", "model"], "seeds": 3},
                      {"workloads": ZOO_HEADLINE, "conditions": ["slow3x", "slow-phases"],
                       "arms": ["plain", "split", "model"], "seeds": 3}],
+    # Does it follow a rank whose speed changes? The headline's jobs under the changing slowdown and
+    # one that changes every tenth of the budget, and without a slow rank (how often a change vote
+    # says yes on equal ranks: `bench.zoo_report --votes`) (~45 min)
+    "zoo-changing": [{"workloads": [ZOO_HEADLINE[i] for i in (2, 0, 3, 4, 1)],  # gru-charlm first
+                      "conditions": ["slow-fast-phases", "slow-phases", "none"],
+                      "arms": ["plain", "model"], "seeds": 3}],
     # Does it help with a rank 2x slower? The headline's jobs (~25 min)
     "zoo-straggler-2x": [{"workloads": ZOO_HEADLINE, "conditions": ["slow2x"], "arms": ["plain", "split", "model"],
                           "seeds": 3}],

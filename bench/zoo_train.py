@@ -229,7 +229,8 @@ def write_decisions(history: list[dict], out: str) -> None:
     import pandas as pd
 
     keep = ("decision", "epoch", "sizes", "passes", "lr_gain", "noise_scale", "noise_lower", "noise_point",
-            "efficiency", "throughput", "loss", "overhead_s")
+            "efficiency", "throughput", "loss", "overhead_s", "total_steps", "changed_by", "spacing", "recheck",
+            "vote_every")
     network = ("net_s", "latency_s", "bus_bandwidth_Bps")
     info = ("split_gain", "gap_bound", "gap_intervals", "margin_lifted", "speed_shift", "neutral", "dithered", "switched", "may_grow",
             "growth_late", "budget_cap", "predicted_goodput",

@@ -435,6 +435,9 @@ CONTROL_REPORTS = Collective("dx.control.reports", DEFAULT_TIMEOUT_S, "metrics",
                              "control.controller.decide(): every rank's report to rank 0")
 CONTROL_DECISION = Collective("dx.control.decision", DEFAULT_TIMEOUT_S, "batch-size decision",
                               "control.controller.decide(): rank 0's decision to every rank")
+CONTROL_CHANGE = Collective("dx.control.change_vote", DEFAULT_TIMEOUT_S, "change vote",
+                            "control.controller: every few tenths of a second of training, whether any rank's own "
+                            "step time changed since the last decision")
 CONTROL_MEMORY = Collective("dx.control.memory", DEFAULT_TIMEOUT_S, "memory sharing key",
                             "control.controller: at the first decision of each world, which ranks share a "
                             "memory budget")

@@ -232,6 +232,8 @@ UNIT_OPEN = st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(min_valu
 BAD_CADENCE = {
     "decision_budget": UNIT_OPEN, "target_decisions": not_an_int(1), "min_decision_steps": not_an_int(1),
     "max_decision_interval_s": NEGATIVE, "free_decisions": not_an_int(0), "unknown_length_per_epoch": not_an_int(1),
+    "change_vote_s": NEGATIVE,
+    "change_ratio": st.one_of(NOT_A_NUMBER, NONFINITE, st.booleans(), st.floats(max_value=1.0, allow_nan=False)),
 }
 BAD_STATS = {
     "ema_beta": UNIT_OPEN, "loss_ema_beta": UNIT_OPEN, "max_noise_scale": NOT_POSITIVE,

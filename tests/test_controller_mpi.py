@@ -37,9 +37,11 @@ JOBS: dict[str, tuple[str, int, dict[str, list[str]]]] = {
                  "--decision-budget", "0"],
         "ceiling": ["--epochs", "2", "--every", "-1", "--policy", "static", "--target-decisions", "4",
                     "--decision-budget", "0", "--sleep-per-sample", "0.001", "--max-interval", "0.12"],
-        "recheck": ["--epochs", "3", "--every", "-1", "--policy", "model", "--target-decisions", "6",
-                    "--sizes", "16,16", "--samples", "3200", "--max-batch", "64", "--sleep-per-sample", "0.001",
-                    "--slow-rank", "1", "--slow-factor", "3", "--slow-from-step", "100", "--decision-budget", "0"],
+        **{run: ["--epochs", "3", "--every", "-1", "--policy", "model", "--target-decisions", "6",
+                 "--sizes", "16,16", "--samples", "3200", "--max-batch", "64", "--sleep-per-sample", "0.001",
+                 "--slow-rank", "1", "--slow-factor", "3", "--slow-from-step", "100", "--decision-budget", "0",
+                 *(["--change-vote-s", "0"] if run == "recheck" else [])]
+           for run in ("recheck", "vote")},
     }),
     "horovodrun-gloo-2": ("horovodrun-gloo", 2, {"decisions": ["--epochs", "2", "--every", "5", "--max-batch", "40"]}),
     "silent-mpirun-3": ("mpirun", 3, {"silent": ["--mode", "silent", "--silent", "2", "--timeout", "3"]}),
@@ -146,8 +148,9 @@ def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path_fac
     assert all(d["spacing"] >= 1 for d in history), [d["spacing"] for d in history]
     steps = [e * 60 + s for e, s, _ in when]  # 60 steps an epoch at the static sizes
     assert steps[:4] == [8, 16, 24, 32]  # the ramp that finds the split is free
-    for i in range(4, len(steps)):
-        assert steps[i] - steps[i - 1] >= history[i - 1]["spacing"], (i, steps, [d["spacing"] for d in history])
+    for i in range(4, len(steps)):  # a change vote may bring one forward to a quarter of the spacing
+        least = history[i - 1]["spacing"] // (4 if history[i].get("changed_by") else 1)
+        assert steps[i] - steps[i - 1] >= least, (i, steps, [d["spacing"] for d in history])
     assert len(when) < 32  # without the budget: 32 (see above)
 
 
@@ -187,11 +190,31 @@ def test_a_long_interval_is_capped_at_the_seconds_asked_for_alike_on_every_rank(
         assert (config.advanced.cadence.decision_budget, config.advanced.cadence.target_decisions) == (0, 4)
 
 
+def test_a_rank_that_becomes_slower_is_followed_at_its_change_vote_alike_on_every_rank(tmp_path_factory):
+    """Rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every 50 steps once ramped
+    up): its change vote says so once six steps at its size show it, and the decision comes at that
+    vote, on every rank alike, and leaves the neutral split at once, long before the cadence's next."""
+    results, _ = controller_run("mpirun-2", "vote", tmp_path_factory)
+    history, at = results[0]["history"], results[0]["at_step"]
+    assert results[1]["at_step"] == at and [d["sizes"] for d in results[1]["history"]] == [d["sizes"] for d in history]
+    voted = [i for i, d in enumerate(history) if d.get("changed_by") and at[i] > 100]
+    assert voted, (at, [d.get("changed_by") for d in history])
+    first = voted[0]
+    assert history[first]["changed_by"] == [1], history[first]
+    # the reference's 6 steps came before the change (the size did not change at step 100), so the
+    # vote needs the 5-6 steps of its window and comes at the next vote after them
+    assert at[first] - 100 <= 6 + history[first - 1]["vote_every"] + 1, (at, first, history[first - 1]["vote_every"])
+    b0, b1 = history[first]["sizes"]
+    assert b0 > 1.5 * b1, history[first]["sizes"]  # split at once: no second interval, no recheck
+    assert all(b - a >= 8 for a, b in zip(at, at[1:])), at
+
+
 def test_a_rank_that_becomes_slower_is_rechecked_soon_and_split_alike_on_every_rank(tmp_path_factory):
-    """Rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every 50 steps once ramped up,
-    no decision budget, so the next interval is all slow): the decision whose interval shows the gap
-    asks for a recheck, the next comes min_decision_steps (8) later on every rank and leaves the
-    neutral split. (That a recheck comes ahead of the budget's spacing: tests/test_cadence.py.)"""
+    """Without change votes: rank 1 turns 3x slower at an epoch end (step 100 of 300; decisions every
+    50 steps once ramped up, no decision budget, so the next interval is all slow): the decision whose
+    interval shows the gap asks for a recheck, the next comes min_decision_steps (8) later on every
+    rank and leaves the neutral split. (That a recheck comes ahead of the budget's spacing:
+    tests/test_cadence.py.)"""
     results, _ = controller_run("mpirun-2", "recheck", tmp_path_factory)
     history, at = results[0]["history"], results[0]["at_step"]
     assert results[1]["at_step"] == at and [d["recheck"] for d in results[1]["history"]] == [d["recheck"] for d in history]

@@ -49,6 +49,15 @@ class CadenceConfig:
     """The job's first decisions, which find the split, are not held back by the decision budget."""
     unknown_length_per_epoch: int = UNKNOWN_LENGTH_PER_EPOCH
     """In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
+    change_vote_s: float = 0.25
+    """With ``decide_every_steps=None``: about how many seconds of training pass between two change
+    votes (one small collective: has any rank's own compute time per step moved by more than
+    `change_ratio` since the last decision?). A yes brings the next decision forward to that step (at
+    most to a quarter of the decision budget's spacing), so a rank whose speed changes is followed
+    within about a second, not an interval later. 0: no votes (decisions on the cadence alone)."""
+    change_ratio: float = 1.25
+    """How far a rank's compute time per step must move (this factor up or down, over most of the
+    last few steps) for its change vote to say yes."""
 
     def __post_init__(self) -> None:
         validate.number("CadenceConfig.decision_budget", self.decision_budget, 0, below=1,
@@ -59,6 +68,10 @@ class CadenceConfig:
                         what="a finite number of seconds >= 0 (0: no ceiling)")
         validate.integer("CadenceConfig.free_decisions", self.free_decisions, 0)
         validate.integer("CadenceConfig.unknown_length_per_epoch", self.unknown_length_per_epoch, 1)
+        validate.number("CadenceConfig.change_vote_s", self.change_vote_s, 0,
+                        what="a finite number of seconds >= 0 (0: no change votes)")
+        validate.number("CadenceConfig.change_ratio", self.change_ratio, above=1,
+                        what="a factor > 1 (e.g. 1.25: a change of 25%)")
 
 
 class DecisionCadence:
@@ -89,7 +102,13 @@ class DecisionCadence:
     so many seconds and follows a rank whose speed changes within about two intervals. Rank 0 sets it
     from ``CadenceConfig.max_decision_interval_s`` and the step time (`interval_ceiling`) and sends
     it with every decision, like the spacing; the spacing wins where the two disagree (the decision
-    budget is a bound, the ceiling a wish), and no interval is shorter than `min_steps`."""
+    budget is a bound, the ceiling a wish), and no interval is shorter than `min_steps`.
+
+    ``changed`` (default cadence only): a change vote at this step said a rank's speed moved
+    (`changewatch`); the decision comes now, ahead of the interval, once `min_steps` steps and a
+    quarter of the spacing have run since the last one (every rank got the vote's answer, so they
+    agree): a change of speed is worth more than the budget, but votes on noise could not take more
+    than four times it."""
 
     def __init__(self, every: int | None, target_decisions: int, min_steps: int, total_epochs: int | None, *,
                  free_decisions: int = FREE_DECISIONS, unknown_length_per_epoch: int = UNKNOWN_LENGTH_PER_EPOCH) -> None:
@@ -107,7 +126,7 @@ class DecisionCadence:
 
     def due(self, *, epoch_end: bool, steps_since: int, decisions: int, epoch: int, step: int,
             sizes: Sequence[int], epoch_length: Callable[[], int], spacing: int = 0,
-            recheck: int = 0, ceiling: int = 0) -> bool:
+            recheck: int = 0, ceiling: int = 0, changed: bool = False) -> bool:
         """`epoch_length()` is the epoch's length under the current sizes; it is read only when the
         epoch, the number of decisions, the sizes or the ceiling changed (reading it replans the
         epoch's rest)."""
@@ -116,6 +135,8 @@ class DecisionCadence:
             # An epoch end right after an in-epoch decision (under k/2 steps of records) waits, so no
             # decision rests on one or two noisy steps.
             return (epoch_end and steps_since >= (k + 1) // 2) or (k > 0 and steps_since >= k)
+        if changed and steps_since >= max(self.min_steps, spacing // 4):
+            return True
         if recheck > 0:
             # After `recheck` steps; where that falls in the epoch's last half-recheck, at its end (so
             # neither decision rests on a few steps); an epoch end before it waits.

@@ -32,12 +32,13 @@ import torch
 from . import wire
 from .actions import BatchBounds
 from .cadence import DecisionCadence, interval_ceiling
+from .changewatch import own_change, reference_time, vote_every
 from .config import POLICY_NAMES, ControllerConfig, make_core
 from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
 from .seams import check_optimizer
 from .state import RankReport
-from ..comm import (CONTROL_DECISION, CONTROL_MEMORY, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world,
+from ..comm import (CONTROL_CHANGE, CONTROL_DECISION, CONTROL_MEMORY, CONTROL_REPORTS, ControlChannel, StallWatchdog, abort_world,
                     failed_exit)
 from ..data.loader import AdaptiveLoader
 from ..data.memory import IntervalPeak, MemoryBudget, memory_budget, memory_in_use, sharing_key
@@ -161,6 +162,14 @@ class DynamixController:
         self._spacing = 0  # fewest steps before the next decision, sent by rank 0 with the last decision
         self._recheck = False  # the last decision asked for the next one soon (sent with it, like the spacing)
         self._ceiling = 0  # most steps in an in-epoch interval, sent by rank 0 with the last decision
+        self._vote_every = 0  # loader steps between two change votes, sent by rank 0 with the last decision
+        self._since_vote = 0  # loader steps since the last change vote or decision (identical on every rank)
+        self._changed_by: list[int] = []  # ranks whose change vote brought the coming decision forward
+        # this rank's compute time per step at its planned size, and the tracker's step count when it was
+        # taken (None: not yet at this size); a change vote compares the steps since with it
+        self._reference: tuple[int, float, float, int] | None = None
+        self.change_votes = 0
+        """Change votes taken so far (each one small collective of the control channel)."""
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
@@ -195,6 +204,8 @@ class DynamixController:
         self._spacing = 0  # every rank of the new world starts without it (the cadence must agree)
         self._recheck = False
         self._ceiling = 0
+        self._vote_every = self._since_vote = 0
+        self._changed_by, self._reference = [], None
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
@@ -212,10 +223,15 @@ class DynamixController:
     def _on_step_end(self, loader: AdaptiveLoader, epoch_end: bool) -> None:
         self._total_steps += 1
         self._steps_since += 1
+        self._since_vote += 1
+        changed = False
+        if 0 < self._vote_every <= self._since_vote and not self.optimizer.accumulating:
+            changed = self._change_vote()
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
                                epoch_length=lambda: len(loader), spacing=self._spacing,
-                               recheck=self._recheck_steps(), ceiling=self._ceiling)
+                               recheck=self._recheck_steps(), ceiling=self._ceiling,
+                               changed=changed or bool(self._changed_by))
         # Ordering hazard: with accumulation a decision between micro-batches would report a step
         # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
         # (every rank is between the same micro-batches; an epoch's end always ends a step).
@@ -229,6 +245,28 @@ class DynamixController:
                     raise
                 abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
 
+    def _change_vote(self) -> bool:
+        """Every rank: one small collective, whether any rank's own compute time per step moved since
+        the last decision (`changewatch.own_change`); remembers which ranks said so for the decision."""
+        self._since_vote = 0
+        self.change_votes += 1
+        tracker = self.loader.tracker
+        compute, batch = tracker.undrained("compute_s"), tracker.undrained("local_batch")
+        first = tracker.finished - len(compute)  # the step count of compute[0]
+        planned = self.loader.batch_sizes[self.rank]
+        if self._reference is None or self._reference[0] != planned:
+            found = reference_time(compute, batch, planned)
+            self._reference = None if found is None else (planned, found[0], found[1], first + found[2])
+        mine = 0
+        if self._reference is not None:
+            _, reference_s, scatter, taken = self._reference
+            since = max(0, taken - first)
+            mine = own_change(compute[since:], batch[since:], planned, reference_s,
+                              self.cfg.advanced.cadence.change_ratio, scatter)
+        votes = self.channel.allgather_object(mine, CONTROL_CHANGE.within(self.cfg.timeout_s))
+        self._changed_by = [r for r, v in enumerate(votes) if v]
+        return bool(self._changed_by)
+
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:
         """One decision on every rank; returns this rank's record of it (rank 0's is the full one).
@@ -239,7 +277,10 @@ class DynamixController:
         if self.optimizer.accumulating:
             raise RuntimeError("decide() between the micro-batches of an optimizer step; call it after step()")
         t0 = time.perf_counter()
-        self._steps_since = 0
+        self._steps_since = self._since_vote = 0
+        changed_by, self._changed_by = self._changed_by, []
+        if self.rank in changed_by:  # this rank's speed changed: its reference is taken again
+            self._reference = None
         if not self._budget_shared:
             self._share_memory_budget()
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
@@ -253,7 +294,7 @@ class DynamixController:
                 self.inputs.append(inputs)
             decision = self.core.decide(inputs, list(self.loader.batch_sizes), self.loader.epoch,
                                         passes=self.optimizer.backward_passes_per_step,
-                                        done=self.loader.epochs_done)
+                                        done=self.loader.epochs_done, changed_by=changed_by)
             record = decision.record()
             warn_if_split(record)
             # per loader step, the cadence's unit (a step record spans the micro-batches of the
@@ -261,10 +302,12 @@ class DynamixController:
             passes = self.optimizer.backward_passes_per_step
             step_s = [i.report.step_s / passes for i in inputs]
             spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
-            ceiling = interval_ceiling(self.cfg.advanced.cadence.max_decision_interval_s, step_s)
+            cadence = self.cfg.advanced.cadence
+            ceiling = interval_ceiling(cadence.max_decision_interval_s, step_s)
+            votes = vote_every(cadence.change_vote_s, step_s) if self.cfg.decide_every_steps is None else 0
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes, decision.passes, spacing, decision.recheck,
-                                        ceiling)
+                                        ceiling, votes)
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
@@ -278,8 +321,10 @@ class DynamixController:
             self.optimizer.set_backward_passes_per_step(compact["passes"])
         self.optimizer.lr_gain = compact["lr_gain"]
         self._spacing, self._recheck, self._ceiling = compact["spacing"], compact["recheck"], compact["ceiling"]
+        self._vote_every = compact["vote_every"]
         record = dict(record or compact, overhead_s=time.perf_counter() - t0, spacing=self._spacing,
-                      recheck=self._recheck, ceiling=self._ceiling)
+                      recheck=self._recheck, ceiling=self._ceiling, vote_every=self._vote_every,
+                      changed_by=changed_by, total_steps=self._total_steps)
         if self.rank == 0:
             t1 = time.perf_counter()
             update = self.policy.after_decision()  # learning runs after the others got the decision
@@ -367,7 +412,7 @@ class DynamixController:
         statistics, reward references). ``config`` records the settings the run had
         (:meth:`config_dict`); a restored job runs with the config it is given."""
         state: dict[str, Any] = {"history": self.history, "total_steps": self._total_steps,
-                                 "steps_since": self._steps_since,
+                                 "steps_since": self._steps_since, "since_vote": self._since_vote,
                                  "learned_max": list(self.bounds.learned_max), "bounds": self.bounds.state_dict(),
                                  "world_size": self.loader.world_size, "config": self.config_dict()}
         if self.rank == 0:
@@ -386,6 +431,8 @@ class DynamixController:
         self._spacing = int(self.history[-1].get("spacing") or 0) if self.history else 0
         self._recheck = bool(self.history[-1].get("recheck")) if self.history else False
         self._ceiling = int(self.history[-1].get("ceiling") or 0) if self.history else 0
+        self._vote_every = int(self.history[-1].get("vote_every") or 0) if self.history else 0
+        self._since_vote, self._changed_by, self._reference = int(state.get("since_vote", 0)), [], None
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
         passes = int(self.history[-1].get("passes", 0)) if self.history else 0

@@ -255,6 +255,8 @@ class DecisionCore:
         """The initial batch: the global batch the job started with (E(B)'s reference, the growth floor)."""
         self.fit_warmup = fit_warmup
         """Fit costs on the job's first steps too (a simulator's, which has no one-off costs)."""
+        self.changed_by: tuple[int, ...] = ()
+        """The ranks whose change vote brought the latest interval's decision forward."""
         self._fresh_start = True  # the next interval is the job's first (not a restored core's)
         self.base_batch = float(base_batch or initial_batch)
         """The base batch: samples per optimizer step the learning rate was tuned for (AdaScale's base)."""
@@ -271,10 +273,12 @@ class DecisionCore:
 
     # --- one decision --------------------------------------------------------------------------------
     def observe(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1,
-                done: float | None = None) -> Observation:
+                done: float | None = None, changed_by: Sequence[int] = ()) -> Observation:
         """Take one interval's reports (in rank order), the sizes it ran with (per micro-batch) and its
         micro-batches per optimizer step; update the state. `done`: epochs done so far, fractional
-        (None: `epoch`), for the budget still to run."""
+        (None: `epoch`), for the budget still to run. `changed_by`: the ranks whose change vote
+        brought this decision forward (they measured their own speed change in the interval)."""
+        self.changed_by = tuple(changed_by)
         if [i.report.rank for i in inputs] != list(range(len(inputs))) or len(inputs) != len(sizes):
             raise ValueError(f"need one input per rank in rank order for {len(sizes)} sizes, got ranks "
                              f"{[i.report.rank for i in inputs]}")
@@ -320,17 +324,18 @@ class DecisionCore:
         lower, point, _ = self.stats.noise_scale_interval(self.stats_cfg.noise_z)
         return DecisionInput(seen.obs, seen.reports, seen.ctx, list(seen.sizes), self.bounds, seen.reward,
                              costs=self.costs, noise_lower=lower, noise_point=point, passes=self.passes,
-                             step_losses=seen.step_losses, budget_left=seen.budget_left)
+                             step_losses=seen.step_losses, budget_left=seen.budget_left,
+                             changed_by=self.changed_by)
 
     def decide(self, inputs: Sequence[RankInput], sizes: Sequence[int], epoch: int, passes: int = 1,
-               done: float | None = None) -> Decision:
+               done: float | None = None, changed_by: Sequence[int] = ()) -> Decision:
         """`observe`, then the policy's new sizes and the AdaScale gain for them: at the samples of one
         optimizer step (`passes` micro-batches of the new sizes) over `base_batch`."""
         if self.policy is None:
             raise RuntimeError("this DecisionCore has no policy; give one to decide (observe() needs none)")
         validate.integer("DecisionCore.decide passes", passes, 1)
         index = self.decisions
-        seen = self.observe(inputs, sizes, epoch, passes, done)
+        seen = self.observe(inputs, sizes, epoch, passes, done, changed_by)
         out = self.policy.decide(self.policy_input(seen))
         new_passes = self.next_passes(out.passes, passes)
         gain = float(self.stats.gain_at(new_passes * sum(out.sizes), self.base_batch))
@@ -397,7 +402,7 @@ class DecisionCore:
             passes = np.array(inputs[0].steps.micro_batches[k], dtype=np.float64)  # the same on every rank
             sq = np.array([i.steps.sq_tokens[k] for i in inputs], dtype=np.float64).T
             self.costs.record(b, arrival, np.median(arrival + wait, axis=1), overhead, passes=passes,
-                              sq_tokens=sq if (sq > 0).all() else None)
+                              sq_tokens=sq if (sq > 0).all() else None, changed=self.changed_by)
         elif not skip and all(r.compute_s > 0 for r in reports):
             arrival = [r.compute_s + r.data_wait_s for r in reports]
             sync = float(np.median([t + r.sync_wait_s for t, r in zip(arrival, reports)]))

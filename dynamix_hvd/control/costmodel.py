@@ -89,7 +89,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .. import validate
-from .speedgap import MIN_STEPS, decisive_change, shrunk_mean
+from .speedgap import MIN_STEPS, change_start, decisive_change, shrunk_mean
 
 GAMMAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 10.0)
 """The overlap exponents the network fit tries (not a setting: the grid spans the model's domain, from
@@ -342,6 +342,8 @@ class CostModel:
         self._pending_end = np.zeros(world_size)
         self._restart_at: dict[int, float] = {}  # rank -> step count its line restarts after (this interval's)
         self._tested_at = np.zeros(0)  # step counts of the steps `_follow_speed` tests
+        self.changed_from: float | None = None
+        """The step count after which the last recorded interval's voted changes began (None: none)."""
 
     @property
     def points(self) -> int:
@@ -360,14 +362,16 @@ class CostModel:
 
     def record(self, batches: np.ndarray, arrival: np.ndarray, sync_end: np.ndarray | None = None,
                overhead_s: float = 0.0, steps_each: float = 1.0, passes: np.ndarray | None = None,
-               sq_tokens: np.ndarray | None = None) -> None:
+               sq_tokens: np.ndarray | None = None, changed: Sequence[int] = ()) -> None:
         """Add one interval: `batches`, `arrival` [n, R] per step (arrival = data wait + compute),
         `sync_end` [n] the time from a step's start to the end of its allreduce (None: unknown, the
         network is then fitted from other intervals), `overhead_s` the time after it. `steps_each`: steps
         each row stands for (> 1 when only interval means are known). `passes` [n]: micro-batches
         accumulated into each step (None: 1); such a step is kept as its mean micro-batch (batch and
         arrival over p), and its allreduce as following the last one. `sq_tokens` [n, R]: with token
-        budgets, the sum of each step's squared sample lengths (None: not kept). Non-finite or
+        budgets, the sum of each step's squared sample lengths (None: not kept). `changed`: ranks that
+        measured a change of their own speed in this interval (a change vote, `changewatch`): their
+        lines start again from where the change began, as after a decisive change. Non-finite or
         non-positive rows are dropped."""
         b = np.asarray(batches, dtype=np.float64)
         t = np.asarray(arrival, dtype=np.float64)
@@ -397,6 +401,13 @@ class CostModel:
         if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
             self._tested_at = at[ok]                                # follows the lengths it drew
             self._follow_speed(b[ok], t[ok])
+        self.changed_from = None
+        for r in changed:
+            if r in self._restart_at:  # already followed as a decisive change
+                after = self._restart_at[r]
+                self.changed_from = after if self.changed_from is None else min(self.changed_from, after)
+            elif 0 <= r < R and ok.sum() >= MIN_STEPS:
+                self._voted_change(r, b[ok], t[ok], at[ok])
         idx = np.flatnonzero(ok)
         keep = idx[kept_points(len(idx), self.cfg.points_per_interval)]
         mult = steps_each * len(idx) / len(keep)
@@ -491,6 +502,26 @@ class CostModel:
         self._pending[r] = 0.0
         self._fit = None
         return True
+
+    def _voted_change(self, r: int, b: np.ndarray, t: np.ndarray, at: np.ndarray) -> None:
+        """Rank `r` measured its own speed change in this interval (its change vote): its line starts
+        again from the step where its arrivals, against the line (or as they are, before any fit),
+        moved most clearly, and `changed_from` is that step's count (the earliest over such ranks)."""
+        fit = self.fit()
+        d = np.log(t[:, r] / fit.arrival(b, split=True, borrowed=False)[:, r]) if fit is not None \
+            else np.log(t[:, r])
+        way = 1.0 if np.median(d[-MIN_STEPS:]) >= np.median(d) else -1.0
+        start = change_start(d, way)
+        if start == 0:
+            return
+        if self.shift[r] == 1.0:
+            self.shift[r] = math.exp(float(np.median(d[start:]) - np.median(d[:start])))
+        self._live[:, r] = 0.0
+        self._restart_at[r] = float(at[start]) - 0.5 * self._latest_steps_each
+        self._pending[r] = 0.0
+        self._fit = None
+        after = self._restart_at[r]
+        self.changed_from = after if self.changed_from is None else min(self.changed_from, after)
 
     def _confirm_shift(self, r: int, log_factor: float) -> None:
         """Rank `r` changed speed: its pending interval and the points before it stop counting."""

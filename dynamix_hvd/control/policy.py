@@ -31,6 +31,7 @@ class DecisionInput:
     passes: int = 1                   # micro-batches per optimizer step the interval ran with
     step_losses: Sequence[float] | None = None  # the interval's per-step loss over all ranks (None: unknown)
     budget_left: float = math.nan     # fraction of the training budget still to run (NaN: unknown)
+    changed_by: Sequence[int] = ()    # ranks whose change vote brought the decision forward (`changewatch`)
 
 
 @dataclass

@@ -630,6 +630,10 @@ class ModelPolicy:
         margin = self.cfg.split_margin if lifted else self.split_margin
         confirmed = (intervals >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > margin)
+        # a rank that measured its own compute time rise (its change vote) and is the slowest in the
+        # paired test on the steps since: two independent measurements, as good as two intervals
+        voted = intervals > 0 and slowest in inp.changed_by and costs.shift[slowest] > 1.0
+        confirmed = confirmed or voted
         # this interval added evidence that the next must confirm: where the gap is large, decide again
         # after the fewest steps rather than a whole interval later (a rank that became slower waits one
         # interval less); a gap near the margin waits for the regular interval
@@ -830,6 +834,8 @@ class ModelPolicy:
         start = costs.latest_after
         if self._unit_from is not None and self._unit_from <= start and not (costs.shift != 1).any():
             start = self._unit_from  # not across a change of speed, nor from another cost model
+        if costs.changed_from is not None:  # a rank voted that its speed changed: the steps since
+            start = max(start, costs.changed_from)
         gap, slowest = speed_gap(*costs.points_since(start))
         if not math.isfinite(gap):  # too few steps: the next interval adds its own to them
             self._unit_from = start

@@ -141,6 +141,22 @@ followed at once is several times the threshold, far beyond this bound; the conf
 runs of correlated noise from passing it (the scan over where the change fell tries every start)."""
 
 
+def change_start(d: np.ndarray, way: float, min_steps: int = MIN_STEPS) -> int:
+    """Where in `d` [n] (log ratios in step order, finite, n >= `min_steps`) a change `way` (+1: up,
+    -1: down) most likely starts: the start whose later steps (at least `min_steps`) lie farthest
+    that way in standard errors, on steps winsorised at the 10th and 90th percentiles so that one
+    paused step does not hide the start."""
+    n = len(d)
+    x = np.clip(d, *np.percentile(d, [10.0, 90.0])) if n >= 10 else d
+    k = np.arange(n, 0, -1, dtype=np.float64)              # tail lengths for starts 0..n-1
+    s1, s2 = np.cumsum(x[::-1])[::-1], np.cumsum((x * x)[::-1])[::-1]
+    mean = s1 / k
+    var = np.maximum(s2 - k * mean * mean, 0.0) / np.maximum(k - 1.0, 1.0)
+    starts = np.arange(max(1, n - min_steps + 1))
+    z = way * mean[starts] / np.sqrt(np.maximum(var[starts], 1e-300) / k[starts])
+    return int(starts[int(np.argmax(z))])
+
+
 def decisive_change(d: np.ndarray, threshold: float, factor: float, share: float,
                     min_steps: int = MIN_STEPS) -> int | None:
     """Where in one interval's log ratios `d` [n] (a rank's arrivals over its line's prediction, in
@@ -152,20 +168,10 @@ def decisive_change(d: np.ndarray, threshold: float, factor: float, share: float
     tail's mean, its outlying steps clipped, is beyond `threshold` at the serial bound of
     `DECISIVE_CONFIDENCE` (correlated steps counted as fewer). `threshold`: the log ratio a change must exceed (``CostConfig.shift_threshold``)."""
     d = np.asarray(d, dtype=np.float64)
-    n = len(d)
-    if n < min_steps or not np.isfinite(d).all():
+    if len(d) < min_steps or not np.isfinite(d).all():
         return None
-    # where the change starts: the largest tail z-statistic, on steps winsorised at the 10th and 90th
-    # percentiles so that one paused step does not hide the start (tail sums for every start at once)
-    x = np.clip(d, *np.percentile(d, [10.0, 90.0])) if n >= 10 else d
-    k = np.arange(n, 0, -1, dtype=np.float64)              # tail lengths for starts 0..n-1
-    s1, s2 = np.cumsum(x[::-1])[::-1], np.cumsum((x * x)[::-1])[::-1]
-    mean = s1 / k
-    var = np.maximum(s2 - k * mean * mean, 0.0) / np.maximum(k - 1.0, 1.0)
-    starts = np.arange(n - min_steps + 1)
     for way in (1.0, -1.0):                                 # slower, faster
-        z = way * mean[starts] / np.sqrt(np.maximum(var[starts], 1e-300) / k[starts])
-        tau = int(starts[int(np.argmax(z))])
+        tau = change_start(d, way, min_steps)
         tail = d[tau:] * way
         middle = float(np.median(tail))
         if middle <= factor * threshold or np.mean(tail > threshold) < share:

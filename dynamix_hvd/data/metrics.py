@@ -398,6 +398,13 @@ class StepTracker:
             self._drained = max(0, self._drained - dropped)
 
     # --- consumers ------------------------------------------------------------------------------
+    def undrained(self, name: str) -> np.ndarray:
+        """Column `name` of the records the next `drain` returns (the controller's open decision
+        interval), oldest first; read it before the next step."""
+        n = len(self._rows)
+        column = self._rows[max(self._drained, n - self.max_records):n].column(name)
+        return np.concatenate([self._restored.column(name), column]) if len(self._restored) else column
+
     def drain(self) -> StepColumns:
         """Records since the previous drain (the controller's decision interval), as a copy; the
         history is kept."""

@@ -51,6 +51,8 @@ def run(argv: list[str]) -> None:
     ap.add_argument("--decision-budget", type=float, default=0.01, help="with --every -1 (0: no limit)")
     ap.add_argument("--max-interval", type=float, default=None,
                     help="CadenceConfig.max_decision_interval_s (default: its default)")
+    ap.add_argument("--change-vote-s", type=float, default=None,
+                    help="CadenceConfig.change_vote_s (default: its default; 0: no change votes)")
     ap.add_argument("--silent", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--keep-inputs", type=int, default=0, help="rank 0 dumps this many decisions' inputs")
@@ -81,7 +83,8 @@ def run(argv: list[str]) -> None:
                               advanced=dx.AdvancedConfig(keep_inputs=args.keep_inputs, cadence=dx.CadenceConfig(
                                   decision_budget=args.decision_budget, target_decisions=args.target_decisions,
                                   **({} if args.max_interval is None else
-                                     {"max_decision_interval_s": args.max_interval}))))
+                                     {"max_decision_interval_s": args.max_interval}),
+                                  **({} if args.change_vote_s is None else {"change_vote_s": args.change_vote_s}))))
     with warnings.catch_warnings(record=True) as caught:  # every run's, not only the process's first
         warnings.simplefilter("always")
         controller = dx.DynamixController(loader, opt, cfg, model=model if args.with_model else None)
@@ -126,7 +129,7 @@ def run(argv: list[str]) -> None:
             opt.step()
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing",
-                                 "recheck", "ceiling")}
+                                 "recheck", "ceiling", "vote_every", "changed_by")}
                for d in controller.history]
     for h, d in zip(history, controller.history):  # rank 0: the network fit of each decision
         h["net"] = (d.get("fit") or {}).get("net")
