@@ -525,6 +525,36 @@ def batch_growth(results: Path) -> str:
                       "rule held B | final |", "|---|---|---|---|---|---|---|---|", *lines])
 
 
+def change_votes(results: Path) -> str:
+    """Per condition and job, over the runs of arms that decide (run folders still on disk): decisions,
+    how many a change vote brought forward (``changed_by`` not empty) and how many of those changed
+    the split. Without a slow rank every such vote is a false alarm."""
+    runs = pd.read_csv(results / "runs.csv")
+    rows: dict[tuple[str, str], list[int]] = {}
+    for r in runs[runs.status == "ok"].to_dict("records"):
+        decisions = Path(r["run_dir"]) / "decisions.csv"
+        if not decisions.exists() or not _same_run(decisions.parent, r):
+            continue
+        d = pd.read_csv(decisions)
+        if "changed_by" not in d or d.empty:
+            continue
+        voted = d["changed_by"].astype(str).str.strip().ne("[]") & d["changed_by"].notna()
+        sizes = d["sizes"].astype(str).tolist()
+        moved = sum(1 for k in d.index[voted] if k > 0 and sizes[k] != sizes[k - 1])
+        n = rows.setdefault((str(r["condition"]), str(r["workload"]).removeprefix("zoo:")), [0, 0, 0, 0])
+        n[0] += 1
+        n[1] += len(d)
+        n[2] += int(voted.sum())
+        n[3] += moved
+    if not rows:
+        return ""
+    lines = ["| condition | job | runs | decisions | brought forward by a change vote | of which moved the split |",
+             "|---|---|---|---|---|---|"]
+    for (cond, job), (k, total, voted, moved) in sorted(rows.items()):
+        lines.append(f"| {cond} | {job} | {k} | {total} | {voted} | {moved} |")
+    return "\n".join(lines)
+
+
 def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
     """Per job and condition, arms `a` and `b` against plain Horovod run beside them: medians over
     seeds of the per-seed time-to-target and budget-time ratios, the finals' medians, and per seed
@@ -587,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--growth", action="store_true",
                     help="per run of a deciding arm, where its global batch first grew (predicted and measured gain) "
                          "and where the late-growth rule held it (needs the run folders) instead of the headline")
+    ap.add_argument("--votes", action="store_true",
+                    help="per condition and job, the decisions a change vote brought forward and how many of them "
+                         "moved the split (needs the run folders) instead of the headline")
     ap.add_argument("--pair", nargs=2, metavar=("A", "B"),
                     help="arms A and B side by side against plain Horovod, per job and condition (time to "
                          "target, budget time, finals) instead of the headline; with --also, over several runs")
@@ -616,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                "balance": ("balance.md", "each run's steps at the balanced split over their time",
                            lambda: balance(results)),
                "growth": ("growth.md", "batch growth per run", lambda: batch_growth(results)),
+               "votes": ("votes.md", "decisions brought forward by change votes", lambda: change_votes(results)),
                "pair": ("paired.md", "{} and {} against plain Horovod".format(*(args.pair or ("", ""))), paired),
                "steps": ("steps.md", "per-rank steps", lambda: rank_steps(results))}
     for option, (name, title, table) in reports.items():

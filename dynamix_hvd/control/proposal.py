@@ -108,7 +108,8 @@ class ProposalConfig:
     first measurement of a slowdown that began mid-job (0.19) in the tuning half of the workload zoo;
     on a host whose cores differ in speed, equal ranks pass the regular interval about as often as the
     recheck (BENCHMARKS.md), so the threshold mainly spares decisions. 0: recheck after every passing
-    first interval; 1 or more: never."""
+    first interval; 1 or more: never. The same gap lets a rank whose change vote brought the
+    decision be split after that one interval (its own measurement being the second)."""
     grow_margin: float = 0.10
     """B grows past the current and the initial batch only when the predicted goodput gain exceeds
     this fraction (on top of `hysteresis`), predicted with the noise scale's lower bound and, with
@@ -631,8 +632,10 @@ class ModelPolicy:
         confirmed = (intervals >= self.cfg.split_intervals if self._stepwise
                      else self.last is not None and self.last.split_gain > margin)
         # a rank that measured its own compute time rise (its change vote) and is the slowest in the
-        # paired test on the steps since: two independent measurements, as good as two intervals
-        voted = intervals > 0 and slowest in inp.changed_by and costs.shift[slowest] > 1.0
+        # paired test on the steps since, by a large gap: two independent measurements, as good as two
+        # intervals (a small gap still waits for the second: a busy host slows a rank for a while)
+        voted = (intervals > 0 and slowest in inp.changed_by and costs.shift[slowest] > 1.0
+                 and gap >= self.cfg.recheck_gap)
         confirmed = confirmed or voted
         # this interval added evidence that the next must confirm: where the gap is large, decide again
         # after the fewest steps rather than a whole interval later (a rank that became slower waits one
