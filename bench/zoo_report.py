@@ -555,6 +555,44 @@ def change_votes(results: Path) -> str:
     return "\n".join(lines)
 
 
+def follow(results: Path, workload: str, condition: str, seed: int = 0) -> str:
+    """One run of the default under a changing slowdown, decision by decision: when each change of the
+    slow rank's speed came (seconds of training; the schedule's budget fractions located on the run's
+    own steps) and the first decision after it, when it came, whether a change vote brought it and
+    the sizes it set (needs the run folder)."""
+    runs = pd.read_csv(results / "runs.csv")
+    pick = runs[(runs.workload == workload) & (runs.condition == condition) & (runs.arm == "model")
+                & (runs.seed == seed) & (runs.status == "ok")]
+    if pick.empty:
+        return f"no finished run of the default for {workload} / {condition} / seed {seed}"
+    folder = Path(pick.iloc[0]["run_dir"])
+    info = json.loads((folder / "suite_result.json").read_text())
+    steps = pd.read_csv(folder / "suite_steps.csv")
+    steps = steps[steps["rank"] == 0].reset_index(drop=True)
+    done = steps["global_batch"].cumsum() / steps["global_batch"].sum()
+    d = pd.read_csv(folder / "decisions.csv")
+    at = [float(steps["t_s"].iloc[min(int(n), len(steps)) - 1]) for n in d["total_steps"]]
+    lines = [f"{workload}, {condition}, seed {seed}: `{folder.name}`", "",
+             "| change at | to | first decision after it | after | brought by a vote | sizes |", "|---|---|---|---|---|---|"]
+    for frac, factor in _pairs(str(info.get("slow_schedule") or "")):
+        k = int(np.argmax(done.to_numpy() >= frac)) if info.get("slow_clock") == "budget" else \
+            int(np.argmax(steps["t_s"].to_numpy() >= frac))
+        t = float(steps["t_s"].iloc[k])
+        nxt = next((i for i, a in enumerate(at) if a > t), None)
+        if nxt is None:
+            lines.append(f"| {t:.2f} s | {factor:g}x | - | - | - | - |")
+            continue
+        moved = next((i for i in range(nxt, len(d)) if d["sizes"].iloc[i] != d["sizes"].iloc[max(i - 1, 0)]), nxt)
+        voted = str(d["changed_by"].iloc[nxt]).strip() not in ("[]", "nan")
+        lines.append(f"| {t:.2f} s | {factor:g}x | {at[nxt]:.2f} s (decision {nxt}) | {at[nxt] - t:.2f} s | "
+                     f"{'yes' if voted else 'no'} | {d['sizes'].iloc[nxt]} (moved at decision {moved}, {at[moved]:.2f} s) |")
+    return "\n".join(lines)
+
+
+def _pairs(text: str) -> list[tuple[float, float]]:
+    return sorted((float(a), float(b)) for a, b in (p.split(":") for p in text.split(",") if p.strip()))
+
+
 def paired_arms(jobs: pd.DataFrame, a: str, b: str) -> str:
     """Per job and condition, arms `a` and `b` against plain Horovod run beside them: medians over
     seeds of the per-seed time-to-target and budget-time ratios, the finals' medians, and per seed
@@ -620,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--votes", action="store_true",
                     help="per condition and job, the decisions a change vote brought forward and how many of them "
                          "moved the split (needs the run folders) instead of the headline")
+    ap.add_argument("--follow", nargs=2, metavar=("WORKLOAD", "CONDITION"),
+                    help="one run of the default under a changing slowdown (seed 0), each change of speed and the "
+                         "first decision after it (needs the run folder) instead of the headline")
     ap.add_argument("--pair", nargs=2, metavar=("A", "B"),
                     help="arms A and B side by side against plain Horovod, per job and condition (time to "
                          "target, budget time, finals) instead of the headline; with --also, over several runs")
@@ -649,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                "balance": ("balance.md", "each run's steps at the balanced split over their time",
                            lambda: balance(results)),
                "growth": ("growth.md", "batch growth per run", lambda: batch_growth(results)),
+               "follow": ("follow.md", "following a changing slowdown, decision by decision",
+                          lambda: follow(results, *args.follow)),
                "votes": ("votes.md", "decisions brought forward by change votes", lambda: change_votes(results)),
                "pair": ("paired.md", "{} and {} against plain Horovod".format(*(args.pair or ("", ""))), paired),
                "steps": ("steps.md", "per-rank steps", lambda: rank_steps(results))}

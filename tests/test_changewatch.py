@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dynamix_hvd.control.cadence import CadenceConfig, DecisionCadence
-from dynamix_hvd.control.changewatch import (REFERENCE_STEPS, WINDOW_STEPS, own_change, reference_time,
+from dynamix_hvd.control.changewatch import (REFERENCE_STEPS, WINDOW_STEPS, OwnSpeed, own_change, reference_time,
                                              vote_every)
 
 
@@ -98,3 +98,18 @@ def test_a_yes_brings_the_decision_forward_once_min_steps_ran():
     assert not cadence.due(steps_since=5, changed=True, **dict(common, spacing=0))  # and for min_steps
     assert cadence.due(steps_since=8, changed=True, **dict(common, spacing=0))
     assert not DecisionCadence(10, 32, 8, 4).due(steps_since=5, changed=True, **common)  # a fixed cadence: its own
+
+
+def test_the_reference_is_kept_while_the_size_stays_and_taken_again_after_forget():
+    """A rank that slowed just before a decision: its reference from before the decision still holds
+    in the next interval (its size did not change), so its vote says yes there; after `forget` (its
+    vote brought a decision) the slow steps become the reference."""
+    watch = OwnSpeed()
+    before = np.full(10, 0.02)
+    assert watch.vote(before, np.full(10, 16), 0, 16, 1.25) == 0 and watch.reference[1] == pytest.approx(0.02)
+    after = np.full(8, 0.06)  # the next interval, from step 10 on: 3x
+    assert watch.vote(after, np.full(8, 16), 10, 16, 1.25) == 1
+    watch.forget()
+    assert watch.vote(after, np.full(8, 16), 10, 16, 1.25) == 0  # six steps for the reference, two after it
+    assert watch.reference[1] == pytest.approx(0.06)
+    assert watch.vote(after, np.full(8, 12), 10, 12, 1.25) == 0 and watch.reference[0] == 12  # a new size

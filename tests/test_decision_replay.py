@@ -17,7 +17,12 @@ from dynamix_hvd.control.proposal import ModelPolicy
 ONE_INTERVAL = ("a change of speed that one interval's steps show clearly (CostConfig.decisive_factor) restarts "
                 "the rank's line at once instead of after a second interval, so the fits from there on, and the "
                 "sizes they give, differ (in a simulated job, every decision after the first that differs)")
+CHANGE_VOTE = ("the simulator takes the live controller's change votes: a vote that a rank's speed moved ends the "
+               "interval at that step and the decision follows it, so every decision after the first such vote "
+               "that changes the sizes differs")
 CHANGED: dict[str, dict[str, list[int]]] = {
+    CHANGE_VOTE: {"simulated seed 0 (cnn)": [15, 16, 17, 18, *range(20, 30), 31, 32, 34, 35, 36, 38, 39],
+                  "simulated seed 11 (mlp)": [28, 29, 30, 31, 32, 34]},
     ONE_INTERVAL: {"live-changing": [15, 19, 20, 25, 30, 31], "live-straggler": [21, 22],
                    "simulated seed 0 (cnn)": [19, 30, 33, 37],
                    "simulated seed 5 (cnn)": list(range(13, 34)), "simulated seed 10 (cnn)": list(range(31, 40))},

@@ -58,6 +58,7 @@ import torch
 
 from dynamix_hvd.control.actions import ActionSpace, BatchBounds
 from dynamix_hvd.control.cadence import CadenceConfig, DecisionCadence, interval_ceiling
+from dynamix_hvd.control.changewatch import OwnSpeed, vote_every
 from dynamix_hvd.control.core import DecisionCore, Observation, RankInput, StepSeries
 from dynamix_hvd.control.costmodel import CostConfig
 from dynamix_hvd.control.policy import BatchSizePolicy, DecisionInput
@@ -67,6 +68,10 @@ from dynamix_hvd.control.reward import RewardConfig
 from dynamix_hvd.control.state import RankReport
 from dynamix_hvd.optim.lr_scaling import lr_factor
 from dynamix_hvd.stats.noise_scale import GradientStatistics, StatsConfig
+
+
+CHANGE_RATIO = CadenceConfig().change_ratio
+"""The live default's change ratio (``ControllerConfig.advanced.cadence.change_ratio``)."""
 
 
 @dataclass
@@ -188,6 +193,10 @@ class ClusterSpec:
     max_decision_interval_s: float = 20.0
     """ControllerConfig.advanced.cadence.max_decision_interval_s (``cadence="live"``): the longest
     in-epoch interval, in seconds at the last interval's mean step time."""
+    change_vote_s: float = 0.25
+    """ControllerConfig.advanced.cadence.change_vote_s (``cadence="live"``): seconds of training (at the
+    last interval's mean step time) between two change votes; a yes ends the interval there
+    (:mod:`dynamix_hvd.control.changewatch`). 0: no votes."""
     max_decisions: int = 2000
     """Decisions after which an episode stops even if the target was not reached."""
     min_batch: int = 1
@@ -253,7 +262,7 @@ class ClusterSpec:
         """The live cadence's settings this spec names (``cadence="live"``; the rest at their defaults;
         the simulator spends no time deciding, so no decision budget applies)."""
         return CadenceConfig(target_decisions=self.target_decisions, min_decision_steps=self.min_decision_steps,
-                             max_decision_interval_s=self.max_decision_interval_s)
+                             max_decision_interval_s=self.max_decision_interval_s, change_vote_s=self.change_vote_s)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (provenance); :meth:`from_dict` inverts it."""
@@ -406,6 +415,9 @@ class ClusterSimulator:
         self._pos_step = int(self._pos_samples // max(1, sum(s.initial_batch)))
         self.cadence = DecisionCadence.from_config(None, s.cadence_config, self.total_epochs)
         self._recheck = False  # the last decision asked for the next one soon (the cadence's recheck)
+        self._watch = [OwnSpeed() for _ in range(self.R)]  # each rank's change vote (cadence="live")
+        self._steps_done = 0  # optimizer steps so far (the step count the watches' references carry)
+        self.changed_by: tuple[int, ...] = ()  # ranks whose vote ended the last interval
         self.step_log = []
         self.time_to_target = math.inf if self.progress < s.target_progress else 0.0
         self._spike = 0.0
@@ -427,7 +439,9 @@ class ClusterSimulator:
             return np.ones(s.steps_per_decision)
         B, fractions, p = float(self.passes * sum(self.sizes)), [], self.passes
         ceiling = interval_ceiling(s.max_decision_interval_s, [self._loader_step_guess])
+        self._positions = []  # the loader's position before each step (a change vote may end the interval there)
         while len(fractions) < 100_000:
+            self._positions.append((self._pos_epoch, self._pos_samples, self._pos_step))
             left = s.dataset_size - self._pos_samples
             f = min(1.0, left / B)
             fractions.append(f)
@@ -475,6 +489,12 @@ class ClusterSimulator:
             stalled = rng.random((k, R)) < s.stall_prob
             pareto = np.minimum(50.0, (1.0 - rng.random((k, R))) ** (-1.0 / s.stall_shape))
             compute = compute + np.where(stalled, s.stall_s * pareto, 0.0)
+        cut = self._change_vote(compute, b_micro)
+        if cut < k:  # a rank's change vote brings the decision forward to that step
+            self._pos_epoch, self._pos_samples, self._pos_step = self._positions[cut]
+            k, frac_b, b_micro, b, B_t = cut, frac_b[:cut], b_micro[:cut], b[:cut], B_t[:cut]
+            compute, clock = compute[:cut], clock[:cut]
+        self._steps_done += k
         data = p * (s.data_s + s.data_s_per_sample * b_micro) * np.exp(rng.normal(0.0, 0.1, (k, R)))
         arrival = data + compute
         net = self.net_time(self._load) * np.exp(rng.normal(0.0, 0.1, k))
@@ -552,9 +572,30 @@ class ClusterSimulator:
                                                  data[:, r].tolist(), wait[:, r].tolist(), [p] * k))
                        for r, rep in enumerate(self.reports)]
         """The last interval as the typed reports the controller's ranks send to rank 0."""
-        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p, self.budget_done)
+        self.seen: Observation = self.core.observe(self.inputs, list(self.sizes), self.epoch, p, self.budget_done,
+                                                   self.changed_by)
+        for r in self.changed_by:  # a rank whose speed changed takes its reference again
+            self._watch[r].forget()
         self.ctx, self.obs, self.last_reward = self.seen.ctx, self.seen.obs, self.seen.reward
         self.done = self.progress >= s.target_progress or self.decisions >= s.max_decisions
+
+    def _change_vote(self, compute: np.ndarray, b_micro: np.ndarray) -> int:
+        """Under ``cadence="live"``, the live controller's change votes over the interval's steps
+        (compute [k, R], micro-batch sizes [k, R]): every `vote_every` steps each rank's watch votes;
+        returns the step count at the first vote a rank said yes to, once `min_decision_steps` ran (k:
+        none), and sets `changed_by`."""
+        s, k = self.spec, len(compute)
+        self.changed_by = ()
+        every = vote_every(s.change_vote_s, [self._loader_step_guess]) if s.cadence == "live" else 0
+        if not every or self.passes > 1:
+            return k
+        for j in range(every, k, every):
+            votes = [w.vote(compute[:j, r], b_micro[:j, r], self._steps_done, self.sizes[r], CHANGE_RATIO)
+                     for r, w in enumerate(self._watch)]
+            if any(votes) and j >= s.min_decision_steps:
+                self.changed_by = tuple(r for r, v in enumerate(votes) if v)
+                return j
+        return k
 
     def _log_steps(self) -> None:
         """Append the last interval's steps as StepRecord-like rows (one per rank and step); called

@@ -91,3 +91,29 @@ def vote_every(vote_s: float, step_s: list[float], most: int = 1 << 20) -> int:
         return 0
     steps = vote_s / float(np.median(finite))
     return most if not steps < most else max(2, math.ceil(steps))
+
+
+class OwnSpeed:
+    """One rank's change watch between decisions: its reference at its planned size (kept while the
+    size stays, taken again after `forget`) and its vote. The live controller keeps one per rank
+    process; the simulator one per simulated rank."""
+
+    def __init__(self) -> None:
+        self.reference: tuple[float, float, float, int] | None = None
+        """(planned size, reference seconds, their scatter, the step count after its last step)."""
+
+    def vote(self, compute_s: np.ndarray, batch: np.ndarray, first: int, planned: float, ratio: float) -> int:
+        """`own_change` of the steps since the reference; `compute_s`, `batch`: the steps since the
+        last decision (oldest first), `first` the step count of their first."""
+        if self.reference is None or self.reference[0] != planned:
+            found = reference_time(compute_s, batch, planned)
+            self.reference = None if found is None else (planned, found[0], found[1], first + found[2])
+        if self.reference is None:
+            return 0
+        _, reference_s, scatter, taken = self.reference
+        since = max(0, taken - first)
+        return own_change(compute_s[since:], batch[since:], planned, reference_s, ratio, scatter)
+
+    def forget(self) -> None:
+        """This rank's speed changed: the next vote takes its reference again."""
+        self.reference = None

@@ -32,7 +32,7 @@ import torch
 from . import wire
 from .actions import BatchBounds
 from .cadence import DecisionCadence, interval_ceiling
-from .changewatch import own_change, reference_time, vote_every
+from .changewatch import OwnSpeed, vote_every
 from .config import POLICY_NAMES, ControllerConfig, make_core
 from .core import WARMUP_STEPS, LayerMeans, RankInput, StepSeries
 from .policy import BatchSizePolicy
@@ -165,9 +165,7 @@ class DynamixController:
         self._vote_every = 0  # loader steps between two change votes, sent by rank 0 with the last decision
         self._since_vote = 0  # loader steps since the last change vote or decision (identical on every rank)
         self._changed_by: list[int] = []  # ranks whose change vote brought the coming decision forward
-        # this rank's compute time per step at its planned size, and the tracker's step count when it was
-        # taken (None: not yet at this size); a change vote compares the steps since with it
-        self._reference: tuple[int, float, float, int] | None = None
+        self._own_speed = OwnSpeed()  # this rank's reference compute time, which its change votes compare with
         self.change_votes = 0
         """Change votes taken so far (each one small collective of the control channel)."""
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
@@ -205,7 +203,8 @@ class DynamixController:
         self._recheck = False
         self._ceiling = 0
         self._vote_every = self._since_vote = 0
-        self._changed_by, self._reference = [], None
+        self._changed_by = []
+        self._own_speed.forget()
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""
@@ -253,16 +252,8 @@ class DynamixController:
         tracker = self.loader.tracker
         compute, batch = tracker.undrained("compute_s"), tracker.undrained("local_batch")
         first = tracker.finished - len(compute)  # the step count of compute[0]
-        planned = self.loader.batch_sizes[self.rank]
-        if self._reference is None or self._reference[0] != planned:
-            found = reference_time(compute, batch, planned)
-            self._reference = None if found is None else (planned, found[0], found[1], first + found[2])
-        mine = 0
-        if self._reference is not None:
-            _, reference_s, scatter, taken = self._reference
-            since = max(0, taken - first)
-            mine = own_change(compute[since:], batch[since:], planned, reference_s,
-                              self.cfg.advanced.cadence.change_ratio, scatter)
+        mine = self._own_speed.vote(compute, batch, first, self.loader.batch_sizes[self.rank],
+                                    self.cfg.advanced.cadence.change_ratio)
         votes = self.channel.allgather_object(mine, CONTROL_CHANGE.within(self.cfg.timeout_s))
         self._changed_by = [r for r, v in enumerate(votes) if v]
         return bool(self._changed_by)
@@ -280,7 +271,7 @@ class DynamixController:
         self._steps_since = self._since_vote = 0
         changed_by, self._changed_by = self._changed_by, []
         if self.rank in changed_by:  # this rank's speed changed: its reference is taken again
-            self._reference = None
+            self._own_speed.forget()
         if not self._budget_shared:
             self._share_memory_budget()
         mine = wire.encode_report(self._report(self.loader.tracker.drain()))
@@ -432,7 +423,8 @@ class DynamixController:
         self._recheck = bool(self.history[-1].get("recheck")) if self.history else False
         self._ceiling = int(self.history[-1].get("ceiling") or 0) if self.history else 0
         self._vote_every = int(self.history[-1].get("vote_every") or 0) if self.history else 0
-        self._since_vote, self._changed_by, self._reference = int(state.get("since_vote", 0)), [], None
+        self._since_vote, self._changed_by = int(state.get("since_vote", 0)), []
+        self._own_speed.forget()
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)
         passes = int(self.history[-1].get("passes", 0)) if self.history else 0
