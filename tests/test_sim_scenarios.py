@@ -242,14 +242,14 @@ def test_misspecified_benchmark_runs_every_contender_and_tables_them(tmp_path) -
         misspecified.main(["--conditions", "storm", "--out", str(tmp_path)])
 
 
-def test_the_follow_speed_study_runs_both_variants_on_the_same_jobs(tmp_path):
-    """bench.lab.follow_speed: every job under each condition with and without the one-interval test
-    and the oracle; a table row per condition and half."""
+def test_the_follow_speed_study_runs_every_variant_on_the_same_jobs(tmp_path):
+    """bench.lab.follow_speed: every job under each condition as shipped, without change votes, without
+    votes or the one-interval test, and the oracle; a table row per condition and half."""
     from bench.lab import follow_speed
 
     assert follow_speed.main(["--jobs", "1", "--conditions", "moving", "--out", str(tmp_path)]) == 0
     rows = (tmp_path / "runs.csv").read_text().splitlines()
-    assert rows[0].split(",")[-3:] == ["one interval", "two intervals", "oracle"] and len(rows) == 3
+    assert rows[0].split(",")[-4:] == ["default", "no votes", "two intervals", "oracle"] and len(rows) == 3
     summary = (tmp_path / "summary.md").read_text().splitlines()
     assert [line.split(" | ")[0:2] for line in summary if line.startswith("| moving")] == \
         [["| moving", "tuning (1)"], ["| moving", "held-out (1)"]]
