@@ -870,3 +870,26 @@ def test_one_interval_false_alarms_on_equal_ranks_with_correlated_noise():
                 alarms += int((model.shift != 1).any())
     print(f"one-interval false alarms: {alarms} in {intervals} intervals")
     assert alarms <= intervals / 100
+
+
+def test_a_voted_change_restarts_the_line_also_when_the_whole_interval_ran_at_the_new_speed():
+    """A rank's change vote whose reference came from an earlier interval: every step of the voted
+    interval is at the new speed (the change began before it). Its line still restarts there, with
+    the shift measured against the line; without the vote one such interval is not enough."""
+    from dynamix_hvd.control.costmodel import CostModel
+
+    rng = np.random.default_rng(3)
+
+    def interval(model, slow, changed=()):
+        b = np.tile([16.0, 16.0], (12, 1))
+        t = np.column_stack([0.01 + 0.001 * b[:, 0], slow * (0.01 + 0.001 * b[:, 1])]) * np.exp(rng.normal(0, 0.02, (12, 2)))
+        model.record(b, t, t.max(1) + 0.001, changed=changed)
+
+    voted, plain = CostModel(2), CostModel(2)
+    for model in (voted, plain):
+        for _ in range(3):
+            interval(model, 1.0)
+    interval(voted, 1.4, changed=(1,))
+    interval(plain, 1.4)
+    assert voted.changed_from is not None and voted.shift[1] == pytest.approx(1.4, rel=0.1)
+    assert plain.changed_from is None

@@ -51,10 +51,12 @@ class CadenceConfig:
     """In-epoch decisions per epoch once ramped up when the job's length (total_epochs) is not known."""
     change_vote_s: float = 0.25
     """With ``decide_every_steps=None``: about how many seconds of training pass between two change
-    votes (one small collective: has any rank's own compute time per step moved by more than
-    `change_ratio` since the last decision?). A yes brings the next decision forward to that step (at
-    most to a quarter of the decision budget's spacing), so a rank whose speed changes is followed
-    within about a second, not an interval later. 0: no votes (decisions on the cadence alone)."""
+    votes (one small collective: has any rank's own compute time per step, at its current size, moved
+    by more than `change_ratio` from its first steps at that size?). A yes brings the next decision
+    forward, once `min_decision_steps` and a quarter of the decision budget's spacing have run since
+    the last one, so a rank whose speed changes is followed within about a second, not an interval
+    later. No votes under gradient accumulation or token budgets. 0: no votes (decisions on the
+    cadence alone)."""
     change_ratio: float = 1.25
     """How far a rank's compute time per step must move (this factor up or down, over most of the
     last few steps) for its change vote to say yes."""

@@ -225,7 +225,13 @@ class DynamixController:
         self._since_vote += 1
         changed = False
         if 0 < self._vote_every <= self._since_vote and not self.optimizer.accumulating:
-            changed = self._change_vote()
+            try:
+                changed = self._change_vote()
+            except Exception as exc:  # inside the training loop: the other ranks would wait for this one
+                if self.channel.backend == "horovod-objects":
+                    raise
+                abort_world(f"rank {self.rank}: change vote after decision {len(self.history)} failed: "
+                            f"{type(exc).__name__}: {exc}")
         due = self.cadence.due(epoch_end=epoch_end, steps_since=self._steps_since, decisions=len(self.history),
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
                                epoch_length=lambda: len(loader), spacing=self._spacing,
@@ -295,7 +301,10 @@ class DynamixController:
             spacing = self._budget_spacing(time.perf_counter() - t1, step_s)
             cadence = self.cfg.advanced.cadence
             ceiling = interval_ceiling(cadence.max_decision_interval_s, step_s)
-            votes = vote_every(cadence.change_vote_s, step_s) if self.cfg.decide_every_steps is None else 0
+            # a vote compares steps at the planned size: none under accumulation (a step's record sums
+            # its micro-batches) or token budgets (a step's tokens are what it drew)
+            votes = (vote_every(cadence.change_vote_s, step_s) if self.cfg.decide_every_steps is None
+                     and decision.passes == 1 and self.loader.budget != "tokens" else 0)
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes, decision.passes, spacing, decision.recheck,
                                         ceiling, votes)
@@ -422,7 +431,8 @@ class DynamixController:
         self._spacing = int(self.history[-1].get("spacing") or 0) if self.history else 0
         self._recheck = bool(self.history[-1].get("recheck")) if self.history else False
         self._ceiling = int(self.history[-1].get("ceiling") or 0) if self.history else 0
-        self._vote_every = int(self.history[-1].get("vote_every") or 0) if self.history else 0
+        self._vote_every = (int(self.history[-1].get("vote_every") or 0)
+                            if self.history and self.cfg.decide_every_steps is None else 0)
         self._since_vote, self._changed_by = int(state.get("since_vote", 0)), []
         self._own_speed.forget()
         # the micro-batches per step the last decision set (a rank joining after an elastic reset

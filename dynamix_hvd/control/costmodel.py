@@ -396,12 +396,12 @@ class CostModel:
         self.steps += steps_each * n
         ok = np.isfinite(b).all(1) & np.isfinite(t).all(1) & (b > 0).all(1) & (t > 0).all(1)
         self.shift = np.ones(R)
+        self.changed_from = None
         if not ok.any():
             return
         if self.cfg.shift_threshold > 0 and not (q[ok] > 0).any():  # token budgets: a step's time
             self._tested_at = at[ok]                                # follows the lengths it drew
             self._follow_speed(b[ok], t[ok])
-        self.changed_from = None
         for r in changed:
             if r in self._restart_at:  # already followed as a decisive change
                 after = self._restart_at[r]
@@ -508,14 +508,17 @@ class CostModel:
         again from the step where its arrivals, against the line (or as they are, before any fit),
         moved most clearly, and `changed_from` is that step's count (the earliest over such ranks)."""
         fit = self.fit()
-        d = np.log(t[:, r] / fit.arrival(b, split=True, borrowed=False)[:, r]) if fit is not None \
-            else np.log(t[:, r])
+        if fit is not None:  # log ratios to the line: 0 where the rank runs as the line says
+            d = np.log(t[:, r] / fit.arrival(b, split=True, borrowed=False)[:, r])
+        else:  # no line yet (a new world): against the interval's first steps
+            d = np.log(t[:, r])
+            d = d - np.median(d[:MIN_STEPS])
         way = 1.0 if np.median(d[-MIN_STEPS:]) >= np.median(d) else -1.0
         start = change_start(d, way)
-        if start == 0:
-            return
-        if self.shift[r] == 1.0:
-            self.shift[r] = math.exp(float(np.median(d[start:]) - np.median(d[:start])))
+        if start == 0 and fit is None:
+            return  # the whole interval at one speed and nothing to compare it with
+        if self.shift[r] == 1.0:  # from the line (or the interval's start) to the steps after the change
+            self.shift[r] = math.exp(float(np.median(d[start:]) - (np.median(d[:start]) if start else 0.0)))
         self._live[:, r] = 0.0
         self._restart_at[r] = float(at[start]) - 0.5 * self._latest_steps_each
         self._pending[r] = 0.0
