@@ -483,6 +483,16 @@ def equal_rank_splits(results: Path) -> str:
     return "\n".join(lines)
 
 
+def _decision_tables(results: Path):
+    """(runs.csv row, its decisions.csv) of every finished run whose folder still holds it, in
+    workload, condition, arm, seed order."""
+    runs = pd.read_csv(results / "runs.csv")
+    for r in runs[runs.status == "ok"].sort_values(["workload", "condition", "arm", "seed"]).to_dict("records"):
+        decisions = Path(r["run_dir"]) / "decisions.csv"
+        if decisions.exists() and _same_run(decisions.parent, r):
+            yield r, pd.read_csv(decisions)
+
+
 def batch_growth(results: Path) -> str:
     """Per run of an arm that decides (run folders still on disk, holding those runs): where its global
     batch first grew past the initial one (decision, epoch, from -> to), the goodput gain predicted
@@ -490,13 +500,8 @@ def batch_growth(results: Path) -> str:
     measured in the (up to) three intervals after it over the three up to it, the largest and the last B, and the epochs of the decisions where the late-growth
     rule held B (``growth_late``; in runs that predate that column, ``may_grow`` false after it was
     true, with no growth before); with the run's final metric. Empty when no run has its decisions."""
-    runs = pd.read_csv(results / "runs.csv")
     lines = []
-    for r in runs[runs.status == "ok"].sort_values(["workload", "condition", "arm", "seed"]).to_dict("records"):
-        decisions = Path(r["run_dir"]) / "decisions.csv"
-        if not decisions.exists() or not _same_run(decisions.parent, r):
-            continue
-        d = pd.read_csv(decisions)
+    for r, d in _decision_tables(results):
         if "global_batch" not in d or d.empty:
             continue
         B = d["global_batch"].tolist()
@@ -529,13 +534,8 @@ def change_votes(results: Path) -> str:
     """Per condition and job, over the runs of arms that decide (run folders still on disk): decisions,
     how many a change vote brought forward (``changed_by`` not empty) and how many of those changed
     the split. Without a slow rank every such vote is a false alarm."""
-    runs = pd.read_csv(results / "runs.csv")
     rows: dict[tuple[str, str], list[int]] = {}
-    for r in runs[runs.status == "ok"].to_dict("records"):
-        decisions = Path(r["run_dir"]) / "decisions.csv"
-        if not decisions.exists() or not _same_run(decisions.parent, r):
-            continue
-        d = pd.read_csv(decisions)
+    for r, d in _decision_tables(results):
         if "changed_by" not in d or d.empty:
             continue
         voted = d["changed_by"].astype(str).str.strip().ne("[]") & d["changed_by"].notna()

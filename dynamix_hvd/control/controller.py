@@ -166,8 +166,6 @@ class DynamixController:
         self._since_vote = 0  # loader steps since the last change vote or decision (identical on every rank)
         self._changed_by: list[int] = []  # ranks whose change vote brought the coming decision forward
         self._own_speed = OwnSpeed()  # this rank's reference compute time, which its change votes compare with
-        self.change_votes = 0
-        """Change votes taken so far (each one small collective of the control channel)."""
         self._latency_probe_s = math.nan  # the single-value allreduce timed after the last decision
         loader.step_end_callbacks.append(self._on_step_end)
         self.optimizer.oom_handler = self._shrink_after_oom
@@ -223,10 +221,9 @@ class DynamixController:
         self._total_steps += 1
         self._steps_since += 1
         self._since_vote += 1
-        changed = False
         if 0 < self._vote_every <= self._since_vote and not self.optimizer.accumulating:
             try:
-                changed = self._change_vote()
+                self._change_vote()
             except Exception as exc:  # inside the training loop: the other ranks would wait for this one
                 if self.channel.backend == "horovod-objects":
                     raise
@@ -236,7 +233,7 @@ class DynamixController:
                                epoch=loader.epoch, step=loader.step, sizes=loader.batch_sizes,
                                epoch_length=lambda: len(loader), spacing=self._spacing,
                                recheck=self._recheck_steps(), ceiling=self._ceiling,
-                               changed=changed or bool(self._changed_by))
+                               changed=bool(self._changed_by))
         # Ordering hazard: with accumulation a decision between micro-batches would report a step
         # that has not ended and change the micro-batch count mid-step, so it waits for the step's end
         # (every rank is between the same micro-batches; an epoch's end always ends a step).
@@ -250,11 +247,10 @@ class DynamixController:
                     raise
                 abort_world(f"rank {self.rank}: decision {len(self.history) + 1} failed: {type(exc).__name__}: {exc}")
 
-    def _change_vote(self) -> bool:
+    def _change_vote(self) -> None:
         """Every rank: one small collective, whether any rank's own compute time per step moved since
         the last decision (`changewatch.own_change`); remembers which ranks said so for the decision."""
         self._since_vote = 0
-        self.change_votes += 1
         tracker = self.loader.tracker
         compute, batch = tracker.undrained("compute_s"), tracker.undrained("local_batch")
         first = tracker.finished - len(compute)  # the step count of compute[0]
@@ -262,7 +258,6 @@ class DynamixController:
                                     self.cfg.advanced.cadence.change_ratio)
         votes = self.channel.allgather_object(mine, CONTROL_CHANGE.within(self.cfg.timeout_s))
         self._changed_by = [r for r, v in enumerate(votes) if v]
-        return bool(self._changed_by)
 
     # --- one decision --------------------------------------------------------------------------------
     def decide(self) -> dict[str, Any]:
