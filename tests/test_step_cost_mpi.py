@@ -28,6 +28,12 @@ def test_a_training_step_issues_only_the_gradient_allreduces(tmp_path):
         assert control.pop("dx.runlog.epoch_rows") == 3
         assert control.pop("dx.checkpoint.vote") == votes
         assert control.pop("dx.control.memory") == 1  # which ranks share a memory budget: once per world
+        # the change votes: every `vote_every` steps (about 0.25 s of training) of each interval a decision
+        # opened; a vote on a decision's own step comes first, so an interval of n steps holds n // every
+        ends = [start for start, _ in got["intervals"][1:]] + [steps]
+        change_votes = sum((end - start) // every for (start, every), end in zip(got["intervals"], ends) if every)
+        assert change_votes <= train_s / 0.25 + decisions
+        assert control.pop("dx.control.change_vote", 0) == change_votes
         assert control == {}, f"collectives nobody expects: {control}"
         assert 3 <= votes <= math.ceil(train_s / 1.0) + 1 + 8, (votes, train_s)
     assert ranks[0]["control"] == ranks[1]["control"] and ranks[0]["horovod"] == ranks[1]["horovod"]

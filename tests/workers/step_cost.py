@@ -122,9 +122,12 @@ def main() -> None:
         run.finish()
         ckpt.close()
         decisions = len(controller.history)
+        # where each interval between decisions began and how often it voted on a change of speed
+        intervals = [(int(d["total_steps"]), int(d.get("vote_every") or 0)) for d in controller.history]
     params = sum(1 for p in model.parameters() if p.requires_grad)
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "steps": steps, "train_s": train_s, "decisions": decisions, "votes": ckpt.votes, "params": params,
+        "intervals": intervals,
         "epochs": args.epochs, "control": dict(counting.control), "horovod": dict(counting.horovod),
         "gradient_allreduces": counting.gradients}))
 
