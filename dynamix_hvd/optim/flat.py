@@ -71,13 +71,57 @@ class FlatGradients:
             for slot, i in zip(slots.unbind(), members):
                 self._slots[i] = slot
         self._slots_written = False
+        # Weighted squared norms (`enable_weights`): per buffer the weights and a scratch buffer that
+        # holds gradient times weights, in the same layout; empty until enabled.
+        self.weighted = False
+        self._weight_bufs: list[torch.Tensor] = []
+        self._scaled_bufs: list[torch.Tensor] = []
+        self._weight_lines: list[torch.Tensor] = []
+        self._scaled_lines: list[torch.Tensor] = []
+        self._weighted_norms: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.attach()
 
-    def _cpu_norms(self, members: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
-        views = [self.views[i] for i in members]
-        if all(self._by_dot[i] for i in members):
+    def enable_weights(self) -> None:
+        """From now on `put_sq_norm` takes the squared norm of the gradient times a weight per element
+        (all 1 until written through `weight_line`), and `sq_norms(weighted=True)` does so for every
+        parameter: e.g. the gradient as an Adam-type optimizer preconditions it. Costs two buffers of
+        the gradients' size (float32 for 16-bit gradients)."""
+        if self.weighted:
+            return
+        for buf, off, members in zip(self.buffers, self.offsets, self.members):
+            if buf.is_complex():
+                raise ValueError("weighted squared norms of complex gradients are not supported")
+            dtype = torch.float32 if buf.dtype in (torch.float16, torch.bfloat16) else buf.dtype
+            weights = torch.ones(buf.numel(), dtype=dtype, device=buf.device)
+            scaled = torch.zeros_like(weights)
+            self._weight_bufs.append(weights)
+            self._scaled_bufs.append(scaled)
+            self._weighted_norms.append(_cuda_norms(SegmentSqNorms(scaled, off)) if buf.device.type == "cuda"
+                                        else self._cpu_norms(members, scaled))
+        self._weight_lines = [self._line_of(self._weight_bufs, i) for i in range(len(self.params))]
+        self._scaled_lines = [self._line_of(self._scaled_bufs, i) for i in range(len(self.params))]
+        self.weighted = True
+
+    def _line_of(self, buffers: list[torch.Tensor], index: int) -> torch.Tensor:
+        """Parameter `index`'s 1-D slice of the buffer in `buffers` that matches its gradient buffer."""
+        home, start = self._homes[index]
+        k = next(j for j, b in enumerate(self.buffers) if b is home)
+        return buffers[k][start:start + self.params[index].numel()]
+
+    def weight_line(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s weights as a 1-D tensor to write in place (after `enable_weights`)."""
+        return self._weight_lines[index]
+
+    def _cpu_norms(self, members: list[int], buffer: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Per-parameter squared norms of the gradient buffer of `members`, or of `buffer` (same layout)."""
+        if buffer is None:
+            lines, views = [self._lines[i] for i in members], [self.views[i] for i in members]
+        else:
+            lines = [buffer[self._homes[i][1]:self._homes[i][1] + self.params[i].numel()] for i in members]
+            views = [line.view_as(self.params[i]) for line, i in zip(lines, members)]
+        if all(_by_dot(v) for v in views):
             scratch = torch.zeros(len(members), dtype=views[0].dtype)
-            pairs = [(self._lines[i], slot) for i, slot in zip(members, scratch.unbind())]
+            pairs = list(zip(lines, scratch.unbind()))
 
             def dots(out: torch.Tensor) -> torch.Tensor:
                 for line, slot in pairs:
@@ -115,24 +159,40 @@ class FlatGradients:
                     view.copy_(g)
                 p.grad = view
 
-    def sq_norms(self, out: torch.Tensor | None = None) -> torch.Tensor:
+    def sq_norms(self, out: torch.Tensor | None = None, weighted: bool = False) -> torch.Tensor:
         """Squared norm of every parameter's gradient (float64, parameter order), one fused operation
-        per buffer; written into `out` (float64, one entry per parameter) when given."""
+        per buffer; written into `out` (float64, one entry per parameter) when given. `weighted`: of
+        the gradient times its weights (after `enable_weights`), one more multiply per buffer."""
         if out is None:
             out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
+        all_norms = self._norms
+        if weighted:
+            if not self.weighted:
+                raise RuntimeError("sq_norms(weighted=True) before enable_weights()")
+            for buf, weights, scaled in zip(self.buffers, self._weight_bufs, self._scaled_bufs):
+                torch.mul(buf, weights, out=scaled)
+            all_norms = self._weighted_norms
         if self._in_order:
-            return self._norms[0](out)
-        for norms, members, index in zip(self._norms, self.members, self._member_index):
+            return all_norms[0](out)
+        for norms, members, index in zip(all_norms, self.members, self._member_index):
             part = norms(torch.empty(len(members), dtype=torch.float64, device=index.device))
             out.index_copy_(0, index.to(out.device), part.to(out.device))
         return out
 
     def put_sq_norm(self, index: int, grad: torch.Tensor | None = None) -> None:
         """Write the squared norm (`sq_norm`) of parameter `index`'s gradient into its slot: of its view
-        in the buffer (the caller has checked that ``p.grad`` is its view, at home), or of `grad`."""
+        in the buffer (the caller has checked that ``p.grad`` is its view, at home), or of `grad`;
+        times its weights once `enable_weights` was called."""
         slot = self._slots[index]
         self._slots_written = True
-        if grad is None:
+        if self.weighted:
+            scaled = self._scaled_lines[index]
+            torch.mul(self._lines[index] if grad is None else grad.reshape(-1), self._weight_lines[index], out=scaled)
+            if _by_dot(scaled) and scaled.dtype == slot.dtype:
+                torch.dot(scaled, scaled, out=slot)
+            else:
+                slot.copy_(sq_norm(scaled))
+        elif grad is None:
             if self._by_dot[index]:
                 line = self._lines[index]
                 torch.dot(line, line, out=slot)

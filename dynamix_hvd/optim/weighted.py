@@ -46,6 +46,7 @@ from .. import engine as engines
 from ..data.loader import AdaptiveLoader
 from .lr_scaling import LR_RULES, LRCoupling
 from .progress import ProgressAccounting
+from . import precondition
 from .flat import FlatGradients
 from .. import validate
 
@@ -146,6 +147,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             gradient-noise statistics need them).
         backward_passes_per_step: micro-batches accumulated per optimizer step.
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any.
+        noise_preconditioner: what the gradient-noise statistics (noise scale, AdaScale gain, growth)
+            are measured on: "auto" (default: for Adam, AdamW, NAdam and RAdam the gradient divided
+            by ``sqrt(v_hat) + eps`` as the optimizer applies it, which predicts their critical
+            batch; the gradient itself otherwise), "adam" (that for another Adam-type optimizer),
+            "none" (the gradient itself). See `dynamix_hvd.optim.precondition`.
     """
 
     _step_supports_amp_scaling = True  # GradScaler then always calls step() and tells us found_inf
@@ -176,7 +182,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                  lr_rule: str = "adascale", lr_warmup_steps: int | None = None, adaptive: bool = False,
                  base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
-                 backward_passes_per_step: int = 1, grad_scaler: Any = None, engine: str = "auto") -> None:
+                 backward_passes_per_step: int = 1, grad_scaler: Any = None, engine: str = "auto",
+                 noise_preconditioner: str = "auto") -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
         if loss_unit is None:
@@ -193,6 +200,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         _check_passes(backward_passes_per_step)
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise ValueError(f"grad_scaler={grad_scaler!r}; pass a torch.amp.GradScaler or None")
+        preconditioned = precondition.choose(noise_preconditioner, optimizer)
         kind = engines.choose(engine, named_parameters)
         ddp_model = named_parameters if engines._is_ddp(named_parameters) else None
         if ddp_model is not None:
@@ -232,12 +240,18 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
         device = self._params[0].device
-        # The step's squared norms per parameter, [local, global] (float64), written in place every
-        # step: the local ones from the slots of `flat` (filled as Horovod takes each gradient), the
-        # global ones by one fused operation after the allreduce. One small tensor read back per step.
-        self._pair = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
-        self._local_row, self._global_row = self._pair.unbind()
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)
+        # Adam-type: the noise statistics are taken of the preconditioned gradient (`precondition`)
+        self._preconditioner = (precondition.AdamPreconditioner(self, self._params, self.flat)
+                                if preconditioned and track_grad_norms else None)
+        self.noise_preconditioner = "adam" if self._preconditioner else "none"
+        """What the gradient-noise statistics are measured on: "adam" (the preconditioned gradient) or "none"."""
+        # The step's squared norms per parameter, [local, global, global preconditioned] (float64),
+        # written in place every step: the local ones from the slots of `flat` (filled as Horovod takes
+        # each gradient; preconditioned where the optimizer is), the global ones by one fused operation
+        # after the allreduce. One small tensor read back per step.
+        self._pair = torch.zeros(3, len(self._params), dtype=torch.float64, device=device)
+        self._local_row, self._global_row, self._global_pre_row = self._pair.unbind()
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)
         self._local_in_pair = False  # this step's local norms are already in _pair[0] (one fused pass)
         # Per-parameter sums over the steps since the controller last read them (no host sync).
         self._layer_sums = torch.zeros(2, len(self._params), dtype=torch.float64, device=device)
@@ -485,6 +499,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 self.lr_coupling.load_state_dict(own["lr_coupling"])
             if "backward_passes_per_step" in own:  # absent in checkpoints from before accumulation decisions
                 self.set_backward_passes_per_step(int(own["backward_passes_per_step"]))
+        if self._preconditioner is not None:
+            self._preconditioner.refresh()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's own state, which differs between ranks and so is not in ``state_dict()`` (a
@@ -594,6 +610,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 buf.mul_(1.0 / global_n)
             if self.backward_passes_per_step > 1:
                 local_sq.div_(max(local_n, 1) ** 2)
+        if self._preconditioner is not None:
+            self.flat.sq_norms(self._global_pre_row, weighted=True)
         self._synced = {"global_sq": self.flat.sq_norms(self._global_row), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
 
@@ -609,7 +627,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if step is not planned:
             planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
-            self.flat.sq_norms(self._local_row)
+            self.flat.sq_norms(self._local_row, weighted=self.flat.weighted)
             self._local_in_pair = True
         if not after and scale != 1.0:
             for buf in self.flat.buffers:
@@ -644,7 +662,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         assert synced is not None
         tracker = self.loader.tracker
         scale = self._loss_scale()
-        # [local, global] squared norms per parameter (the layer sums add this pair as it is)
+        # [local, global, global preconditioned] squared norms per parameter
         pair = self._pair
         if scale != 1.0:
             pair.div_(scale**2)
@@ -655,7 +673,9 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             totals = torch.cat([totals, found_inf.to(pair.device, torch.float64).reshape(1)])
         read = totals.tolist()
         local_total, grad_norm = read[0], read[1] ** 0.5
-        if not math.isfinite(grad_norm) or (found_inf is not None and read[2] > 0):
+        # the noise statistics: the local norms with the global ones measured alike
+        stat_row, global_total = (2, read[2]) if self._preconditioner is not None else (1, read[1])
+        if not math.isfinite(grad_norm) or (found_inf is not None and read[3] > 0):
             failed = self._agree_on_failures()  # every rank is here: they all see the same norm
             if any(failed):
                 group = list(self._micro)  # every micro-batch of the step is served again
@@ -668,7 +688,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / scale)
         if self.track_grad_norms:
-            self._layer_sums += pair
+            self._layer_sums[0] += pair[0]
+            self._layer_sums[1] += pair[stat_row]
             self._layer_steps += 1
         if self.max_grad_norm is not None:
             # The user may have clipped (or unscaled) between synchronize() and step(): measure again.
@@ -678,13 +699,15 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 for buf in self.flat.buffers:
                     buf.mul_(clip)
         lr = self._inner_step_at_scaled_lr()
+        if self._preconditioner is not None:
+            self._preconditioner.after_step()
         self.lr_coupling.commit()  # the step happened: progress += its factor, the warm-up moves on
         self.last_grad_norm = grad_norm
         self.last_status = "ok"
         extra: dict[str, Any] = {"lr": float(lr), "grad_norm": grad_norm}
         if self.track_grad_norms:
             extra["local_grad_sq"] = local_total
-            extra["global_grad_sq"] = grad_norm**2
+            extra["global_grad_sq"] = global_total
         if self.backward_passes_per_step > 1 and self._micro:
             step_s = time.perf_counter() - self._group_t0
             local_b, global_b = self._planned_group()

@@ -3,7 +3,7 @@
 Runs, in one job, (1) every LR scheduler on the weighted optimizer with an LR rule and changing
 batch sizes, plus state_dict / broadcast_optimizer_state; (2) mixed precision in Horovod's pattern
 (float64 under a GradScaler with an injected inf step, fp16 autocast + scaler, bf16 autocast);
-(3) gradient accumulation. Each rank writes rank<R>.json; tests/test_dropin_mpi.py replays the
+(3) gradient accumulation; (4) the noise statistics of AdamW's preconditioned gradient. Each rank writes rank<R>.json; tests/test_dropin_mpi.py replays the
 steps in one process.
 """
 from __future__ import annotations
@@ -180,6 +180,45 @@ def run_accum(opt_name: str, k: int, rank: int, world: int) -> dict[str, Any]:
     return {"groups": groups, "params": params_of(model)}
 
 
+def run_adam_noise(rank: int, world: int) -> dict[str, Any]:
+    """AdamW with unequal batches: each step's recorded squared norms against this rank's own
+    computation of the local and global mean gradients times the weights the optimizer measured
+    with (read before the step), and those weights against AdamW's second moments."""
+    data = IndexedData(SAMPLES)
+    model = make_model()
+    loader = dx.AdaptiveLoader(data, [3 + 2 * r for r in range(world)], rank, seed=5)
+    opt = dx.WeightedDistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True),
+                                          model.named_parameters(), loader)
+    params = [p for p in model.parameters()]
+    steps = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        for idx, x, y in loader:
+            opt.zero_grad()
+            weights = [opt.flat.weight_line(i).clone() for i in range(len(params))]
+            # Adam's own: 1 / (sqrt(max v / (1 - beta2^t)) + eps), 1 before its first step
+            adam = []
+            for p in params:
+                state = opt.state.get(p)
+                if not state:
+                    adam.append(torch.ones(p.numel(), dtype=p.dtype))
+                else:
+                    v = state["max_exp_avg_sq"].reshape(-1) / (1 - 0.999 ** float(state["step"]))
+                    adam.append(1 / (v.sqrt() + 1e-8))
+            loss = nn.functional.cross_entropy(model(x), y)
+            local = torch.autograd.grad(loss, params, retain_graph=True)
+            loss.backward()
+            opt.step()
+            rec = loader.tracker.records[-1]
+            sq = lambda grads: sum(float(((g.reshape(-1).double() * w.double()) ** 2).sum())  # noqa: E731
+                                   for g, w in zip(grads, weights))
+            steps.append({"local_grad_sq": rec.local_grad_sq, "global_grad_sq": rec.global_grad_sq,
+                          "local_expected": sq(local), "global_expected": sq([p.grad for p in params]),
+                          "weights_vs_adam": max(float(((w - a) / a).abs().max()) for w, a in zip(weights, adam)),
+                          "weighted": any(bool((w != 1).any()) for w in weights)})
+    return {"steps": steps, "mode": opt.noise_preconditioner}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -196,6 +235,7 @@ def main() -> None:
         result["amp"][mode] = run_amp(mode, rank, world)
     for opt_name, k in (("sgd", 3), ("adam", 2), ("sgd", 1)):
         result["accum"][f"{opt_name}_k{k}"] = run_accum(opt_name, k, rank, world)
+    result["adam_noise"] = run_adam_noise(rank, world)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
