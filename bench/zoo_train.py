@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adaptive", choices=["0", "1"], default="0",
                     help="WeightedDistributedOptimizer(adaptive=): 0 (the AdaScale gain, the default), 1 (its "
                          "square root, the square-root rule for Adam-type optimizers)")
+    ap.add_argument("--noise-preconditioner", choices=["auto", "adam", "none"], default="auto",
+                    help="WeightedDistributedOptimizer(noise_preconditioner=): what the noise statistics are "
+                         "measured on (auto: Adam's preconditioned gradient for Adam-type optimizers)")
     ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
                     help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
                          "epochs of training progress, the loop docs/usage.md recommends (plain Horovod: the same)")
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = dx.WeightedDistributedOptimizer(optimizer, params, loader,                   # dx
                                                     max_grad_norm=job.clip or None,             # dx
                                                     base_batch_size=job.batch * world.size,    # dx: the LR's batch
-                                                    adaptive=args.adaptive == "1")              # dx
+                                                    adaptive=args.adaptive == "1",              # dx
+                                                    noise_preconditioner=args.noise_preconditioner)
         if scheduler is not None:
             scheduler = dx.ProgressScheduler(scheduler, optimizer)                                 # dx
         if not args.no_controller:

@@ -42,6 +42,7 @@ JOBS: dict[str, tuple[str, int, dict[str, list[str]]]] = {
                  "--slow-rank", "1", "--slow-factor", "3", "--slow-from-step", "100", "--decision-budget", "0",
                  *(["--change-vote-s", "0"] if run == "recheck" else [])]
            for run in ("recheck", "vote")},
+        "adam-noise": ["--epochs", "3", "--every", "-1", "--policy", "static", "--adam", "--decision-budget", "0"],
     }),
     "horovodrun-gloo-2": ("horovodrun-gloo", 2, {"decisions": ["--epochs", "2", "--every", "5", "--max-batch", "40"]}),
     "silent-mpirun-3": ("mpirun", 3, {"silent": ["--mode", "silent", "--silent", "2", "--timeout", "3"]}),
@@ -152,6 +153,28 @@ def test_decision_budget_spaces_later_decisions_alike_on_every_rank(tmp_path_fac
         least = history[i - 1]["spacing"] // (4 if history[i].get("changed_by") else 1)
         assert steps[i] - steps[i - 1] >= least, (i, steps, [d["spacing"] for d in history])
     assert len(when) < 32  # without the budget: 32 (see above)
+
+
+def test_adam_noise_statistics_are_taken_on_the_same_steps_on_every_rank(tmp_path_factory):
+    """Adam's preconditioned norms cost several passes over the gradients: rank 0 sends with each decision
+    how many steps apart they are taken (from their measured cost and the step time; on these 1-2 ms
+    steps more than 1), every rank takes them on the same steps (the step after each decision, then
+    every `noise_every`-th), and the noise scale is estimated from them."""
+    results, _ = controller_run("mpirun-2", "adam-noise", tmp_path_factory)
+    history, measured = results[0]["history"], results[0]["measured"]
+    assert results[0]["noise_preconditioner"] == "adam"
+    assert results[1]["measured"] == measured
+    assert [d["noise_every"] for d in results[1]["history"]] == [d["noise_every"] for d in history]
+    assert max(d["noise_every"] for d in history) > 1, [d["noise_every"] for d in history]
+    assert 0 < sum(measured) < len(measured)
+    # the schedule: every step until the first decision, then the step after each and every k-th
+    at = results[0]["at_step"]
+    assert all(measured[:at[0]])
+    for i, start in enumerate(at):
+        end = at[i + 1] if i + 1 < len(at) else len(measured)
+        every = history[i]["noise_every"]
+        assert measured[start:end] == [(k % every) == 0 for k in range(end - start)], (i, every)
+    assert any(d["noise_point"] is not None and d["noise_point"] > 0 for d in history[2:])
 
 
 def test_automatic_cadence_ramps_up_to_its_interval(tmp_path_factory):

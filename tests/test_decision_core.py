@@ -69,14 +69,16 @@ def test_reports_and_decisions_survive_the_array_form_exactly() -> None:
     assert back[1].steps.micro_batches == [2] * 4 and back[0].steps.micro_batches == [1] * 4
     assert back[1].steps.sq_tokens == [17 * 150 * (k + 1) for k in range(4)]
     sent = wire.encode_decision(7, 2, 1.375, [10, 20, 30], [8, 16, 32], passes=3, spacing=41, recheck=True,
-                                ceiling=250, vote_every=9)
-    assert len(sent) == wire.decision_length(3) == 14
+                                ceiling=250, vote_every=9, noise_every=5)
+    assert len(sent) == wire.decision_length(3) == 15
     assert wire.decode_decision(sent, 3) == {"decision": 7, "epoch": 2, "sizes": [10, 20, 30],
                                              "previous_sizes": [8, 16, 32], "lr_gain": 1.375, "passes": 3,
-                                             "spacing": 41, "recheck": True, "ceiling": 250, "vote_every": 9}
+                                             "spacing": 41, "recheck": True, "ceiling": 250, "vote_every": 9,
+                                             "noise_every": 5}
     plain = wire.decode_decision(wire.encode_decision(7, 2, 1.0, [1, 2, 3], [1, 2, 3]), 3)
     assert plain["recheck"] is False and plain["ceiling"] == 0 and plain["vote_every"] == 0
-    with pytest.raises(ValueError, match="for 2 ranks has 12 values"):
+    assert plain["noise_every"] == 1
+    with pytest.raises(ValueError, match="for 2 ranks has 13 values"):
         wire.decode_decision(sent, 2)
     short = [sample_input(0, steps=4), sample_input(1, steps=2)]  # rank 1 rejoined after an elastic reset
     ragged = wire.decode_reports([wire.encode_report(i) for i in short])
@@ -221,7 +223,7 @@ def test_plain_optimizer_is_refused_with_what_to_use() -> None:
     with pytest.raises(TypeError, match=r"missing on torch\.optim\.sgd\.SGD: lr_gain, base_batch_size, "
                                         r"backward_passes_per_step, oom_handler, param_names, accumulating, "
                                         r"allreduce_bytes, set_backward_passes_per_step, pop_layer_means, "
-                                        r"time_small_allreduce.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
+                                        r"noise_every_for, set_noise_every, time_small_allreduce.*wrap yours with dynamix_hvd\.WeightedDistributedOptimizer"):
         DynamixController(loader, torch.optim.SGD(model.parameters(), lr=0.1), ControllerConfig(policy="static"))
 
 

@@ -185,20 +185,18 @@ def test_accumulation_is_the_exact_mean_over_all_micro_batches(results, case):
 
 def test_adam_noise_statistics_are_of_the_preconditioned_gradient(results):
     """Each step's recorded local and global squared norms are those of this rank's local mean gradient
-    and of the global mean gradient times the weights in effect, and the weights are AdamW's (amsgrad)
-    ``1 / (sqrt(max v_hat) + eps)`` as of the last read: after the first step and every 16th after it."""
+    and of the global mean gradient times the weights of the step AdamW (amsgrad) took,
+    ``1 / (sqrt(max v_hat) + eps)``, its second moments including that step's gradient."""
     for r in results:
         run = r["adam_noise"]
         assert run["mode"] == "adam"
         steps = run["steps"]
-        assert len(steps) > 17
+        assert len(steps) > 10
         for k, s in enumerate(steps):
+            assert s["weights_vs_adam"] < 1e-5, (k, s["weights_vs_adam"])
             assert s["local_grad_sq"] == pytest.approx(s["local_expected"], rel=1e-5), k
             assert s["global_grad_sq"] == pytest.approx(s["global_expected"], rel=1e-5), k
-            if k % 16 == 1 or k == 0:  # the weights were read just before this step
-                assert s["weights_vs_adam"] < 1e-6, (k, s["weights_vs_adam"])
-        assert not steps[0]["weighted"] and all(s["weighted"] for s in steps[1:])
-        # preconditioned norms are far from the raw ones: Adam scales each coordinate by ~1/|g|
-        assert steps[5]["global_grad_sq"] > 10 * steps[0]["global_grad_sq"]
+            # Adam scales each coordinate to about 1 / sqrt(its recent squared gradients)
+            assert s["global_grad_sq"] > 10 * s["raw_global_sq"], k
     assert results[0]["adam_noise"]["steps"][3]["global_grad_sq"] == pytest.approx(
         results[1]["adam_noise"]["steps"][3]["global_grad_sq"], rel=1e-12)

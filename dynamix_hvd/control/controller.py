@@ -300,9 +300,10 @@ class DynamixController:
             # its micro-batches) or token budgets (a step's tokens are what it drew)
             votes = (vote_every(cadence.change_vote_s, step_s) if self.cfg.decide_every_steps is None
                      and decision.passes == 1 and self.loader.budget != "tokens" else 0)
+            noise_every = self.optimizer.noise_every_for(statistics.median(i.report.step_s for i in inputs))
             sent = wire.encode_decision(decision.index, decision.epoch, decision.lr_gain, decision.sizes,
                                         decision.previous_sizes, decision.passes, spacing, decision.recheck,
-                                        ceiling, votes)
+                                        ceiling, votes, noise_every)
         # Only what the ranks need travels; the full record (reports, rewards, statistics) stays on 0.
         world = self.loader.world_size
         compact = wire.decode_decision(
@@ -317,9 +318,10 @@ class DynamixController:
         self.optimizer.lr_gain = compact["lr_gain"]
         self._spacing, self._recheck, self._ceiling = compact["spacing"], compact["recheck"], compact["ceiling"]
         self._vote_every = compact["vote_every"]
+        self.optimizer.set_noise_every(compact["noise_every"])
         record = dict(record or compact, overhead_s=time.perf_counter() - t0, spacing=self._spacing,
                       recheck=self._recheck, ceiling=self._ceiling, vote_every=self._vote_every,
-                      changed_by=changed_by, total_steps=self._total_steps)
+                      changed_by=changed_by, total_steps=self._total_steps, noise_every=compact["noise_every"])
         if self.rank == 0:
             t1 = time.perf_counter()
             update = self.policy.after_decision()  # learning runs after the others got the decision
@@ -365,6 +367,10 @@ class DynamixController:
         timed = records[WARMUP_STEPS:] if self._fresh_start and len(records) > WARMUP_STEPS else records
         self._fresh_start = False
         mean = (lambda key: statistics.fmean(timed.column(key).tolist()) if timed else 0.0)  # noqa: E731
+
+        def finite_mean(key: str) -> float:  # NaN on steps that took no noise statistics
+            values = [v for v in timed.values(key) if math.isfinite(v)] if timed else []
+            return statistics.fmean(values) if values else math.nan
         total_time = sum(timed.column("step_s").tolist())
         kind = records[-1].memory_kind if records else "rss"
         peak = max(records.values("peak_memory_bytes"), default=0)
@@ -380,7 +386,7 @@ class DynamixController:
             gpu_util=res.gpu_util, net_bytes_per_s=res.net_bytes_per_s, tcp_retrans_per_s=res.tcp_retrans_per_s,
             # recorded losses none of which is finite: diverged (inf), which the growth check acts on
             loss_mean=statistics.fmean(finite_losses) if finite_losses else (math.inf if losses else math.nan),
-            local_grad_sq=mean("local_grad_sq"), global_grad_sq=mean("global_grad_sq"),
+            local_grad_sq=finite_mean("local_grad_sq"), global_grad_sq=finite_mean("global_grad_sq"),
             max_batch=self.bounds.upper(self.rank), allreduce_bytes=self.optimizer.allreduce_bytes,
             latency_probe_s=self._latency_probe_s)
         steps = StepSeries(local_batch=records.values("local_batch"), local_sq=records.values("local_grad_sq"),
@@ -429,6 +435,7 @@ class DynamixController:
         self._vote_every = (int(self.history[-1].get("vote_every") or 0)
                             if self.history and self.cfg.decide_every_steps is None else 0)
         self._since_vote, self._changed_by = int(state.get("since_vote", 0)), []
+        self.optimizer.set_noise_every(int(self.history[-1].get("noise_every") or 1) if self.history else 1)
         self._own_speed.forget()
         # the micro-batches per step the last decision set (a rank joining after an elastic reset
         # starts with its constructor's; every rank must accumulate alike or their allreduces differ)

@@ -35,6 +35,15 @@ class ControlledOptimizer(Protocol):
         """Mean per-parameter squared norms (local, global) since the last call (None: no step)."""
         ...
 
+    def noise_every_for(self, step_s: float) -> int:
+        """Optimizer steps between two that take the gradient-noise statistics, for steps of `step_s`
+        seconds (1: every step; more where taking them costs a noticeable share of the step)."""
+        ...
+
+    def set_noise_every(self, every: int) -> None:
+        """Take the noise statistics on the next step, then on every `every`-th (every rank alike)."""
+        ...
+
     def time_small_allreduce(self) -> float:
         """Seconds a single-value allreduce takes (a collective: every rank calls it at the same point)."""
         ...
@@ -46,7 +55,7 @@ def check_optimizer(optimizer: Any) -> ControlledOptimizer:
         return optimizer
     members = ("lr_gain", "base_batch_size", "backward_passes_per_step", "oom_handler", "param_names",
                "accumulating", "allreduce_bytes", "set_backward_passes_per_step", "pop_layer_means",
-               "time_small_allreduce")
+               "noise_every_for", "set_noise_every", "time_small_allreduce")
     missing = [m for m in members if not hasattr(optimizer, m)]
     raise TypeError(
         f"DynamixController needs an optimizer that provides {', '.join(members)} (missing on "

@@ -25,14 +25,15 @@ when the optimizer had none), ``report_length(n, L) = 25 + 9 n + 2 L`` values::
 Ranks normally report the same n (they run the same steps between decisions); a rank that rejoined
 after an elastic reset may report fewer, and the core then uses the first min(n) steps of every rank.
 
-A decision for R ranks, ``decision_length(R) = 8 + 2 R`` values::
+A decision for R ranks, ``decision_length(R) = 9 + 2 R`` values::
 
     [0] decision index, [1] epoch, [2] lr_gain, [3] micro-batches per optimizer step,
     [4] fewest steps before the next decision (the decision budget's spacing; 0: none),
     [5] 1: decide again soon (`DecisionCadence`'s recheck), else 0,
     [6] most steps in an interval inside an epoch (`DecisionCadence`'s ceiling; 0: none),
     [7] loader steps between two change votes (`changewatch`; 0: none),
-    [8 : 8+R] new sizes (per micro-batch), [8+R : 8+2R] previous sizes
+    [8] optimizer steps between two that take the noise statistics (1: every step),
+    [9 : 9+R] new sizes (per micro-batch), [9+R : 9+2R] previous sizes
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def report_length(steps: int, layers: int) -> int:
 
 
 def decision_length(world_size: int) -> int:
-    return 8 + 2 * world_size
+    return 9 + 2 * world_size
 
 
 def encode_report(inp: RankInput) -> np.ndarray:
@@ -115,21 +116,22 @@ def padded_losses(losses: Sequence[float], steps: int) -> list[float]:
 
 def encode_decision(index: int, epoch: int, lr_gain: float, sizes: Sequence[int],
                     previous_sizes: Sequence[int], passes: int = 1, spacing: int = 0,
-                    recheck: bool = False, ceiling: int = 0, vote_every: int = 0) -> np.ndarray:
+                    recheck: bool = False, ceiling: int = 0, vote_every: int = 0, noise_every: int = 1) -> np.ndarray:
     if len(sizes) != len(previous_sizes):
         raise ValueError(f"{len(sizes)} sizes but {len(previous_sizes)} previous sizes")
-    return np.array([index, epoch, lr_gain, passes, spacing, float(recheck), ceiling, vote_every, *sizes,
+    return np.array([index, epoch, lr_gain, passes, spacing, float(recheck), ceiling, vote_every, noise_every, *sizes,
                      *previous_sizes], dtype=np.float64)
 
 
 def decode_decision(values: np.ndarray, world_size: int) -> dict[str, Any]:
     """``{"decision", "epoch", "sizes", "previous_sizes", "lr_gain", "passes", "spacing", "recheck",
-    "ceiling", "vote_every"}`` as every rank applies it."""
+    "ceiling", "vote_every", "noise_every"}`` as every rank applies it."""
     v = np.asarray(values, dtype=np.float64)
     if v.shape != (decision_length(world_size),):
         raise ValueError(f"an encoded decision for {world_size} ranks has {decision_length(world_size)} values, "
                          f"got shape {v.shape}")
     R = world_size
-    return {"decision": int(v[0]), "epoch": int(v[1]), "sizes": [int(b) for b in v[8:8 + R]],
-            "previous_sizes": [int(b) for b in v[8 + R:]], "lr_gain": float(v[2]), "passes": int(v[3]),
-            "spacing": int(v[4]), "recheck": bool(v[5]), "ceiling": int(v[6]), "vote_every": int(v[7])}
+    return {"decision": int(v[0]), "epoch": int(v[1]), "sizes": [int(b) for b in v[9:9 + R]],
+            "previous_sizes": [int(b) for b in v[9 + R:]], "lr_gain": float(v[2]), "passes": int(v[3]),
+            "spacing": int(v[4]), "recheck": bool(v[5]), "ceiling": int(v[6]), "vote_every": int(v[7]),
+            "noise_every": int(v[8])}

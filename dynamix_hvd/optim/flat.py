@@ -71,21 +71,25 @@ class FlatGradients:
             for slot, i in zip(slots.unbind(), members):
                 self._slots[i] = slot
         self._slots_written = False
-        # Weighted squared norms (`enable_weights`): per buffer the weights and a scratch buffer that
-        # holds gradient times weights, in the same layout; empty until enabled.
+        # Squared norms of weighted gradients (`enable_weights`): per buffer the weights, a copy of this
+        # rank's local gradients and a scratch buffer for gradient times weights, in the same layout.
         self.weighted = False
+        self.keeping = True  # weighted: whether put_sq_norm keeps local gradients (on steps that are measured)
         self._weight_bufs: list[torch.Tensor] = []
+        self._local_bufs: list[torch.Tensor] = []
         self._scaled_bufs: list[torch.Tensor] = []
         self._weight_lines: list[torch.Tensor] = []
-        self._scaled_lines: list[torch.Tensor] = []
+        self._local_lines: list[torch.Tensor] = []
         self._weighted_norms: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.attach()
 
     def enable_weights(self) -> None:
-        """From now on `put_sq_norm` takes the squared norm of the gradient times a weight per element
-        (all 1 until written through `weight_line`), and `sq_norms(weighted=True)` does so for every
-        parameter: e.g. the gradient as an Adam-type optimizer preconditions it. Costs two buffers of
-        the gradients' size (float32 for 16-bit gradients)."""
+        """For norms of the gradients times a weight per element, weights that are only known after the
+        allreduce (e.g. Adam's preconditioner, which depends on the global gradient): from now on
+        `put_sq_norm` keeps a copy of the local gradient instead of taking its norm (while `keeping`), and
+        `sq_norms(weighted=True)` takes the norms of the global (or, `local=True`, of the kept local)
+        gradients times the weights written through `weight_line` (1 until written). Costs three
+        buffers of the gradients' size."""
         if self.weighted:
             return
         for buf, off, members in zip(self.buffers, self.offsets, self.members):
@@ -95,11 +99,12 @@ class FlatGradients:
             weights = torch.ones(buf.numel(), dtype=dtype, device=buf.device)
             scaled = torch.zeros_like(weights)
             self._weight_bufs.append(weights)
+            self._local_bufs.append(torch.zeros_like(buf))
             self._scaled_bufs.append(scaled)
             self._weighted_norms.append(_cuda_norms(SegmentSqNorms(scaled, off)) if buf.device.type == "cuda"
                                         else self._cpu_norms(members, scaled))
         self._weight_lines = [self._line_of(self._weight_bufs, i) for i in range(len(self.params))]
-        self._scaled_lines = [self._line_of(self._scaled_bufs, i) for i in range(len(self.params))]
+        self._local_lines = [self._line_of(self._local_bufs, i) for i in range(len(self.params))]
         self.weighted = True
 
     def _line_of(self, buffers: list[torch.Tensor], index: int) -> torch.Tensor:
@@ -111,6 +116,22 @@ class FlatGradients:
     def weight_line(self, index: int) -> torch.Tensor:
         """Parameter `index`'s weights as a 1-D tensor to write in place (after `enable_weights`)."""
         return self._weight_lines[index]
+
+    def grad_line(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s gradient as a 1-D view of its buffer."""
+        return self._lines[index]
+
+    def square_into_weights(self, factor: float = 1.0) -> None:
+        """Set every weight to its gradient squared times `factor` (after `enable_weights`)."""
+        for buf, weights in zip(self.buffers, self._weight_bufs):
+            torch.mul(buf, buf, out=weights)
+            if factor != 1.0:
+                weights.mul_(factor)
+
+    def keep_all_local(self) -> None:
+        """Copy every gradient as this rank's local gradient (after `enable_weights`; one copy per buffer)."""
+        for buf, local in zip(self.buffers, self._local_bufs):
+            local.copy_(buf)
 
     def _cpu_norms(self, members: list[int], buffer: torch.Tensor | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Per-parameter squared norms of the gradient buffer of `members`, or of `buffer` (same layout)."""
@@ -159,19 +180,24 @@ class FlatGradients:
                     view.copy_(g)
                 p.grad = view
 
-    def sq_norms(self, out: torch.Tensor | None = None, weighted: bool = False) -> torch.Tensor:
+    def sq_norms(self, out: torch.Tensor | None = None, weighted: bool = False, local: bool = False) -> torch.Tensor:
         """Squared norm of every parameter's gradient (float64, parameter order), one fused operation
         per buffer; written into `out` (float64, one entry per parameter) when given. `weighted`: of
-        the gradient times its weights (after `enable_weights`), one more multiply per buffer."""
+        the gradient times its weights (after `enable_weights`), one more multiply per buffer;
+        `local`: of the local gradients `put_sq_norm` kept instead."""
         if out is None:
             out = torch.empty(len(self.params), dtype=torch.float64, device=self.buffers[0].device)
         all_norms = self._norms
         if weighted:
             if not self.weighted:
                 raise RuntimeError("sq_norms(weighted=True) before enable_weights()")
-            for buf, weights, scaled in zip(self.buffers, self._weight_bufs, self._scaled_bufs):
+            for buf, weights, scaled in zip(self._local_bufs if local else self.buffers, self._weight_bufs,
+                                            self._scaled_bufs):
                 torch.mul(buf, weights, out=scaled)
             all_norms = self._weighted_norms
+        elif local:
+            raise ValueError("sq_norms(local=True) takes the norms of the kept local gradients times their "
+                             "weights: pass weighted=True")
         if self._in_order:
             return all_norms[0](out)
         for norms, members, index in zip(all_norms, self.members, self._member_index):
@@ -181,18 +207,19 @@ class FlatGradients:
 
     def put_sq_norm(self, index: int, grad: torch.Tensor | None = None) -> None:
         """Write the squared norm (`sq_norm`) of parameter `index`'s gradient into its slot: of its view
-        in the buffer (the caller has checked that ``p.grad`` is its view, at home), or of `grad`;
-        times its weights once `enable_weights` was called."""
+        in the buffer (the caller has checked that ``p.grad`` is its view, at home), or of `grad`.
+        After `enable_weights`: keep a copy of it as this rank's local gradient instead."""
         slot = self._slots[index]
         self._slots_written = True
-        if self.weighted:
-            scaled = self._scaled_lines[index]
-            torch.mul(self._lines[index] if grad is None else grad.reshape(-1), self._weight_lines[index], out=scaled)
-            if _by_dot(scaled) and scaled.dtype == slot.dtype:
-                torch.dot(scaled, scaled, out=slot)
-            else:
-                slot.copy_(sq_norm(scaled))
-        elif grad is None:
+        if self.weighted:  # the weights come after the allreduce: keep the gradient, norms later
+            if not self.keeping:
+                return
+            if grad is not None:
+                self._local_lines[index].copy_(grad.reshape(-1))
+            elif self._local_lines[index].numel():
+                self._local_lines[index].copy_(self._lines[index])
+            return
+        if grad is None:
             if self._by_dot[index]:
                 line = self._lines[index]
                 torch.dot(line, line, out=slot)

@@ -1,16 +1,20 @@
-"""The gradient noise scale of Adam-type optimizers: measured on the gradient as the optimizer scales it.
+"""The gradient noise scale of Adam-type optimizers: measured on the step direction the optimizer takes.
 
-Adam moves each coordinate by its gradient divided by ``sqrt(v_hat) + eps``. The noise scale that
-predicts how far the batch can grow is the one of that preconditioned gradient, ``tr(P S P) / |P G|^2``
-with ``P = diag(1 / (sqrt(v_hat) + eps))``: coordinates whose second moment is small are scaled up, and
-where they are mostly noise the critical batch is larger than the unpreconditioned estimate says (on
-recurrent models with Adam, 4-10x larger). The squared norms the noise scale is built from are taken of
-the gradient times ``P`` (`FlatGradients.enable_weights`); ``P`` is read from the optimizer's own second
-moments after its step, every `REFRESH_STEPS` steps (``v`` moves on a time scale of ``1 / (1 - beta2)``
-steps, 1000 with the usual beta2). Pure torch: no Horovod, no MPI.
+Adam moves each coordinate by its gradient divided by ``sqrt(v_hat) + eps``, where ``v`` already holds
+the step's own gradient. The noise scale that says how far the batch can grow is the one of that
+preconditioned gradient, ``tr(P S P) / |P G|^2`` with ``P = diag(1 / (sqrt(v_hat) + eps))``: the
+coordinates with small second moments, which Adam scales up, weigh more. ``P`` is the one of the step
+being taken: the optimizer's second moments updated with the step's global gradient, as the optimizer
+is about to update them (a ``P`` read from the moments before the step is dominated by the few
+coordinates whose gradient has just grown, and moves by orders of magnitude from step to step). Both
+the local and the global gradient are measured with it (`FlatGradients.enable_weights`: the local
+gradient is kept until the allreduce has ended). That costs several passes over the gradients, so it
+is done on every k-th step, k chosen from its measured cost (`every`); the other steps record no
+norms. Pure torch: no Horovod, no MPI.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,8 +28,20 @@ and their subclasses; none otherwise), "adam" (any optimizer whose parameter gro
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam)
 
-REFRESH_STEPS = 16
-"""Optimizer steps between two reads of the second moments (and the first step's)."""
+
+COST_SHARE = 0.005
+"""The preconditioned norms (several passes over the gradients) are taken on every k-th step, k the
+smallest that keeps their measured cost below this share of the step time."""
+MAX_EVERY = 32
+"""At least one step in this many is measured."""
+
+
+def every(cost_s: float, step_s: float) -> int:
+    """Steps between two measured ones: the fewest that keep `cost_s` per measurement under
+    `COST_SHARE` of the step time `step_s` (1 when the step time is not known)."""
+    if not (step_s > 0 and cost_s >= 0) or not math.isfinite(step_s):
+        return 1
+    return max(1, min(MAX_EVERY, math.ceil(cost_s / (COST_SHARE * step_s))))
 
 
 def choose(mode: Any, optimizer: torch.optim.Optimizer) -> bool:
@@ -44,37 +60,49 @@ def choose(mode: Any, optimizer: torch.optim.Optimizer) -> bool:
 
 
 class AdamPreconditioner:
-    """Keeps the weights of `flat` at Adam's ``1 / (sqrt(v_hat) + eps)`` per element.
-
-    Until a parameter has a second moment (before the optimizer's first step, or a parameter that
-    never had a gradient), its weights stay 1: the first step is measured unpreconditioned."""
+    """Writes Adam's ``1 / (sqrt(v_hat) + eps)`` of the step about to be taken into `flat`'s weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], flat: FlatGradients) -> None:
         flat.enable_weights()
         self.optimizer, self.params, self.flat = optimizer, params, flat
-        self._steps = 0
+        self._index = {id(p): i for i, p in enumerate(params)}
 
-    def after_step(self) -> None:
-        """Called after every optimizer step: reads the second moments every `REFRESH_STEPS` steps."""
-        if self._steps % REFRESH_STEPS == 0:
-            self.refresh()
-        self._steps += 1
-
-    def refresh(self) -> None:
-        """Read every parameter's second moment now (e.g. after a checkpoint was loaded)."""
+    def weigh(self, grad_scale: float = 1.0) -> None:
+        """From the optimizer's state and the global gradient now in `flat` (times `grad_scale`, e.g. a
+        GradScaler's scale): ``v = beta2 v + (1 - beta2) g^2`` (the maximum with the kept one under
+        amsgrad), bias-corrected for the coming step, as the optimizer will compute it."""
+        self.flat.square_into_weights(1.0 / grad_scale**2)  # g^2, one operation per buffer
         # looked up each time: loading a state dict replaces the optimizer's groups and state
-        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
-        for index, p in enumerate(self.params):
-            line = self.flat.weight_line(index)
-            state, group = self.optimizer.state.get(p), group_of[id(p)]
-            moment = state.get("max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq") if state else None
-            if moment is None or "step" not in state:
-                if moment is None and state and self._steps > 0 and "exp_avg_sq" not in state:
-                    raise RuntimeError(f"noise_preconditioner='adam': the state of {type(self.optimizer).__name__} "
-                                       f"holds no 'exp_avg_sq' (keys {sorted(state)}); pass "
-                                       "noise_preconditioner='none'")
-                line.fill_(1.0)
-                continue
-            correction = 1.0 - group["betas"][1] ** float(state["step"])
-            torch.div(moment.reshape(-1), correction, out=line)
-            line.sqrt_().add_(group["eps"]).reciprocal_()
+        for group in self.optimizer.param_groups:
+            beta2, eps = group["betas"][1], group["eps"]
+            lines, fresh, moments, peaks, corrections = [], [], [], [], []
+            for p in group["params"]:
+                index = self._index.get(id(p))
+                if index is None or not p.numel():
+                    continue
+                line = self.flat.weight_line(index)
+                state = self.optimizer.state.get(p)
+                moment = state.get("exp_avg_sq") if state else None
+                if moment is None:
+                    if state:
+                        raise RuntimeError(f"noise_preconditioner='adam': the state of {type(self.optimizer).__name__} "
+                                           f"holds no 'exp_avg_sq' (keys {sorted(state)}); pass "
+                                           "noise_preconditioner='none'")
+                    fresh.append(line)  # the first step: v = (1 - beta2) g^2, v_hat = g^2
+                    continue
+                lines.append(line)
+                moments.append(moment.reshape(-1))
+                if group.get("amsgrad"):
+                    peaks.append(state["max_exp_avg_sq"].reshape(-1))
+                corrections.append(1.0 / (1.0 - beta2 ** (float(state["step"]) + 1)))
+            if lines:
+                torch._foreach_mul_(lines, 1.0 - beta2)
+                torch._foreach_add_(lines, moments, alpha=beta2)
+                if peaks:
+                    torch._foreach_maximum_(lines, peaks)
+                torch._foreach_mul_(lines, corrections)
+            lines += fresh
+            if lines:
+                torch._foreach_sqrt_(lines)
+                torch._foreach_add_(lines, eps)
+                torch._foreach_reciprocal_(lines)

@@ -244,6 +244,8 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._preconditioner = (precondition.AdamPreconditioner(self, self._params, self.flat)
                                 if preconditioned and track_grad_norms else None)
         self.noise_preconditioner = "adam" if self._preconditioner else "none"
+        # those norms are taken on every `_pre_every`-th step (`set_noise_every`), the others record NaN
+        self._pre_every, self._pre_wait, self._pre_cost_s = 1, 0, 0.0
         """What the gradient-noise statistics are measured on: "adam" (the preconditioned gradient) or "none"."""
         # The step's squared norms per parameter, [local, global, global preconditioned] (float64),
         # written in place every step: the local ones from the slots of `flat` (filled as Horovod takes
@@ -499,8 +501,6 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                 self.lr_coupling.load_state_dict(own["lr_coupling"])
             if "backward_passes_per_step" in own:  # absent in checkpoints from before accumulation decisions
                 self.set_backward_passes_per_step(int(own["backward_passes_per_step"]))
-        if self._preconditioner is not None:
-            self._preconditioner.refresh()
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's own state, which differs between ranks and so is not in ``state_dict()`` (a
@@ -611,7 +611,11 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
             if self.backward_passes_per_step > 1:
                 local_sq.div_(max(local_n, 1) ** 2)
         if self._preconditioner is not None:
-            self.flat.sq_norms(self._global_pre_row, weighted=True)
+            if self.flat.keeping:
+                self._preconditioned_norms(local_n)
+            else:  # a step that is not measured
+                self._local_row.fill_(math.nan)
+                self._global_pre_row.fill_(math.nan)
         self._synced = {"global_sq": self.flat.sq_norms(self._global_row), "local_sq": local_sq,
                         "local_n": local_n, "global_n": global_n}
 
@@ -627,11 +631,56 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if step is not planned:
             planned, scale, _, after = self._start_micro_step(step)
         if self.track_grad_norms:
-            self.flat.sq_norms(self._local_row, weighted=self.flat.weighted)
+            if self.flat.weighted:  # the weights come after the allreduce: norms in _preconditioned_norms()
+                if self.flat.keeping:
+                    self.flat.keep_all_local()
+            else:
+                self.flat.sq_norms(self._local_row)
             self._local_in_pair = True
         if not after and scale != 1.0:
             for buf in self.flat.buffers:
                 buf.mul_(scale)
+
+    def _preconditioned_norms(self, local_n: int) -> None:
+        """The squared norms the noise statistics use under an Adam-type optimizer, once the global
+        gradient is final: Adam's weights for the coming step, then the local row (from the local
+        gradients kept before the allreduce, in the unit `_local_sq` gives) and the global one."""
+        t0 = time.perf_counter()
+        scale = (float(self.grad_scaler.get_scale()) if self.grad_scaler is not None and self.grad_scaler.is_enabled()
+                 else 1.0)
+        self._preconditioner.weigh(scale)
+        self.flat.sq_norms(self._global_pre_row, weighted=True)
+        unit = self._step_scale[2]
+        if self.backward_passes_per_step > 1 and self._micro:
+            unit /= max(local_n, 1) ** 2
+        self.flat.sq_norms(self._local_row, weighted=True, local=True)
+        if unit != 1.0:
+            self._local_row.mul_(unit)
+        self._pre_cost_s = time.perf_counter() - t0
+
+    def _schedule_preconditioned(self) -> None:
+        """After a step: whether the next one takes the preconditioned norms (every rank alike: they
+        count the same steps from the same `set_noise_every`)."""
+        if self.flat.keeping:  # this step was measured
+            self._pre_wait = self._pre_every
+        self._pre_wait -= 1
+        self.flat.keeping = self._pre_wait <= 0
+
+    def noise_every_for(self, step_s: float) -> int:
+        """Optimizer steps between two that take the noise statistics, for steps of `step_s` seconds:
+        1 unless they are Adam's preconditioned norms, whose last measured cost decides
+        (`precondition.every`)."""
+        return precondition.every(self._pre_cost_s, step_s) if self._preconditioner is not None else 1
+
+    def set_noise_every(self, every: int) -> None:
+        """The next step takes the noise statistics, then every `every`-th step (a controller calls
+        this at the same step on every rank, so they measure the same steps). Only Adam's
+        preconditioned norms are ever left out; the others are taken on every step."""
+        if int(every) != every or every < 1:
+            raise ValueError(f"set_noise_every({every!r}): need an integer >= 1")
+        self._pre_every, self._pre_wait = int(every), 0
+        if self._preconditioner is not None:
+            self.flat.keeping = True
 
     def _loss_scale(self) -> float:
         called_by_scaler = "found_inf" in vars(self)
@@ -687,7 +736,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         if vars(self).get("grad_scale") is not None:  # the scaler left unscaling to us
             for buf in self.flat.buffers:
                 buf.mul_(1.0 / scale)
-        if self.track_grad_norms:
+        if self.track_grad_norms and (self._preconditioner is None or self.flat.keeping):
             self._layer_sums[0] += pair[0]
             self._layer_sums[1] += pair[stat_row]
             self._layer_steps += 1
@@ -700,7 +749,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                     buf.mul_(clip)
         lr = self._inner_step_at_scaled_lr()
         if self._preconditioner is not None:
-            self._preconditioner.after_step()
+            self._schedule_preconditioned()
         self.lr_coupling.commit()  # the step happened: progress += its factor, the warm-up moves on
         self.last_grad_norm = grad_norm
         self.last_status = "ok"

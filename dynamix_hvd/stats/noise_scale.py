@@ -304,7 +304,7 @@ class StatsConfig:
 SNAPSHOT_FIELDS: Dict[str, str] = {
     "steps": "steps recorded (update()/record()) with finite norms and some data",
     "gns_steps": "steps that produced a noise estimate (some rank with 0 < b_i < B)",
-    "skipped_nonfinite": "steps ignored because a squared norm was NaN/Inf",
+    "skipped_nonfinite": "steps ignored because a squared norm was NaN/Inf (or not taken on that step)",
     "global_batch": "B = sum(b_i) of the last step",
     "base_batch": "B0 used for gain and efficiency",
     "grad_sq_global": "last measured |G_B|^2 (biased upward by tr(Sigma)/B)",

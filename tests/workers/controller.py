@@ -66,6 +66,7 @@ def run(argv: list[str]) -> None:
     ap.add_argument("--slow-from-step", type=int, default=0, help="the slow rank is slow from this step of the job on")
     ap.add_argument("--fp16", action="store_true", help="Horovod's fp16 compression of the gradients")
     ap.add_argument("--with-model", action="store_true", help="give the controller model=")
+    ap.add_argument("--adam", action="store_true", help="Adam in place of SGD (preconditioned noise statistics)")
     args = ap.parse_args(argv)
     rank, world = hvd.rank(), hvd.size()
     train, _ = teacher_classification(args.samples, seed=0)
@@ -73,7 +74,8 @@ def run(argv: list[str]) -> None:
     sizes = [int(b) for b in args.sizes.split(",")] if args.sizes else [8 + 4 * r for r in range(world)]
     loader = dx.AdaptiveLoader(train, sizes, rank, seed=1)
     slow = args.slow_factor if rank == args.slow_rank else 1.0
-    opt = dx.WeightedDistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3) if args.adam else torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = dx.WeightedDistributedOptimizer(inner, model.named_parameters(),
                                           loader, lr_rule="adascale",
                                           compression=hvd.Compression.fp16 if args.fp16 else None)
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
@@ -108,6 +110,7 @@ def run(argv: list[str]) -> None:
     when = []  # (epoch, steps into it, its length under the sizes it ran with) at each decision
     at_step = []  # the job's step at each decision
     length, steps = [0], [0]
+    measured = []  # per step: whether it takes the (preconditioned) noise statistics
 
     def after_controller(ldr: dx.AdaptiveLoader, epoch_end: bool) -> None:  # runs after the controller's
         steps[0] += 1
@@ -126,10 +129,11 @@ def run(argv: list[str]) -> None:
             if args.sleep_per_sample or args.sleep_fixed:  # sleep, not spin: ranks share the cores
                 factor = slow if steps[0] >= args.slow_from_step else 1.0
                 time.sleep(factor * (args.sleep_fixed + args.sleep_per_sample * len(x)))
+            measured.append(opt.flat.keeping)
             opt.step()
             controller.record_loss(loss)
     history = [{k: d.get(k) for k in ("decision", "sizes", "previous_sizes", "lr_gain", "reward", "overhead_s", "spacing",
-                                 "recheck", "ceiling", "vote_every", "changed_by")}
+                                 "recheck", "ceiling", "vote_every", "changed_by", "noise_every", "noise_point")}
                for d in controller.history]
     for h, d in zip(history, controller.history):  # rank 0: the network fit of each decision
         h["net"] = (d.get("fit") or {}).get("net")
@@ -139,6 +143,7 @@ def run(argv: list[str]) -> None:
             h["local_batch"] = [r["local_batch"] for r in d["reports"]]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({
         "history": history, "backend": controller.channel.backend, "when": when, "at_step": at_step,
+        "measured": measured, "noise_preconditioner": opt.noise_preconditioner,
         "bounds": [controller.bounds.upper(r) for r in range(world)],
         "final_sizes": list(loader.batch_sizes), "allreduce_bytes": opt.allreduce_bytes,
         "config": controller.config_dict(), "checkpointed_config": controller.state_dict()["config"],

@@ -181,9 +181,9 @@ def run_accum(opt_name: str, k: int, rank: int, world: int) -> dict[str, Any]:
 
 
 def run_adam_noise(rank: int, world: int) -> dict[str, Any]:
-    """AdamW with unequal batches: each step's recorded squared norms against this rank's own
-    computation of the local and global mean gradients times the weights the optimizer measured
-    with (read before the step), and those weights against AdamW's second moments."""
+    """AdamW (amsgrad) with unequal batches: each step's recorded squared norms against this rank's own
+    computation of its local and of the global mean gradient times the weights of the step AdamW took,
+    ``1 / (sqrt(max v_hat) + eps)`` read from its state after the step."""
     data = IndexedData(SAMPLES)
     model = make_model()
     loader = dx.AdaptiveLoader(data, [3 + 2 * r for r in range(world)], rank, seed=5)
@@ -195,27 +195,20 @@ def run_adam_noise(rank: int, world: int) -> dict[str, Any]:
         loader.set_epoch(epoch)
         for idx, x, y in loader:
             opt.zero_grad()
-            weights = [opt.flat.weight_line(i).clone() for i in range(len(params))]
-            # Adam's own: 1 / (sqrt(max v / (1 - beta2^t)) + eps), 1 before its first step
-            adam = []
-            for p in params:
-                state = opt.state.get(p)
-                if not state:
-                    adam.append(torch.ones(p.numel(), dtype=p.dtype))
-                else:
-                    v = state["max_exp_avg_sq"].reshape(-1) / (1 - 0.999 ** float(state["step"]))
-                    adam.append(1 / (v.sqrt() + 1e-8))
             loss = nn.functional.cross_entropy(model(x), y)
             local = torch.autograd.grad(loss, params, retain_graph=True)
             loss.backward()
             opt.step()
             rec = loader.tracker.records[-1]
+            adam = [1 / ((opt.state[p]["max_exp_avg_sq"].reshape(-1) / (1 - 0.999 ** float(opt.state[p]["step"]))).sqrt()
+                         + 1e-8) for p in params]
+            used = [opt.flat.weight_line(i) for i in range(len(params))]
             sq = lambda grads: sum(float(((g.reshape(-1).double() * w.double()) ** 2).sum())  # noqa: E731
-                                   for g, w in zip(grads, weights))
+                                   for g, w in zip(grads, adam))
             steps.append({"local_grad_sq": rec.local_grad_sq, "global_grad_sq": rec.global_grad_sq,
+                          "raw_global_sq": rec.grad_norm ** 2,
                           "local_expected": sq(local), "global_expected": sq([p.grad for p in params]),
-                          "weights_vs_adam": max(float(((w - a) / a).abs().max()) for w, a in zip(weights, adam)),
-                          "weighted": any(bool((w != 1).any()) for w in weights)})
+                          "weights_vs_adam": max(float(((w - a) / a).abs().max()) for w, a in zip(used, adam))})
     return {"steps": steps, "mode": opt.noise_preconditioner}
 
 
