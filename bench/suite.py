@@ -158,16 +158,17 @@ class Arm:
         return f[f.index("--engine") + 1] if "--engine" in f[:-1] else "horovod"
 
 
-ARMS = ("plain", "split", "model", "model-raw", "ppo-progress", "speed-split", "static-N", "plain-ddp", "model-ddp")
+ARMS = ("plain", "split", "model", "model-adam", "ppo-progress", "speed-split", "static-N", "plain-ddp", "model-ddp")
 """The arm names `arms` knows (static-N: any N)."""
 
 
 def arms(w: Workload, names: list[str]) -> list[Arm]:
     """Arms by name: "plain" (plain Horovod), "split" (a fixed split in proportion to the ranks'
     speeds, through the loader and the weighted optimizer alone, no controller), "model" (the default
-    controller), "model-raw" (the default controller with the noise statistics of the gradient itself,
-    also under Adam: ``noise_preconditioner="none"``), "static-N" (the controller deciding "static" at N
-    samples per rank, so the LR rule and the gradient statistics run), "speed-split" (the controller's speed-proportional rule) and
+    controller), "model-adam" (the default controller with the opt-in noise statistics of Adam's step
+    direction, ``noise_preconditioner="auto"``), "static-N" (the controller deciding "static" at N
+    samples per rank, so the LR rule and the gradient statistics run; "static-adam-N" with those
+    statistics), "speed-split" (the controller's speed-proportional rule) and
     "ppo-progress" (the shipped PPO policy, ending on training progress); on the torch.distributed
     engine, launched with torchrun (zoo jobs only): "plain-ddp" (the plain DDP script:
     DistributedSampler + ``DDP(model)`` + the plain optimizer) and "model-ddp" (the default
@@ -182,8 +183,10 @@ def arms(w: Workload, names: list[str]) -> list[Arm]:
             out.append(Arm("split-speed", ("--policy", "static", "--no-controller")))
         elif name == "model":
             out.append(Arm("model", ("--policy", "model")))
-        elif name == "model-raw":  # the default, its noise statistics on the gradient itself under Adam too
-            out.append(Arm(name, ("--policy", "model", "--noise-preconditioner", "none")))
+        elif name == "model-adam":  # the default with the opt-in noise statistics of Adam's step direction
+            out.append(Arm(name, ("--policy", "model", "--noise-preconditioner", "auto")))
+        elif name.startswith("static-adam-") and name.rsplit("-", 1)[1].isdigit():
+            out.append(Arm(name, ("--policy", "static", "--noise-preconditioner", "auto"), int(name.rsplit("-", 1)[1])))
         elif name == "speed-split":
             out.append(Arm(name, ("--policy", "speed-split")))
         elif name == "plain-ddp":
@@ -245,10 +248,14 @@ CONFIGS: dict[str, list[dict[str, Any]]] = {
                      "conditions": ["net10", "net100", "net-changing"],
                      "arms": ["plain", "ppo-progress"], "seeds": 3}],
     # Does an Adam job grow its batch on a slow link? The two Adam jobs of the critical-batch table at
-    # 10 Mbit/s: the default (noise statistics of Adam's preconditioned gradient) and the default with
-    # its statistics on the gradient itself ("model-raw"), plain Horovod in the same run (~35 min)
+    # 10 Mbit/s: the default and the default with the noise statistics of Adam's step direction
+    # ("model-adam"), plain Horovod in the same run (~45 min)
     "zoo-network-adam": [{"workloads": ["zoo:gru-charlm", "zoo:lstm-rows"], "conditions": ["net10"],
-                          "arms": ["plain", "model", "model-raw"], "seeds": 3}],
+                          "arms": ["plain", "model", "model-adam"], "seeds": 3}],
+    # The critical-batch table's Adam jobs with the noise statistics of Adam's step direction (~8 min)
+    "zoo-critical-adam": [{"workloads": [w], "conditions": ["none"],
+                           "arms": ["plain", *(f"static-adam-{m * b // 2}" for m in (1, 2, 4, 8))], "seeds": 3}
+                          for w, b in (("zoo:lstm-rows", 32), ("zoo:gru-charlm", 16))],
     # Does the torch.distributed engine help, against plain DDP? The headline's jobs without a slow
     # rank and with rank 1 3x slower: plain DDP and the default on DDP, both under torchrun; the
     # ratios are to plain DDP (the Horovod engine's to plain Horovod: zoo-headline) (~25 min)

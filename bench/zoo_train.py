@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adaptive", choices=["0", "1"], default="0",
                     help="WeightedDistributedOptimizer(adaptive=): 0 (the AdaScale gain, the default), 1 (its "
                          "square root, the square-root rule for Adam-type optimizers)")
-    ap.add_argument("--noise-preconditioner", choices=["auto", "adam", "none"], default="auto",
+    ap.add_argument("--noise-preconditioner", choices=["none", "adam", "auto"], default="none",
                     help="WeightedDistributedOptimizer(noise_preconditioner=): what the noise statistics are "
-                         "measured on (auto: Adam's preconditioned gradient for Adam-type optimizers)")
+                         "measured on (none, the default: the gradient; auto: Adam's step direction for "
+                         "Adam-type optimizers)")
     ap.add_argument("--budget", choices=["epochs", "progress"], default="epochs",
                     help="end after --epochs passes over the data, or (dynamix_hvd) after --epochs base-batch "
                          "epochs of training progress, the loop docs/usage.md recommends (plain Horovod: the same)")

@@ -183,8 +183,10 @@ def test_the_optimizer_records_preconditioned_norms_on_torch_distributed(process
         loader = dx.AdaptiveLoader(IndexedData(40), [8], 0, seed=1)
         net = DDP(model) if ddp else model
         opt = dx.WeightedDistributedOptimizer(make_opt(model.parameters()), net if ddp else model.named_parameters(),
-                                              loader)
+                                              loader, noise_preconditioner="auto")
         assert opt.noise_preconditioner == ("adam" if weighted else "none")
+        assert dx.WeightedDistributedOptimizer(make_opt(model.parameters()), model.named_parameters(),
+                                               loader).noise_preconditioner == "none"  # opt-in
         params = list(model.parameters())
         for idx, x, y in loader:
             opt.zero_grad()
@@ -225,7 +227,8 @@ def test_set_noise_every_leaves_out_the_steps_between(process_group, make_opt, m
     torch.manual_seed(0)
     model = make_model()
     loader = dx.AdaptiveLoader(IndexedData(80), [4], 0, seed=1)
-    opt = dx.WeightedDistributedOptimizer(make_opt(model.parameters()), model.named_parameters(), loader)
+    opt = dx.WeightedDistributedOptimizer(make_opt(model.parameters()), model.named_parameters(), loader,
+                                          noise_preconditioner="auto")
     with pytest.raises(ValueError, match=r"set_noise_every\(0\)"):
         opt.set_noise_every(0)
     for idx, x, y in loader:  # a first step, measured

@@ -203,6 +203,7 @@ class DynamixController:
         self._vote_every = self._since_vote = 0
         self._changed_by = []
         self._own_speed.forget()
+        self.optimizer.set_noise_every(1)  # the new world's ranks measure the same steps from here
 
     def _shrink_after_oom(self, sizes: list[int], failed: list[int]) -> list[int]:
         """Every rank runs this with the same inputs, so the bounds stay identical everywhere."""

@@ -148,10 +148,10 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         backward_passes_per_step: micro-batches accumulated per optimizer step.
         grad_scaler: the ``torch.amp.GradScaler`` that scales the loss, if any.
         noise_preconditioner: what the gradient-noise statistics (noise scale, AdaScale gain, growth)
-            are measured on: "auto" (default: for Adam, AdamW, NAdam and RAdam the gradient divided
-            by ``sqrt(v_hat) + eps`` as the optimizer applies it, which predicts their critical
-            batch; the gradient itself otherwise), "adam" (that for another Adam-type optimizer),
-            "none" (the gradient itself). See `dynamix_hvd.optim.precondition`.
+            are measured on: "none" (default: the gradient itself), "adam" (an Adam-type optimizer's
+            step direction, the gradient divided by ``sqrt(v_hat) + eps`` as the optimizer applies
+            it), "auto" ("adam" for Adam, AdamW, NAdam and RAdam, else "none"). See
+            `dynamix_hvd.optim.precondition` for what it changes.
     """
 
     _step_supports_amp_scaling = True  # GradScaler then always calls step() and tells us found_inf
@@ -183,7 +183,7 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
                  base_batch_size: int | None = None,
                  compression: Any = None, track_grad_norms: bool = True,
                  backward_passes_per_step: int = 1, grad_scaler: Any = None, engine: str = "auto",
-                 noise_preconditioner: str = "auto") -> None:
+                 noise_preconditioner: str = "none") -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; choose 'mean' or 'sum'")
         if loss_unit is None:
@@ -240,17 +240,17 @@ class WeightedDistributedOptimizer(torch.optim.Optimizer, ProgressAccounting):
         self._params = [p for _, p in named]
         self.flat = FlatGradients(self._params)
         device = self._params[0].device
-        # Adam-type: the noise statistics are taken of the preconditioned gradient (`precondition`)
+        # Adam-type: the noise statistics are taken of the step direction (`precondition`)
         self._preconditioner = (precondition.AdamPreconditioner(self, self._params, self.flat)
                                 if preconditioned and track_grad_norms else None)
         self.noise_preconditioner = "adam" if self._preconditioner else "none"
+        """What the gradient-noise statistics are measured on: "adam" (the preconditioned gradient) or "none"."""
         # those norms are taken on every `_pre_every`-th step (`set_noise_every`), the others record NaN
         self._pre_every, self._pre_wait, self._pre_cost_s = 1, 0, 0.0
-        """What the gradient-noise statistics are measured on: "adam" (the preconditioned gradient) or "none"."""
         # The step's squared norms per parameter, [local, global, global preconditioned] (float64),
         # written in place every step: the local ones from the slots of `flat` (filled as Horovod takes
-        # each gradient; preconditioned where the optimizer is), the global ones by one fused operation
-        # after the allreduce. One small tensor read back per step.
+        # each gradient; under Adam from the local gradients `flat` keeps, once the weights are known),
+        # the global ones by one fused operation after the allreduce. One small tensor read back per step.
         self._pair = torch.zeros(3, len(self._params), dtype=torch.float64, device=device)
         self._local_row, self._global_row, self._global_pre_row = self._pair.unbind()
         self._totals = torch.zeros(3, dtype=torch.float64, device=device)

@@ -77,7 +77,8 @@ def run(argv: list[str]) -> None:
     inner = torch.optim.Adam(model.parameters(), lr=1e-3) if args.adam else torch.optim.SGD(model.parameters(), lr=0.05)
     opt = dx.WeightedDistributedOptimizer(inner, model.named_parameters(),
                                           loader, lr_rule="adascale",
-                                          compression=hvd.Compression.fp16 if args.fp16 else None)
+                                          compression=hvd.Compression.fp16 if args.fp16 else None,
+                                          noise_preconditioner="auto")
     cfg = dx.ControllerConfig(policy=args.policy, decide_every_steps=None if args.every < 0 else args.every,
                               max_batch=args.max_batch,
                               min_batch=2, timeout_s=args.timeout, total_epochs=args.epochs,

@@ -188,7 +188,7 @@ def run_adam_noise(rank: int, world: int) -> dict[str, Any]:
     model = make_model()
     loader = dx.AdaptiveLoader(data, [3 + 2 * r for r in range(world)], rank, seed=5)
     opt = dx.WeightedDistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True),
-                                          model.named_parameters(), loader)
+                                          model.named_parameters(), loader, noise_preconditioner="auto")
     params = [p for p in model.parameters()]
     steps = []
     for epoch in range(3):
