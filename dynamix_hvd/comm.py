@@ -497,7 +497,11 @@ def library_channel() -> ControlChannel:
 
 
 def _exit_barrier(channel: ControlChannel, op: Collective = EXIT_BARRIER) -> None:
-    """Wait (nonblocking barrier, up to the deadline) until every rank is done with its MPI messages."""
+    """Wait (nonblocking barrier, up to the deadline) until every rank is done with its MPI messages.
+
+    A rank that ends on an unhandled exception (e.g. a `CollectiveTimeout` naming a stopped rank, raised
+    to the training script) and whose peers do not reach the exit in time ends the job: MPI's own
+    shutdown would wait for the stopped rank forever."""
     from mpi4py import MPI
 
     if channel._comm is None or MPI.Is_finalized():
@@ -506,6 +510,10 @@ def _exit_barrier(channel: ControlChannel, op: Collective = EXIT_BARRIER) -> Non
     while not MPI.Is_finalized() and not request.Test():
         if time.monotonic() > end:
             _ABANDONED.append(request)
+            failed = getattr(sys, "last_value", None)  # set by the interpreter for an unhandled exception
+            if failed is not None:
+                abort_world(f"rank {channel.rank}: '{op.name}': not every rank reached exit within {op.deadline_s:g} s "
+                            f"after this rank failed ({type(failed).__name__}: {failed})")
             sys.stderr.write(f"[dynamix_hvd] rank {channel.rank}: '{op.name}': not every rank reached exit within "
                              f"{op.deadline_s:g} s; exiting anyway\n")
             return

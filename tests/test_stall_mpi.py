@@ -58,6 +58,10 @@ FINISHING = {
 }
 
 
+# A rank that ends on an unhandled exception while another is stopped: case -> (ranks, worker), see below
+UNHANDLED = {"unhandled-timeout": (2, "exit_abort.py")}
+
+
 @pytest.fixture(scope="module")
 def stall_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
     """Every case's job, of STOPPED and of FINISHING, side by side (each spends most of its time waiting for
@@ -71,6 +75,9 @@ def stall_jobs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedPr
         extra = [str(out / "ck") if a == "CKPT" else a for a in extra]
         jobs[case] = ("mpirun", ranks, [sys.executable, str(WORKERS / "stall.py"), "--out", str(out),
                                         "--timeout", str(timeout_s), *extra])
+    for case, (ranks, worker) in UNHANDLED.items():
+        folders[case] = out = tmp_path_factory.mktemp(case)
+        jobs[case] = ("mpirun", ranks, [sys.executable, str(WORKERS / worker), "--out", str(out)])
     try:
         done = launch_side_by_side(jobs, timeout=300)
     finally:
@@ -128,3 +135,18 @@ def test_stop_shorter_than_timeout_outside_the_allreduce_is_waited_for(stall_job
 def test_rank_that_finished_is_not_taken_for_a_stopped_one(stall_jobs):
     out = _finishes(stall_jobs, "finished-rank")
     assert "did not answer" not in out, out[-4000:]
+
+
+def test_an_unhandled_timeout_ends_the_job_although_a_rank_is_stopped(stall_jobs):
+    """Rank 0's CollectiveTimeout (naming the stopped rank 1) reaches the top of its script unhandled: at
+    exit it waits for the others up to the exit barrier's deadline (60 s), then ends the job (exit code
+    70) instead of waiting in MPI's shutdown for the stopped rank forever."""
+    tmp_path, proc, ended = stall_jobs["unhandled-timeout"]
+    out = proc.stdout
+    assert "killed: still running" not in out, f"the job hung (killed after 300 s):\n{out[-4000:]}"
+    took = ended - json.loads((tmp_path / "victim.json").read_text())["t"]
+    print(f"unhandled timeout: job ended {took:.1f} s after rank 1 stopped, exit code {proc.returncode}")
+    assert proc.returncode == ABORT_CODE, f"exit {proc.returncode}\n{out[-4000:]}"
+    assert "CollectiveTimeout" in out and "rank(s) [1] did not answer" in out, out[-4000:]
+    assert "after this rank failed (CollectiveTimeout" in out and "ending the job" in out, out[-4000:]
+    assert took < 60.0 + 3.0 + MARGIN_S, took
