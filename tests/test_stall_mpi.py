@@ -47,10 +47,11 @@ STOPPED = [  # case, ranks, extra arguments, where the message says the others w
 
 # Jobs in which no rank may be taken for a stopped one: case -> ranks, timeout_s, extra arguments
 FINISHING = {
-    # The victim "evaluates" 5 s after the last step, then stops for 7 s: rank 0, idle since that
-    # step, probes it from 8 s and gets no answer until 12 s. 7 s of silence is under timeout_s (8 s):
-    # the job carries on (a watchdog that named a peer failing one probe would end it at ~10.8 s).
-    "stop-shorter-than-timeout": (2, 8.0, ["--epoch-vote", "--busy", "5", "--stop-for", "7"]),
+    # The victim "evaluates" 5 s after the last step, then stops for 6 s: rank 0, idle since that
+    # step, probes it from 8 s and gets no answer until 11 s. 6 s of silence is under timeout_s (8 s),
+    # with 2 s to spare for a loaded machine: the job carries on (a watchdog that named a peer failing
+    # one probe would end it at ~10.8 s).
+    "stop-shorter-than-timeout": (2, 8.0, ["--epoch-vote", "--busy", "5", "--stop-for", "6"]),
     # Rank 1 finishes and exits (its watchdog closes and says so) while rank 0 stays in the job for
     # 5 timeouts with its controller open: rank 0 must not take rank 1's silence for a stop (without
     # the closing message it would name rank 1 after about 8 s).
