@@ -6,8 +6,8 @@ preconditioned gradient, ``tr(P S P) / |P G|^2`` with ``P = diag(1 / (sqrt(v_hat
 measures Adam): the coordinates with small second moments, which Adam scales up, weigh more. ``P`` is
 the one of the step being taken: the optimizer's second moments updated with the step's global
 gradient, as the optimizer is about to update them (a ``P`` read from the moments before the step is
-dominated by the few coordinates whose gradient has just grown, and moves by orders of magnitude from
-step to step). Both the local and the global gradient are measured with it
+dominated by the few coordinates whose gradient has just grown, and is unstable from step to
+step). Both the local and the global gradient are measured with it
 (`FlatGradients.enable_weights`: the local gradient is kept until the allreduce has ended). That costs
 several passes over the gradients, so it is done on every k-th step, k chosen from its measured cost
 (`every`); the other steps record no norms.
